@@ -1,0 +1,1 @@
+"""The Streamlit capacity-planning dashboard over the simulator (``kvpool dashboard``)."""

@@ -1,0 +1,60 @@
+"""The ``kvpool`` command line: one typer app with a sub-app per area.
+
+Every user mistake (bad scenario, bad flag value) is printed as a one-line ``error:`` message and
+exits with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from kvpool.cli import dashboard as dashboard_cli
+from kvpool.cli import pool as pool_cli
+from kvpool.cli import scenario as scenario_cli
+from kvpool.cli import serve as serve_cli
+from kvpool.cli import sim as sim_cli
+from kvpool.cli import trace as trace_cli
+from kvpool.cli.common import UserError
+
+app = typer.Typer(
+    name="kvpool",
+    help=(
+        "Plan and run a shared KV pool for agentic LLM serving on disaggregated prefill/decode "
+        "clusters: scenarios, agent traces, a SimPy simulator, a Mooncake Store pool and a dashboard."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(scenario_cli.app, name="scenario")
+app.add_typer(trace_cli.app, name="trace")
+app.add_typer(sim_cli.app, name="sim")
+app.add_typer(pool_cli.app, name="pool")
+app.add_typer(serve_cli.app, name="serve")
+app.add_typer(dashboard_cli.app, name="dashboard")
+
+
+def _version_callback(value: bool) -> None:
+    if value:
+        from kvpool import __version__
+
+        typer.echo(f"kvpool {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", callback=_version_callback, is_eager=True),
+) -> None:
+    """kvpool command line."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``kvpool`` script."""
+    try:
+        app(args=argv, standalone_mode=True)
+    except UserError as e:
+        typer.echo(f"error: {e}", err=True)
+        sys.exit(2)

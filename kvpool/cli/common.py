@@ -1,0 +1,24 @@
+"""Helpers shared by the CLI sub-apps: user errors and scenario loading with ``--set``."""
+
+from __future__ import annotations
+
+import typer
+
+from kvpool.scenario import Scenario, ScenarioError, load_scenario
+
+
+class UserError(Exception):
+    """A mistake of the user's, printed as ``error: <message>`` without a traceback."""
+
+
+SET_HELP = "Override a scenario field, e.g. --set pool.gib_per_service=512 (repeatable)."
+
+
+def load_or_exit(name_or_path: str, overrides: list[str] | None = None) -> Scenario:
+    """Load a scenario, turning every problem into a clear message and exit status 2."""
+    try:
+        return load_scenario(name_or_path, overrides or [])
+    except ScenarioError as e:
+        for line in str(e).splitlines():
+            typer.echo(f"error: {line}", err=True)
+        raise typer.Exit(2) from None

@@ -1,0 +1,174 @@
+"""Load scenarios from TOML (a file or a built-in name), apply ``--set`` overrides, report errors.
+
+Every user mistake becomes a ``ScenarioError`` whose message names the file, the field, the value
+and what is allowed, on one line per problem; the CLI prints it without a traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from collections.abc import Iterable, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from pydantic import BaseModel, ValidationError
+
+from kvpool.scenario.model import Scenario
+
+
+class ScenarioError(ValueError):
+    """A scenario (file, name or override) that cannot be used; the message is for the user."""
+
+
+def builtin_names() -> list[str]:
+    """Names of the built-in scenarios (``scenarios/*.toml``)."""
+    root = resources.files("kvpool.scenarios")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def _read_toml(text: str, source: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{source}: not valid TOML: {e}") from None
+
+
+def read_raw(name_or_path: str | Path) -> tuple[dict, str]:
+    """The raw TOML table of a built-in name or a file, and a label naming where it came from."""
+    p = Path(name_or_path)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise ScenarioError(f"{p}: no such scenario file")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ScenarioError(f"{p}: cannot read: {e}") from None
+        return _read_toml(text, str(p)), str(p)
+    name = str(name_or_path)
+    if name not in builtin_names():
+        raise ScenarioError(
+            f"{name!r} is neither a scenario file nor a built-in scenario; built-in: {', '.join(builtin_names())}"
+        )
+    text = resources.files("kvpool.scenarios").joinpath(f"{name}.toml").read_text(encoding="utf-8")
+    return _read_toml(text, f"scenarios/{name}.toml"), f"scenarios/{name}.toml"
+
+
+def _allowed(model: type[BaseModel], path: list[str]) -> str:
+    """The fields allowed at ``path`` (for an unknown-field message)."""
+    cur: Any = model
+    for part in path:
+        f = getattr(cur, "model_fields", {}).get(part)
+        if f is None:
+            break
+        ann = f.annotation
+        cur = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if cur is None:
+            return ""
+    if cur is None or not hasattr(cur, "model_fields"):
+        return ""
+    return ", ".join(cur.model_fields)
+
+
+def _field_help(model: type[BaseModel], loc: tuple) -> str:
+    cur: Any = model
+    for part in loc:
+        if not isinstance(part, str) or cur is None:
+            return ""
+        f = cur.model_fields.get(part)
+        if f is None:
+            return ""
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cur = ann
+        else:
+            return f.description or ""
+    return ""
+
+
+def format_validation_error(err: ValidationError, source: str, raw: Mapping) -> str:
+    """One line per problem: ``source: field: value V: message``."""
+    lines = []
+    for e in err.errors():
+        loc = tuple(x for x in e["loc"])
+        field = ".".join(str(x) for x in loc) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            parent = [str(x) for x in loc[:-1] if isinstance(x, str)]
+            allowed = _allowed(Scenario, parent)
+            lines.append(f"{source}: {field}: unknown field" + (f"; allowed: {allowed}" if allowed else ""))
+            continue
+        if e["type"] == "missing":
+            lines.append(f"{source}: {field}: required field is missing")
+            continue
+        value = e.get("input")
+        shown = "" if isinstance(value, (dict, list)) or not loc else f" value {value!r}:"
+        hint = _field_help(Scenario, loc)
+        lines.append(f"{source}: {field}:{shown} {msg}" + (f" ({hint})" if hint else ""))
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``section.field=value`` -> (path, value). The value is read as TOML, else as a string."""
+    if "=" not in text:
+        raise ScenarioError(f"--set {text!r}: expected section.field=value")
+    key, _, val = text.partition("=")
+    path = [p for p in key.strip().split(".")]
+    if not all(path):
+        raise ScenarioError(f"--set {text!r}: empty field name in {key!r}")
+    val = val.strip()
+    try:
+        value = tomllib.loads(f"v = {val}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = val
+    return path, value
+
+
+def apply_overrides(raw: dict, overrides: Iterable[str], source: str) -> dict:
+    """A copy of ``raw`` with each ``section.field=value`` applied; unknown fields are errors."""
+    out = copy.deepcopy(raw)
+    for text in overrides:
+        path, value = parse_override(text)
+        # Check the path against the model, so a typo names what is allowed.
+        cur_model: Any = Scenario
+        for i, part in enumerate(path):
+            fields = getattr(cur_model, "model_fields", None)
+            if fields is None or part not in fields:
+                where = ".".join(path[:i]) or "top level"
+                allowed = ", ".join(fields) if fields else "(no sub-fields)"
+                raise ScenarioError(f"--set {text!r}: {where} has no field {part!r}; allowed: {allowed}")
+            ann = fields[part].annotation
+            cur_model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ScenarioError(f"--set {text!r}: {part} is not a section in {source}")
+        node[path[-1]] = value
+    return out
+
+
+def validate(raw: dict, source: str) -> Scenario:
+    """A ``Scenario`` from a raw table, or a ``ScenarioError`` naming every bad field."""
+    try:
+        return Scenario.model_validate(raw)
+    except ValidationError as e:
+        raise ScenarioError(format_validation_error(e, source, raw)) from None
+
+
+def load_scenario(name_or_path: str | Path, overrides: Iterable[str] = ()) -> Scenario:
+    """Load a built-in scenario by name or a TOML file, with ``--set`` overrides applied."""
+    raw, source = read_raw(name_or_path)
+    overrides = list(overrides)
+    if overrides:
+        raw = apply_overrides(raw, overrides, source)
+        source = f"{source} (with --set {' '.join(overrides)})"
+    return validate(raw, source)
+
+
+def to_toml(scenario: Scenario) -> str:
+    """The scenario as TOML (round-trips through ``load_scenario``)."""
+    data = scenario.model_dump(mode="json", exclude_none=True)
+    return tomli_w.dumps(data)

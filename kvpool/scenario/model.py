@@ -1,0 +1,238 @@
+"""The scenario: a deployment, a pool, a gate and a workload, as one typed, frozen, validated value.
+
+Scenarios come from TOML files (``scenarios/*.toml`` are built in, loadable by name). Every
+section is a frozen pydantic model with ``extra="forbid"``, so a misspelt field is an error that
+names it. Units are in the field names. ``docs/scenario.md`` documents every field.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvpool.policy.kvspec import ExtraRecord, KVSpec, every_kth_layer
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ExtraRecordConfig(_Section):
+    """A per-token record on some layers only (e.g. the DSA indexer key)."""
+
+    name: str
+    bytes_per_token: int = Field(gt=0)
+    layer_ids: tuple[int, ...] | None = Field(
+        default=None, description="explicit layer ids (ids >= layers name MTP layers)"
+    )
+    first_dense_layers: int = Field(default=0, ge=0, description="schedule: the first N layers carry it")
+    every_k: int = Field(default=1, gt=0, description="schedule: then every k-th layer")
+    offset: int = Field(default=0, ge=0, description="schedule: starting at this layer")
+    include_mtp: bool = Field(default=False, description="schedule: MTP layers carry it too")
+
+    def resolve(self, layers: int, mtp_layers: int) -> ExtraRecord:
+        if self.layer_ids is not None:
+            ids = tuple(self.layer_ids)
+        else:
+            ids = every_kth_layer(layers, self.first_dense_layers, self.every_k, self.offset)
+            if self.include_mtp:
+                ids += tuple(range(layers, layers + mtp_layers))
+        return ExtraRecord(self.name, self.bytes_per_token, ids)
+
+
+class ModelConfig(_Section):
+    """The served model's KV geometry and weight footprint."""
+
+    name: str
+    layers: int = Field(gt=0)
+    mtp_layers: int = Field(default=0, ge=0)
+    record_bytes: int = Field(gt=0, description="bytes per token per layer of the main KV record")
+    extra_records: tuple[ExtraRecordConfig, ...] = ()
+    page_tokens: int = Field(default=16, gt=0)
+    weights_gb: float = Field(gt=0, description="weights of one instance, GB (1e9 B)")
+    active_params_b: float = Field(gt=0, description="active parameters per token, billions (cost model)")
+
+
+class GPUConfig(_Section):
+    """One GPU and its links."""
+
+    name: str
+    hbm_gb: float = Field(gt=0, description="HBM per GPU, GB (1e9 B)")
+    hbm_tb_s: float = Field(gt=0, description="HBM bandwidth, TB/s")
+    dense_tflops: float = Field(gt=0, description="dense peak of the compute dtype, TFLOP/s")
+    host_link_gb_s: float = Field(gt=0, description="GPU <-> host DRAM, GB/s per direction")
+    nic_gb_s: float = Field(gt=0, description="effective large-write bandwidth of the GPU's NIC, GB/s")
+    nic_writes_per_s: float = Field(gt=0, description="small-write message rate of one NIC, writes/s")
+    nic_latency_us: float = Field(default=5.0, ge=0, description="one-way NIC latency, microseconds")
+
+
+class ClusterConfig(_Section):
+    """Servers and their NUMA nodes."""
+
+    servers: int = Field(gt=0)
+    gpus_per_server: int = Field(gt=0)
+    numa_per_server: int = Field(default=2, gt=0)
+    dram_gb_s_per_numa: float = Field(default=450.0, gt=0, description="sustained DRAM bandwidth per NUMA node, GB/s")
+
+
+class PrefillConfig(_Section):
+    """Prefill instances: pipeline stages (layer split) x tensor parallel ranks."""
+
+    instances: int = Field(gt=0)
+    pp: int = Field(gt=0)
+    tp: int = Field(default=1, gt=0)
+    stage_layers: tuple[int, ...] = Field(description="layers per pipeline stage, in order; sums to model.layers")
+    gpu_mem_utilization: float = Field(default=0.85, gt=0, le=1)
+    reserved_gb_per_gpu: float = Field(default=0.0, ge=0, description="activations/workspace per GPU, GB")
+    max_batched_tokens: int = Field(default=8192, gt=0)
+
+    @property
+    def gpus(self) -> int:
+        return self.pp * self.tp
+
+
+class DecodeConfig(_Section):
+    """Decode instances: tensor parallel with decode context parallelism (tokens spread over DCP ranks)."""
+
+    instances: int = Field(gt=0)
+    tp: int = Field(gt=0)
+    dcp: int = Field(default=1, gt=0)
+    gpu_mem_utilization: float = Field(default=0.85, gt=0, le=1)
+    reserved_gb_per_gpu: float = Field(default=0.0, ge=0)
+    max_seqs: int = Field(default=256, gt=0)
+    mtp_accept_tokens: float = Field(default=1.0, ge=1, description="tokens per decode step (MTP acceptance)")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp
+
+
+class SSDConfig(_Section):
+    """An optional tier below DRAM: groups evicted from DRAM demote here."""
+
+    enabled: bool = False
+    gib_per_server: float = Field(default=0.0, ge=0)
+    read_gb_s_per_server: float = Field(default=12.0, gt=0)
+    write_gb_s_per_server: float = Field(default=6.0, gt=0)
+
+
+class PoolConfig(_Section):
+    """The Mooncake Store pool: services, masters, eviction, chunking."""
+
+    mode: Literal["shared", "split"] = "shared"
+    parts: int = Field(default=1, gt=0, description="pool parts (one master each); rank i uses part i mod parts")
+    services_per_server: int = Field(ge=0)
+    gib_per_service: float = Field(ge=0)
+    high_watermark: float = Field(default=0.90, gt=0, le=1)
+    evict_ratio: float = Field(default=0.05, gt=0, le=1)
+    eviction_policy: Literal["lru", "lfu", "fifo"] = "lru"
+    chunk_tokens: int = Field(default=256, gt=0)
+    min_load_tokens: int = Field(default=8192, ge=0, description="loads shorter than this are recomputed")
+    ssd: SSDConfig = SSDConfig()
+
+
+class HandoffConfig(_Section):
+    """Prefill -> decode KV handoff."""
+
+    max_write_bytes: int = Field(default=8 << 20, gt=0)
+    landing_slots: int = Field(default=32, gt=0, description="8 MiB landing slots per decode rank")
+
+
+class GateConfigModel(_Section):
+    """The KV admission gate in front of decode."""
+
+    enabled: bool = True
+    tokens_per_decode: int = Field(default=10_000_000, gt=0)
+    budget_fraction: float = Field(default=0.9, gt=0, le=1)
+    max_input_tokens: int = Field(default=917_504, gt=0)
+    max_output_tokens: int = Field(default=131_072, gt=0)
+    max_wait_s: float = Field(default=900.0, ge=0)
+
+
+class RoutingConfig(_Section):
+    prefill: Literal["power_of_two", "session_affinity"] = "power_of_two"
+    decode: Literal["kv_aware"] = "kv_aware"
+
+
+class WorkloadConfig(_Section):
+    """What is replayed, and how."""
+
+    mode: Literal["agentx", "replay"] = "agentx"
+    traces: str | None = Field(default=None, description="trace file/dir; none: the synthetic preset")
+    preset: str = "agentx-062126"
+    synthetic_sessions: int = Field(default=200, gt=0, description="sessions the synthetic preset generates")
+    sessions: int = Field(default=56, gt=0, description="AgentX lanes (concurrent session trees)")
+    rps: float = Field(default=0.8, gt=0, description="replay: Poisson arrivals per second")
+    lanes: int = Field(default=160, gt=0, description="replay: lanes")
+    duration_s: float = Field(default=3600.0, gt=0)
+    idle_cap_s: float = Field(default=300.0, gt=0)
+    warmup_requests: int = Field(default=3, ge=0)
+    start_fraction_min: float = Field(default=0.25, ge=0, le=1)
+    start_fraction_max: float = Field(default=0.75, ge=0, le=1)
+    max_context_tokens: int = Field(default=917_504, gt=0)
+    max_output_tokens: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _start_range(self) -> WorkloadConfig:
+        if self.start_fraction_min > self.start_fraction_max:
+            raise ValueError("start_fraction_min must be <= start_fraction_max")
+        return self
+
+
+class Scenario(_Section):
+    """A whole deployment. See ``docs/scenario.md``."""
+
+    name: str
+    description: str = ""
+    seed: int = 7
+    model: ModelConfig
+    gpu: GPUConfig
+    cluster: ClusterConfig
+    prefill: PrefillConfig
+    decode: DecodeConfig
+    pool: PoolConfig
+    handoff: HandoffConfig = HandoffConfig()
+    gate: GateConfigModel = GateConfigModel()
+    routing: RoutingConfig = RoutingConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Scenario:
+        p, m = self.prefill, self.model
+        if len(p.stage_layers) != p.pp:
+            raise ValueError(f"prefill.stage_layers has {len(p.stage_layers)} stages but prefill.pp is {p.pp}")
+        if sum(p.stage_layers) != m.layers:
+            raise ValueError(
+                f"prefill.stage_layers sums to {sum(p.stage_layers)} but model.layers is {m.layers}"
+            )
+        if self.pool.chunk_tokens % m.page_tokens:
+            raise ValueError(
+                f"pool.chunk_tokens ({self.pool.chunk_tokens}) must be a multiple of model.page_tokens ({m.page_tokens})"
+            )
+        gpus_needed = p.instances * p.gpus + self.decode.instances * self.decode.gpus
+        gpus_have = self.cluster.servers * self.cluster.gpus_per_server
+        if gpus_needed > gpus_have:
+            raise ValueError(
+                f"prefill ({p.instances} x {p.gpus} GPUs) and decode ({self.decode.instances} x "
+                f"{self.decode.gpus} GPUs) need {gpus_needed} GPUs; the cluster has {gpus_have}"
+            )
+        if self.decode.tp % self.decode.dcp:
+            raise ValueError(f"decode.dcp ({self.decode.dcp}) must divide decode.tp ({self.decode.tp})")
+        if self.handoff.max_write_bytes < m.record_bytes:
+            raise ValueError("handoff.max_write_bytes must hold at least one record")
+        self.kvspec()  # extra-record layer ids in range
+        return self
+
+    def kvspec(self) -> KVSpec:
+        """The policy core's KV geometry for this deployment's prefill layout."""
+        m = self.model
+        return KVSpec(
+            model=m.name,
+            layers=m.layers,
+            record_bytes=m.record_bytes,
+            stage_layers=tuple(self.prefill.stage_layers),
+            mtp_layers=m.mtp_layers,
+            extra_records=tuple(r.resolve(m.layers, m.mtp_layers) for r in m.extra_records),
+            page_tokens=m.page_tokens,
+        )

@@ -1,0 +1,13 @@
+"""The policy core: pure decisions that the simulator and the real backend both execute.
+
+Modules (stdlib + numpy only; a test forbids simpy, torch, triton, mooncake and streamlit here):
+    kvspec     KV geometry: bytes per token per layer and per pipeline stage
+    chunks     chained chunk keys, object keys per (chunk, stage), group ids per chunk
+    hits       GPU / pool / computed split of a prompt under the all-stage rule
+    eviction   grouped pool bookkeeping with pluggable eviction (LRU, LFU, FIFO)
+    admission  the KV admission gate in front of decode
+    routing    power-of-two and session-affinity prefill routing, decode-aware decode choice
+    layout     PP -> DCP token mapping, gather and write plans for the prefill -> decode handoff
+
+Time is always passed in (``now``), randomness always comes from a passed-in seeded RNG.
+"""

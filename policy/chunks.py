@@ -1,0 +1,175 @@
+"""Chunk keys and group ids: how a prompt's history is named in the pool.
+
+Contract:
+    * A prompt is cut into chunks of ``chunk_tokens`` tokens (default 256, a multiple of the GPU
+      page size). Only full chunks are keyed; a partial last chunk is never keyed, stored or loaded.
+    * Keys are a prefix-hash chain: ``d_i = BLAKE2b-128(d_{i-1} || payload_i)`` with the
+      personalization ``kvpool-chain-v1``. Equal digests therefore mean equal prefixes.
+    * ``d_{-1}`` (the seed) is derived from the deployment's namespace and an optional scope, so
+      different models, layouts or pool formats never read each other's bytes, and traces whose
+      block ids are local to one session never alias each other.
+    * Two kinds of input give digests by the same chain:
+        - token ids (the backend): ``payload = b"T" + tokens as little-endian int32``;
+        - per-block hash ids from traces (64-token Weka blocks, 512-token Mooncake blocks):
+          ``payload = b"B" + block_tokens as u32 + for each block piece in the chunk
+          (block id as u64, first token offset in the block as u32, token count as u32)``.
+          A chunk is keyed only if every block it touches is a full block of the prompt.
+    * One pool object per (chunk, pipeline stage): ``{namespace}/s{stage}of{stages}/{digest_hex}``;
+      one group id per chunk, shared by its stage objects: ``{namespace}/group/{digest_hex}``.
+
+Never uses the built-in ``hash()``: digests are stable across processes, machines and runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+
+from kvpool.policy.kvspec import KVSpec
+
+ChunkDigest = NewType("ChunkDigest", bytes)
+
+DIGEST_BYTES = 16
+CHAIN_PERSON = b"kvpool-chain-v1"
+SEED_PERSON = b"kvpool-seed-v1"
+NAMESPACE_PREFIX = "kvpool1-"
+#: Version of the pool object byte format (layer-major records of one stage; see docs/pool-format.md).
+POOL_FORMAT_VERSION = 1
+_U32_MAX = 2**32 - 1
+_U64_MAX = 2**64 - 1
+
+
+def namespace_for(spec: KVSpec, chunk_tokens: int, extra: dict | None = None) -> str:
+    """Key namespace of a deployment: ``kvpool1-`` + BLAKE2b-96 of a canonical JSON document.
+
+    The document holds the KV geometry (model, layers, records, stage split, page size), the chunk
+    size and the pool object format version, plus ``extra`` (e.g. dtype names) when given.
+    """
+    doc = {"kv": spec.identity(), "chunk_tokens": chunk_tokens, "format": POOL_FORMAT_VERSION}
+    if extra:
+        doc["extra"] = extra
+    canon = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return NAMESPACE_PREFIX + hashlib.blake2b(canon, digest_size=12).hexdigest()
+
+
+def chain_seed(namespace: str, scope: str = "") -> ChunkDigest:
+    """The chain's starting digest for ``namespace`` and ``scope`` (e.g. a trace id for local ids)."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=SEED_PERSON)
+    h.update(namespace.encode())
+    h.update(b"\x00")
+    h.update(scope.encode())
+    return ChunkDigest(h.digest())
+
+
+def _link(parent: bytes, payload: bytes) -> ChunkDigest:
+    h = hashlib.blake2b(parent, digest_size=DIGEST_BYTES, person=CHAIN_PERSON)
+    h.update(payload)
+    return ChunkDigest(h.digest())
+
+
+def full_chunks(n_tokens: int, chunk_tokens: int) -> int:
+    """Number of full chunks in a prompt of ``n_tokens`` tokens."""
+    return max(0, n_tokens) // chunk_tokens
+
+
+def _check_chunk_tokens(chunk_tokens: int, page_tokens: int | None = None) -> None:
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    if page_tokens is not None and chunk_tokens % page_tokens:
+        raise ValueError(f"chunk_tokens {chunk_tokens} must be a multiple of the page size {page_tokens}")
+
+
+def digests_from_tokens(
+    token_ids: Sequence[int] | np.ndarray, chunk_tokens: int, seed: bytes
+) -> list[ChunkDigest]:
+    """Chained digests of the full chunks of a token-id prompt (the backend's input)."""
+    _check_chunk_tokens(chunk_tokens)
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    if tokens.size and (tokens.min() < -(2**31) or tokens.max() >= 2**31):
+        raise ValueError("token ids must fit in int32")
+    raw = tokens.astype("<i4").tobytes()
+    step = chunk_tokens * 4
+    out: list[ChunkDigest] = []
+    parent = seed
+    for i in range(full_chunks(len(tokens), chunk_tokens)):
+        parent = _link(parent, b"T" + raw[i * step : (i + 1) * step])
+        out.append(parent)
+    return out
+
+
+def digests_from_blocks(
+    block_ids: Sequence[int],
+    block_tokens: int,
+    n_tokens: int,
+    chunk_tokens: int,
+    seed: bytes,
+) -> list[ChunkDigest]:
+    """Chained digests of the full chunks of a prompt described by per-block hash ids (traces).
+
+    Args:
+        block_ids: one id per ``block_tokens``-token block of the prompt, in order; the last block
+            may be partial (``n_tokens`` is not a multiple of ``block_tokens``).
+        block_tokens: tokens per block (64 for Weka/AgentX traces, 512 for Mooncake traces).
+        n_tokens: prompt length in tokens.
+        chunk_tokens: tokens per chunk.
+        seed: the chain seed (``chain_seed``).
+
+    A chunk is keyed only if it lies within ``n_tokens`` and every block it touches is full.
+    """
+    _check_chunk_tokens(chunk_tokens)
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+    n_blocks = len(block_ids)
+    if n_tokens > n_blocks * block_tokens:
+        raise ValueError(
+            f"{n_tokens} tokens need {-(-n_tokens // block_tokens)} blocks of {block_tokens}, got {n_blocks}"
+        )
+    full_block_tokens = min(n_tokens, n_blocks * block_tokens) // block_tokens * block_tokens
+    keyable = min(full_chunks(n_tokens, chunk_tokens), full_block_tokens // chunk_tokens)
+    head = b"B" + struct.pack("<I", block_tokens)
+    out: list[ChunkDigest] = []
+    parent = seed
+    for c in range(keyable):
+        start, end = c * chunk_tokens, (c + 1) * chunk_tokens
+        parts = [head]
+        pos = start
+        while pos < end:
+            b = pos // block_tokens
+            off = pos - b * block_tokens
+            take = min(block_tokens - off, end - pos)
+            bid = int(block_ids[b])
+            if not 0 <= bid <= _U64_MAX:
+                raise ValueError(f"block id {bid} at block {b} is not a u64")
+            parts.append(struct.pack("<QII", bid, off, take))
+            pos += take
+        parent = _link(parent, b"".join(parts))
+        out.append(parent)
+    return out
+
+
+@dataclass(frozen=True)
+class ChunkNaming:
+    """Object keys and group ids of one deployment (namespace + stage count)."""
+
+    namespace: str
+    stages: int
+
+    def object_key(self, digest: bytes, stage: int) -> str:
+        """Pool key of ``stage``'s object for the chunk ``digest``."""
+        if not 0 <= stage < self.stages:
+            raise ValueError(f"stage {stage} out of range 0..{self.stages - 1}")
+        return f"{self.namespace}/s{stage}of{self.stages}/{digest.hex()}"
+
+    def group_id(self, digest: bytes) -> str:
+        """Group id shared by every stage object of the chunk ``digest`` (evicted together)."""
+        return f"{self.namespace}/group/{digest.hex()}"
+
+    def stage_keys(self, digests: Sequence[bytes]) -> list[list[str]]:
+        """``keys[stage][chunk]`` for every stage x chunk (one batched existence check)."""
+        return [[self.object_key(d, s) for d in digests] for s in range(self.stages)]

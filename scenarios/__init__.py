@@ -1,0 +1,1 @@
+"""Built-in scenarios (package data): the seed's deployments as TOML, loadable by name."""
