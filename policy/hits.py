@@ -87,7 +87,7 @@ def compute_hits(
     if prompt_tokens == 0:
         return HitResult(0, 0, 0)
     last = prompt_tokens - 1  # the last token is always computed
-    gpu = min(max(0, gpu_hit_tokens) // page_tokens * page_tokens, last)
+    gpu = min(max(0, gpu_hit_tokens), last) // page_tokens * page_tokens
 
     runs = [leading_run(p) for p in stage_present] if stage_present else []
     common = min(runs) if runs else 0

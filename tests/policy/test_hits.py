@@ -1,0 +1,84 @@
+"""policy.hits: the all-stage rule, chunk alignment, minimum load, the last token."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpool.policy.hits import compute_hits, leading_run
+
+C = 256
+
+
+def present(n_chunks, *runs):
+    return [[i < r for i in range(n_chunks)] for r in runs]
+
+
+def test_pool_prefix_is_the_minimum_over_stages():
+    h = compute_hits(10 * C, 0, present(10, 8, 6, 9, 8), chunk_tokens=C)
+    assert (h.gpu_tokens, h.pool_tokens, h.computed_tokens) == (0, 6 * C, 4 * C)
+    assert h.pool_prefix_chunks == 6
+    assert h.stranded_objects == 2 + 0 + 3 + 2
+
+
+def test_a_hole_in_one_stage_stops_the_prefix():
+    stages = present(8, 8, 8, 8, 8)
+    stages[2][3] = False
+    h = compute_hits(8 * C, 0, stages, chunk_tokens=C)
+    assert h.pool_tokens == 3 * C
+
+
+def test_gpu_hit_counts_whole_pages_and_load_starts_on_chunk_boundary():
+    h = compute_hits(10 * C, 300, present(10, 9, 9, 9, 9), chunk_tokens=C, page_tokens=16)
+    assert h.gpu_tokens == 288  # 300 rounded down to pages of 16
+    assert h.load_first_chunk == 2  # ceil(288 / 256)
+    assert h.pool_tokens == 9 * C - 2 * C
+    assert h.computed_tokens == 10 * C - 288 - 7 * C
+
+
+def test_pool_never_below_gpu_hit():
+    h = compute_hits(10 * C, 8 * C, present(10, 6, 6, 6, 6), chunk_tokens=C)
+    assert h.pool_tokens == 0 and h.gpu_tokens == 8 * C
+
+
+def test_min_load_threshold_recomputes_small_loads():
+    stages = present(100, 40, 40, 40, 40)
+    assert compute_hits(100 * C, 0, stages, chunk_tokens=C, min_load_tokens=8192).pool_tokens == 40 * C
+    small = compute_hits(100 * C, 36 * C, stages, chunk_tokens=C, min_load_tokens=8192)
+    assert small.pool_tokens == 0 and small.computed_tokens == 64 * C
+
+
+def test_full_prompt_hit_computes_the_last_token():
+    h = compute_hits(4 * C, 0, present(4, 4, 4), chunk_tokens=C)
+    assert (h.pool_tokens, h.computed_tokens) == (4 * C - 1, 1)
+    g = compute_hits(4 * C, 4 * C, None, chunk_tokens=C)
+    assert (g.gpu_tokens, g.computed_tokens) == (4 * C - 16, 16)
+
+
+def test_no_pool():
+    h = compute_hits(1000, 512, None, chunk_tokens=C)
+    assert (h.gpu_tokens, h.pool_tokens, h.computed_tokens) == (512, 0, 488)
+    assert compute_hits(0, 0, None).prompt_tokens == 0
+
+
+def test_leading_run():
+    assert leading_run([True, True, False, True]) == 2 and leading_run([]) == 0
+
+
+@given(
+    st.integers(1, 40 * C),
+    st.integers(0, 40 * C),
+    st.lists(st.lists(st.booleans(), min_size=0, max_size=40), min_size=1, max_size=4),
+    st.sampled_from([0, 1024, 8192]),
+)
+def test_invariants(prompt, gpu, stages, min_load):
+    n_chunks = prompt // C
+    stages = [s[:n_chunks] for s in stages]
+    h = compute_hits(prompt, gpu, stages, chunk_tokens=C, min_load_tokens=min_load)
+    assert h.gpu_tokens + h.pool_tokens + h.computed_tokens == prompt
+    assert h.computed_tokens >= 1
+    assert h.gpu_tokens % 16 == 0 and h.gpu_tokens <= gpu
+    common = min(leading_run(s) for s in stages)
+    if h.pool_tokens:
+        assert h.pool_tokens >= max(1, min_load)
+        assert h.load_first_chunk * C >= h.gpu_tokens
+        assert h.load_end_chunk <= common
+        assert h.load_first_chunk * C + h.pool_tokens <= common * C
