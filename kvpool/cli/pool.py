@@ -1,7 +1,170 @@
-"""``kvpool pool``: Start and inspect a real Mooncake Store pool on 127.0.0.1 (master + store services)."""
+"""``kvpool pool``: start and inspect a real Mooncake Store pool on 127.0.0.1 (master + store services).
+
+``kvpool pool up`` starts ``mooncake_master`` and N memory-only store services (the seed's "one Store
+service per NUMA node") through ``kvpool.backend.pool.launcher`` -- the same code the pytest
+fixtures use --, waits until all are ready, prints the address to use, records it in a state file
+and stops everything cleanly on Ctrl-C or SIGTERM. ``kvpool pool status`` reads the master's
+metrics endpoint: capacity, use, keys, evictions.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
 import typer
 
+from kvpool.cli.common import UserError
+
 app = typer.Typer(help="Start and inspect a real Mooncake Store pool on 127.0.0.1 (master + store services).", no_args_is_help=True)
+
+GIB = 1 << 30
+
+
+def default_state_file() -> Path:
+    """Where ``pool up`` records the running pool's address for ``pool status``."""
+    return Path(tempfile.gettempdir()) / f"kvpool-pool-{os.getuid()}.json"
+
+
+def _mem_available_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+@app.command()
+def up(
+    services: int = typer.Option(2, "--services", help="Memory-only store services (one per NUMA node in production)."),
+    gib_per_service: float = typer.Option(1.0, "--gib-per-service", help="GiB each service contributes (e.g. 0.0625 = 64 MiB)."),
+    eviction_high_watermark: float = typer.Option(0.90, "--eviction-high-watermark", help="Pool use fraction that starts eviction (0-1]."),
+    eviction_ratio: float = typer.Option(0.05, "--eviction-ratio", help="Fraction of objects one eviction pass frees (0-1]."),
+    lease_ttl_ms: int = typer.Option(10_000, "--lease-ttl-ms", help="Read/exist lease: leased objects are not evicted."),
+    client_ttl_s: int = typer.Option(10, "--client-ttl-s", help="Seconds a dead service's keys still count as existing."),
+    rpc_timeout_ms: int = typer.Option(2_000, "--rpc-timeout-ms", help="MC_RPC_TIMEOUT_MS: a hung master fails calls after this."),
+    work_dir: Path = typer.Option(None, "--work-dir", help="Logs and ready files (default: a new temporary directory)."),
+    state_file: Path = typer.Option(None, "--state-file", help="Where to record the address for 'pool status' (default: in the temp dir)."),
+) -> None:
+    """Start a master and N store services on 127.0.0.1; stop them on Ctrl-C or SIGTERM."""
+    from kvpool.backend.pool.launcher import PoolSpec, PoolStartError, start_local_pool
+    from kvpool.backend.pool.netns import netns_problem
+
+    if not gib_per_service > 0:
+        raise UserError(f"--gib-per-service must be > 0, got {gib_per_service}")
+    try:
+        spec = PoolSpec(
+            services=services,
+            bytes_per_service=int(gib_per_service * GIB),
+            eviction_high_watermark=eviction_high_watermark,
+            eviction_ratio=eviction_ratio,
+            lease_ttl_ms=lease_ttl_ms,
+            client_ttl_s=client_ttl_s,
+            rpc_timeout_ms=rpc_timeout_ms,
+        )
+    except ValueError as e:
+        raise UserError(f"invalid pool settings: {e}") from None
+    avail = _mem_available_bytes()
+    if avail is not None and spec.capacity_bytes > avail:
+        raise UserError(
+            f"{services} services x {gib_per_service} GiB = {_fmt_bytes(spec.capacity_bytes)} exceeds the "
+            f"memory available on this machine ({_fmt_bytes(avail)}); lower --services or --gib-per-service"
+        )
+    problem = netns_problem()
+    if problem:
+        typer.echo(f"warning: {problem}", err=True)
+
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            pool = start_local_pool(spec, work_dir)
+        except PoolStartError as e:
+            raise UserError(f"the pool did not start: {e}") from None
+        state = state_file or default_state_file()
+        try:
+            state.write_text(json.dumps({"address": pool.address.url(), "pid": os.getpid(), "work_dir": str(pool.work_dir)}))
+            typer.echo(
+                f"kvpool pool: master {pool.address.master}, {spec.services} services x "
+                f"{_fmt_bytes(spec.bytes_per_service)} = {_fmt_bytes(spec.capacity_bytes)}"
+            )
+            typer.echo(f"address: {pool.address.url()}")
+            typer.echo(f"metrics: {pool.address.metrics_url}/metrics")
+            typer.echo(f"logs: {pool.work_dir}")
+            typer.echo("ready; Ctrl-C or SIGTERM stops the pool")
+            sys.stdout.flush()
+            failed: list[str] = []
+            while not stop.wait(0.5):
+                failed = pool.dead()
+                if failed:
+                    break
+        finally:
+            pool.stop()
+            if state.exists():
+                try:
+                    if json.loads(state.read_text()).get("pid") == os.getpid():
+                        state.unlink()
+                except (OSError, ValueError):
+                    pass
+        if failed:
+            raise UserError(f"pool process(es) exited unexpectedly: {', '.join(failed)}; logs in {pool.work_dir}")
+        typer.echo("kvpool pool: stopped")
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@app.command()
+def status(
+    address: str = typer.Option(None, "--address", help="mooncake://HOST:RPC?metrics=PORT (default: the pool 'pool up' recorded)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    state_file: Path = typer.Option(None, "--state-file", help="The state file 'pool up' wrote (default: in the temp dir)."),
+    timeout_s: float = typer.Option(2.0, "--timeout-s", help="Bound on the metrics request."),
+) -> None:
+    """Capacity, use, keys and evictions from the master's metrics endpoint."""
+    from kvpool.backend.pool.address import PoolAddress
+    from kvpool.backend.pool.metrics import MetricsUnavailable, read_master_metrics
+
+    if address is None:
+        state = state_file or default_state_file()
+        try:
+            address = json.loads(state.read_text())["address"]
+        except (OSError, ValueError, KeyError):
+            raise UserError(
+                f"no --address given and no running pool recorded in {state}; start one with 'kvpool pool up'"
+            ) from None
+    try:
+        addr = PoolAddress.parse(address)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if addr.metrics_url is None:
+        raise UserError(f"address {address!r} has no metrics port; use mooncake://HOST:RPC?metrics=PORT")
+    try:
+        m = read_master_metrics(addr.metrics_url, timeout_s)
+    except MetricsUnavailable as e:
+        raise UserError(f"{e} (is the pool running, and in this network namespace?)") from None
+    if as_json:
+        typer.echo(json.dumps({"address": addr.url(), **m.to_dict()}, indent=2))
+        return
+    pct = 100.0 * m.used_bytes / m.capacity_bytes if m.capacity_bytes else 0.0
+    typer.echo(f"pool       {addr.url()}")
+    typer.echo(f"capacity   {_fmt_bytes(m.capacity_bytes)} ({len(m.segments)} services)")
+    typer.echo(f"used       {_fmt_bytes(m.used_bytes)} ({pct:.1f} %)")
+    typer.echo(f"keys       {m.key_count}")
+    typer.echo(f"evictions  {m.eviction_passes} passes, {m.evicted_key_count} keys, {_fmt_bytes(m.evicted_bytes)}")
+    for seg in m.segments:
+        typer.echo(f"  service {seg.segment}: {_fmt_bytes(seg.used_bytes)} of {_fmt_bytes(seg.capacity_bytes)}")

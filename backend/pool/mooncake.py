@@ -1,0 +1,249 @@
+"""MooncakePool: a pure Mooncake Store client (contributes no memory) behind the ``Pool`` interface.
+
+Contract: the ``Pool`` contract of ``kvpool.backend.pool.api``, with Mooncake's behaviours mapped
+explicitly (``reference/mooncake-store.md`` sections 5-7):
+    * **Full pool.** A put that gets -200 (NO_AVAILABLE_HANDLE) is retried for those keys only,
+      after 20 ms, 40 ms, ... (capped), until ``PutRetry.budget_s`` is spent; then ``FULL``. The
+      master's eviction thread runs every 10 ms, so a retry usually finds room; when everything is
+      leased or pinned it never does, and the budget bounds the wait.
+    * **First writer wins.** Mooncake maps OBJECT_ALREADY_EXISTS to 0: a put of an existing key
+      reports ``OK`` and keeps the old bytes (fine: keys are content-addressed).
+    * **Groups.** Each put carries ``ReplicateConfig.group_ids`` (one per key), so the master
+      evicts a chunk's stage objects together. Groups give no completeness guarantee: readers
+      must still check every stage (``policy.hits``).
+    * **Leases.** Reads and exist checks lease objects for the master's ``--default_kv_lease_ttl``
+      (leased objects are not evicted); ``remove`` uses ``force=True`` so a lease cannot block it.
+    * **Dead store service.** Its keys still "exist" until the master's ``--client_ttl``; reads of
+      them fail at once with -800 -> ``FAILED`` (a miss; the caller recomputes).
+    * **Dead or hung master.** Calls fail with -900 (dead: after ~4.3 s of reconnects) or -901
+      (hung: after ``MC_RPC_TIMEOUT_MS``) -> ``NO_ANSWER``; ``exists`` returns ``None``. A restarted
+      master has forgotten every key: reads are misses until the data is saved again.
+    * **Wrong size.** ``get`` asks for exactly the range's size. An object that is larger makes
+      Mooncake return -600; one ``get_size`` call then tells ``WRONG_SIZE`` from other errors. An
+      object that is smaller returns its size -> ``WRONG_SIZE``.
+    * The process environment gets ``MC_TCP_BIND_ADDRESS=127.0.0.1`` and ``MC_RPC_TIMEOUT_MS`` (if not
+      already set) before the client starts, since the C++ client reads them at setup.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.backend.pool.address import PoolAddress
+from kvpool.backend.pool.api import BufferRef, PoolStats, Status
+from kvpool.backend.pool.buffers import BufferRegistry, check_batch
+from kvpool.backend.pool.metrics import MetricsUnavailable, read_master_metrics
+
+# Mooncake error codes (mooncake-store types.h) that kvpool distinguishes.
+INVALID_PARAMS = -600
+NO_AVAILABLE_HANDLE = -200
+OBJECT_NOT_FOUND = -704
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+NO_ANSWER_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
+
+
+class PoolUnavailable(RuntimeError):
+    """The Mooncake client could not be set up (master unreachable, bad address, ...)."""
+
+
+@dataclass(frozen=True)
+class PutRetry:
+    """Bounded backoff for puts into a full pool.
+
+    Attributes:
+        first_delay_s: wait before the first retry.
+        max_delay_s: cap of the doubling delay.
+        budget_s: total time after which the remaining keys give up with ``Status.FULL``.
+    """
+
+    first_delay_s: float = 0.02
+    max_delay_s: float = 0.2
+    budget_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.first_delay_s <= 0 or self.max_delay_s < self.first_delay_s or self.budget_s < 0:
+            raise ValueError(f"bad put retry policy {self}: need 0 < first <= max and budget >= 0")
+
+
+def status_of(code: int) -> Status:
+    """Map a Mooncake per-key return code (after size checks) to a ``Status``."""
+    if code >= 0:
+        return Status.OK
+    if code == OBJECT_NOT_FOUND:
+        return Status.MISSING
+    if code == NO_AVAILABLE_HANDLE:
+        return Status.FULL
+    if code in NO_ANSWER_CODES:
+        return Status.NO_ANSWER
+    return Status.FAILED
+
+
+class MooncakePool:
+    """A Mooncake Store pool reached through its master.
+
+    Args:
+        address: the pool's address (``PoolAddress`` or text ``mooncake://HOST:RPC?metrics=M``).
+        local_buffer_bytes: the client's own staging buffer (not pool capacity).
+        put_retry: backoff for puts into a full pool.
+        rpc_timeout_ms: ``MC_RPC_TIMEOUT_MS`` if the environment does not set it already.
+        protocol: ``"tcp"``, or ``"rdma"`` where the hardware has it.
+        rdma_devices: RDMA device names for the ``rdma`` protocol.
+        metrics_timeout_s: bound on the ``stats`` HTTP call.
+    """
+
+    def __init__(
+        self,
+        address: PoolAddress | str,
+        *,
+        local_buffer_bytes: int = 16 << 20,
+        put_retry: PutRetry = PutRetry(),
+        rpc_timeout_ms: int = 2_000,
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        metrics_timeout_s: float = 2.0,
+    ) -> None:
+        self.address = PoolAddress.parse(address) if isinstance(address, str) else address
+        self.put_retry = put_retry
+        self.metrics_timeout_s = metrics_timeout_s
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+        os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(rpc_timeout_ms))
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        self._ReplicateConfig = ReplicateConfig
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(
+            "127.0.0.1", "P2PHANDSHAKE", 0, local_buffer_bytes, protocol, rdma_devices, self.address.master
+        )
+        if rc != 0:
+            raise PoolUnavailable(f"Mooncake client setup against {self.address.master} returned {rc}")
+        self._buffers = BufferRegistry()
+        self._close_lock = threading.Lock()
+        self._closed = False
+
+    # -- buffers ---------------------------------------------------------------------------
+    def register_buffer(self, buffer: Any) -> BufferRef:
+        self._check_open()
+        ref = self._buffers.add(buffer)
+        rc = self._store.register_buffer(ref.address, ref.size_bytes)
+        if rc != 0:
+            self._buffers.remove(ref)
+            raise ValueError(f"Mooncake refused to register {ref.size_bytes} bytes at {ref.address:#x}: code {rc}")
+        return ref
+
+    def unregister_buffer(self, ref: BufferRef) -> None:
+        self._buffers.remove(ref)
+        self._store.unregister_buffer(ref.address)
+
+    # -- data ------------------------------------------------------------------------------
+    def put(
+        self,
+        keys: Sequence[str],
+        groups: Sequence[str],
+        buffer: BufferRef,
+        offsets_bytes: Sequence[int],
+        sizes_bytes: Sequence[int],
+    ) -> list[Status]:
+        self._check_open()
+        self._buffers.check(buffer)
+        check_batch(keys, offsets_bytes, sizes_bytes, buffer)
+        if len(groups) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(groups)} group ids")
+        out = [Status.FULL] * len(keys)
+        pending = list(range(len(keys)))
+        deadline = time.monotonic() + self.put_retry.budget_s
+        delay_s = self.put_retry.first_delay_s
+        while pending:
+            cfg = self._ReplicateConfig()
+            cfg.group_ids = [groups[i] for i in pending]
+            codes = self._store.batch_put_from(
+                [keys[i] for i in pending],
+                [buffer.address + offsets_bytes[i] for i in pending],
+                [sizes_bytes[i] for i in pending],
+                cfg,
+            )
+            retry = []
+            for i, code in zip(pending, codes):
+                out[i] = status_of(code)
+                if code == NO_AVAILABLE_HANDLE:
+                    retry.append(i)
+            pending = retry
+            if not pending or time.monotonic() + delay_s > deadline:
+                break
+            time.sleep(delay_s)
+            delay_s = min(2 * delay_s, self.put_retry.max_delay_s)
+        return out
+
+    def get(
+        self,
+        keys: Sequence[str],
+        buffer: BufferRef,
+        offsets_bytes: Sequence[int],
+        sizes_bytes: Sequence[int],
+    ) -> list[Status]:
+        self._check_open()
+        self._buffers.check(buffer)
+        check_batch(keys, offsets_bytes, sizes_bytes, buffer)
+        codes = self._store.batch_get_into(
+            list(keys), [buffer.address + off for off in offsets_bytes], list(sizes_bytes)
+        )
+        out: list[Status] = []
+        for key, size, code in zip(keys, sizes_bytes, codes):
+            if code >= 0:
+                out.append(Status.OK if code == size else Status.WRONG_SIZE)
+            elif code == INVALID_PARAMS:
+                actual = self._store.get_size(key)  # too small a range, or another invalid call?
+                out.append(Status.WRONG_SIZE if actual >= 0 and actual != size else Status.FAILED)
+            else:
+                out.append(status_of(code))
+        return out
+
+    def exists(self, keys: Sequence[str]) -> list[bool] | None:
+        self._check_open()
+        if not keys:
+            return []
+        codes = self._store.batch_is_exist(list(keys))
+        if len(codes) != len(keys) or any(c < 0 for c in codes):
+            return None
+        return [c == 1 for c in codes]
+
+    def remove(self, keys: Sequence[str]) -> list[Status]:
+        self._check_open()
+        if not keys:
+            return []
+        return [status_of(c) for c in self._store.batch_remove(list(keys), force=True)]
+
+    def stats(self) -> PoolStats | None:
+        url = self.address.metrics_url
+        if url is None:
+            return None
+        try:
+            return read_master_metrics(url, self.metrics_timeout_s).to_pool_stats()
+        except MetricsUnavailable:
+            return None
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        for ref in self._buffers.all():
+            self._buffers.remove(ref)
+            self._store.unregister_buffer(ref.address)
+        self._store.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("the pool client is closed")
+
+    def __enter__(self) -> MooncakePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
