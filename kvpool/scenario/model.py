@@ -21,8 +21,8 @@ class _Section(BaseModel):
 class ExtraRecordConfig(_Section):
     """A per-token record on some layers only (e.g. the DSA indexer key)."""
 
-    name: str
-    bytes_per_token: int = Field(gt=0)
+    name: str = Field(description="label, e.g. indexer")
+    bytes_per_token: int = Field(gt=0, description="bytes of the record per token per layer that carries it")
     layer_ids: tuple[int, ...] | None = Field(
         default=None, description="explicit layer ids (ids >= layers name MTP layers)"
     )
@@ -44,12 +44,12 @@ class ExtraRecordConfig(_Section):
 class ModelConfig(_Section):
     """The served model's KV geometry and weight footprint."""
 
-    name: str
-    layers: int = Field(gt=0)
-    mtp_layers: int = Field(default=0, ge=0)
+    name: str = Field(description="model name (part of the key namespace)")
+    layers: int = Field(gt=0, description="attention layers of the main model")
+    mtp_layers: int = Field(default=0, ge=0, description="MTP draft layers caching KV; they run on the last stage")
     record_bytes: int = Field(gt=0, description="bytes per token per layer of the main KV record")
-    extra_records: tuple[ExtraRecordConfig, ...] = ()
-    page_tokens: int = Field(default=16, gt=0)
+    extra_records: tuple[ExtraRecordConfig, ...] = Field(default=(), description="[[model.extra_records]] tables: records on some layers only")
+    page_tokens: int = Field(default=16, gt=0, description="tokens per GPU KV page (block size)")
     weights_gb: float = Field(gt=0, description="weights of one instance, GB (1e9 B)")
     active_params_b: float = Field(gt=0, description="active parameters per token, billions (cost model)")
 
@@ -57,7 +57,7 @@ class ModelConfig(_Section):
 class GPUConfig(_Section):
     """One GPU and its links."""
 
-    name: str
+    name: str = Field(description="GPU model")
     hbm_gb: float = Field(gt=0, description="HBM per GPU, GB (1e9 B)")
     hbm_tb_s: float = Field(gt=0, description="HBM bandwidth, TB/s")
     dense_tflops: float = Field(gt=0, description="dense peak of the compute dtype, TFLOP/s")
@@ -70,22 +70,22 @@ class GPUConfig(_Section):
 class ClusterConfig(_Section):
     """Servers and their NUMA nodes."""
 
-    servers: int = Field(gt=0)
-    gpus_per_server: int = Field(gt=0)
-    numa_per_server: int = Field(default=2, gt=0)
+    servers: int = Field(gt=0, description="servers in the cluster")
+    gpus_per_server: int = Field(gt=0, description="GPUs per server")
+    numa_per_server: int = Field(default=2, gt=0, description="NUMA nodes per server")
     dram_gb_s_per_numa: float = Field(default=450.0, gt=0, description="sustained DRAM bandwidth per NUMA node, GB/s")
 
 
 class PrefillConfig(_Section):
     """Prefill instances: pipeline stages (layer split) x tensor parallel ranks."""
 
-    instances: int = Field(gt=0)
-    pp: int = Field(gt=0)
-    tp: int = Field(default=1, gt=0)
+    instances: int = Field(gt=0, description="prefill instances")
+    pp: int = Field(gt=0, description="pipeline stages per instance (one GPU each per TP rank)")
+    tp: int = Field(default=1, gt=0, description="tensor-parallel ranks per stage (MLA latent replicated)")
     stage_layers: tuple[int, ...] = Field(description="layers per pipeline stage, in order; sums to model.layers")
-    gpu_mem_utilization: float = Field(default=0.85, gt=0, le=1)
+    gpu_mem_utilization: float = Field(default=0.85, gt=0, le=1, description="fraction of HBM the engine takes")
     reserved_gb_per_gpu: float = Field(default=0.0, ge=0, description="activations/workspace per GPU, GB")
-    max_batched_tokens: int = Field(default=8192, gt=0)
+    max_batched_tokens: int = Field(default=8192, gt=0, description="chunked-prefill tokens per step")
 
     @property
     def gpus(self) -> int:
@@ -95,12 +95,12 @@ class PrefillConfig(_Section):
 class DecodeConfig(_Section):
     """Decode instances: tensor parallel with decode context parallelism (tokens spread over DCP ranks)."""
 
-    instances: int = Field(gt=0)
-    tp: int = Field(gt=0)
-    dcp: int = Field(default=1, gt=0)
-    gpu_mem_utilization: float = Field(default=0.85, gt=0, le=1)
-    reserved_gb_per_gpu: float = Field(default=0.0, ge=0)
-    max_seqs: int = Field(default=256, gt=0)
+    instances: int = Field(gt=0, description="decode instances")
+    tp: int = Field(gt=0, description="tensor-parallel ranks (GPUs) per instance")
+    dcp: int = Field(default=1, gt=0, description="decode context parallelism: token t on rank t mod dcp")
+    gpu_mem_utilization: float = Field(default=0.85, gt=0, le=1, description="fraction of HBM the engine takes")
+    reserved_gb_per_gpu: float = Field(default=0.0, ge=0, description="activations/workspace per GPU, GB")
+    max_seqs: int = Field(default=256, gt=0, description="running sequences per instance")
     mtp_accept_tokens: float = Field(default=1.0, ge=1, description="tokens per decode step (MTP acceptance)")
 
     @property
@@ -111,67 +111,69 @@ class DecodeConfig(_Section):
 class SSDConfig(_Section):
     """An optional tier below DRAM: groups evicted from DRAM demote here."""
 
-    enabled: bool = False
-    gib_per_server: float = Field(default=0.0, ge=0)
-    read_gb_s_per_server: float = Field(default=12.0, gt=0)
-    write_gb_s_per_server: float = Field(default=6.0, gt=0)
+    enabled: bool = Field(default=False, description="add the SSD tier")
+    gib_per_server: float = Field(default=0.0, ge=0, description="SSD capacity per server, GiB")
+    read_gb_s_per_server: float = Field(default=12.0, gt=0, description="SSD read bandwidth per server, GB/s")
+    write_gb_s_per_server: float = Field(default=6.0, gt=0, description="SSD write bandwidth per server, GB/s")
 
 
 class PoolConfig(_Section):
     """The Mooncake Store pool: services, masters, eviction, chunking."""
 
-    mode: Literal["shared", "split"] = "shared"
+    mode: Literal["shared", "split"] = Field(default="shared", description="shared: every prefill uses every master; split: each server's masters serve its own prefills")
     parts: int = Field(default=1, gt=0, description="pool parts (one master each); rank i uses part i mod parts")
-    services_per_server: int = Field(ge=0)
-    gib_per_service: float = Field(ge=0)
-    high_watermark: float = Field(default=0.90, gt=0, le=1)
-    evict_ratio: float = Field(default=0.05, gt=0, le=1)
-    eviction_policy: Literal["lru", "lfu", "fifo"] = "lru"
-    chunk_tokens: int = Field(default=256, gt=0)
+    services_per_server: int = Field(ge=0, description="memory-only Store services per server")
+    gib_per_service: float = Field(ge=0, description="DRAM each service contributes, GiB")
+    high_watermark: float = Field(default=0.90, gt=0, le=1, description="usage fraction that starts eviction")
+    evict_ratio: float = Field(default=0.05, gt=0, le=1, description="fraction of capacity a pass frees")
+    eviction_policy: Literal["lru", "lfu", "fifo"] = Field(default="lru", description="group eviction order")
+    chunk_tokens: int = Field(default=256, gt=0, description="tokens per chunk (multiple of model.page_tokens)")
     min_load_tokens: int = Field(default=8192, ge=0, description="loads shorter than this are recomputed")
-    ssd: SSDConfig = SSDConfig()
+    ssd: SSDConfig = Field(default=SSDConfig(), description="[pool.ssd]: optional tier below DRAM")
 
 
 class HandoffConfig(_Section):
     """Prefill -> decode KV handoff."""
 
-    max_write_bytes: int = Field(default=8 << 20, gt=0)
+    max_write_bytes: int = Field(default=8 << 20, gt=0, description="largest single write of the handoff, bytes")
     landing_slots: int = Field(default=32, gt=0, description="8 MiB landing slots per decode rank")
 
 
 class GateConfigModel(_Section):
     """The KV admission gate in front of decode."""
 
-    enabled: bool = True
-    tokens_per_decode: int = Field(default=10_000_000, gt=0)
-    budget_fraction: float = Field(default=0.9, gt=0, le=1)
-    max_input_tokens: int = Field(default=917_504, gt=0)
-    max_output_tokens: int = Field(default=131_072, gt=0)
-    max_wait_s: float = Field(default=900.0, ge=0)
+    enabled: bool = Field(default=True, description="put the gate in front of decode")
+    tokens_per_decode: int = Field(default=10_000_000, gt=0, description="token budget per decode instance")
+    budget_fraction: float = Field(default=0.9, gt=0, le=1, description="usable fraction of the budget")
+    max_input_tokens: int = Field(default=917_504, gt=0, description="longer inputs are rejected")
+    max_output_tokens: int = Field(default=131_072, gt=0, description="longer outputs are rejected")
+    max_wait_s: float = Field(default=900.0, ge=0, description="longest admission wait before rejection, s")
 
 
 class RoutingConfig(_Section):
-    prefill: Literal["power_of_two", "session_affinity"] = "power_of_two"
-    decode: Literal["kv_aware"] = "kv_aware"
+    """How requests are routed to prefill and decode instances."""
+
+    prefill: Literal["power_of_two", "session_affinity"] = Field(default="power_of_two", description="prefill router")
+    decode: Literal["kv_aware"] = Field(default="kv_aware", description="decode choice: most free KV")
 
 
 class WorkloadConfig(_Section):
     """What is replayed, and how."""
 
-    mode: Literal["agentx", "replay"] = "agentx"
+    mode: Literal["agentx", "replay"] = Field(default="agentx", description="agentx: lanes of live session trees; replay: Poisson production replay")
     traces: str | None = Field(default=None, description="trace file/dir; none: the synthetic preset")
-    preset: str = "agentx-062126"
+    preset: str = Field(default="agentx-062126", description="synthetic preset when no traces are given")
     synthetic_sessions: int = Field(default=200, gt=0, description="sessions the synthetic preset generates")
     sessions: int = Field(default=56, gt=0, description="AgentX lanes (concurrent session trees)")
     rps: float = Field(default=0.8, gt=0, description="replay: Poisson arrivals per second")
     lanes: int = Field(default=160, gt=0, description="replay: lanes")
-    duration_s: float = Field(default=3600.0, gt=0)
-    idle_cap_s: float = Field(default=300.0, gt=0)
-    warmup_requests: int = Field(default=3, ge=0)
-    start_fraction_min: float = Field(default=0.25, ge=0, le=1)
-    start_fraction_max: float = Field(default=0.75, ge=0, le=1)
-    max_context_tokens: int = Field(default=917_504, gt=0)
-    max_output_tokens: int | None = Field(default=None, gt=0)
+    duration_s: float = Field(default=3600.0, gt=0, description="measured window, s")
+    idle_cap_s: float = Field(default=300.0, gt=0, description="per-tree idle gap cap, s")
+    warmup_requests: int = Field(default=3, ge=0, description="warm-up requests per lane (excluded from metrics)")
+    start_fraction_min: float = Field(default=0.25, ge=0, le=1, description="lane start point t*: lowest fraction of the trace span")
+    start_fraction_max: float = Field(default=0.75, ge=0, le=1, description="lane start point t*: highest fraction")
+    max_context_tokens: int = Field(default=917_504, gt=0, description="traces whose peak context exceeds this are skipped")
+    max_output_tokens: int | None = Field(default=None, gt=0, description="cap on output tokens per request (none: recorded)")
 
     @model_validator(mode="after")
     def _start_range(self) -> WorkloadConfig:
@@ -183,19 +185,19 @@ class WorkloadConfig(_Section):
 class Scenario(_Section):
     """A whole deployment. See ``docs/scenario.md``."""
 
-    name: str
-    description: str = ""
-    seed: int = 7
+    name: str = Field(description="scenario name")
+    description: str = Field(default="", description="one line shown in listings")
+    seed: int = Field(default=7, description="seed of every random choice")
     model: ModelConfig
     gpu: GPUConfig
     cluster: ClusterConfig
     prefill: PrefillConfig
     decode: DecodeConfig
     pool: PoolConfig
-    handoff: HandoffConfig = HandoffConfig()
-    gate: GateConfigModel = GateConfigModel()
-    routing: RoutingConfig = RoutingConfig()
-    workload: WorkloadConfig = WorkloadConfig()
+    handoff: HandoffConfig = Field(default=HandoffConfig())
+    gate: GateConfigModel = Field(default=GateConfigModel())
+    routing: RoutingConfig = Field(default=RoutingConfig())
+    workload: WorkloadConfig = Field(default=WorkloadConfig())
 
     @model_validator(mode="after")
     def _consistent(self) -> Scenario:

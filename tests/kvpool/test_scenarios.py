@@ -97,3 +97,12 @@ def test_not_toml_and_missing_file(tmp_path):
         load_scenario(tmp_path / "missing.toml")
     with pytest.raises(ScenarioError, match="built-in: "):
         load_scenario("no-such-name")
+
+
+def test_docs_field_reference_is_generated_from_the_model():
+    from pathlib import Path
+
+    from kvpool.scenario.docgen import fields_markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "scenario.md").read_text()
+    assert fields_markdown() in doc, "docs/scenario.md is stale: regenerate with python -m kvpool.scenario.docgen"
