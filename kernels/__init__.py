@@ -1,4 +1,32 @@
 """GPU kernels (Triton, portable to ROCm and CUDA) with pure-torch reference ops for the CPU.
 
-Triton is imported only when a kernel launches on a GPU, so this package imports on any machine.
+Public ops (``kvpool.kernels.ops``): ``pack``, ``unpack`` (paged KV <-> 256-token chunk objects,
+the pool byte format of ``docs/pool-format.md``) and ``gather_dcp``, ``scatter_dcp`` (a prefill
+stage's layout <-> per-decode-rank staging buffers, following ``policy.layout.HandoffPlan``).
+Each has a Triton host function (``triton_ops.*_triton``) and a torch reference (``reference.*_ref``).
+
+Triton is imported only when a kernel launches, so this package imports on any machine.
 """
+
+from kvpool.kernels.format import (
+    SUPPORTED_FORMAT_VERSIONS,
+    ChunkFormat,
+    Segment,
+    rank_buffer_offset_bytes,
+    staging_views,
+)
+from kvpool.kernels.ops import gather_dcp, pack, scatter_dcp, unpack
+from kvpool.policy.chunks import POOL_FORMAT_VERSION
+
+__all__ = [
+    "POOL_FORMAT_VERSION",
+    "SUPPORTED_FORMAT_VERSIONS",
+    "ChunkFormat",
+    "Segment",
+    "gather_dcp",
+    "pack",
+    "rank_buffer_offset_bytes",
+    "scatter_dcp",
+    "staging_views",
+    "unpack",
+]
