@@ -1,0 +1,31 @@
+"""Agent-session workloads: loaders, the normalized model, replay schedules, stats, synthesis.
+
+Importable without SimPy (the backend's production mode reuses it). Public API:
+
+* model: :class:`Workload`, :class:`Session`, :class:`Thread`, :class:`Request`, :class:`Dep`
+* loading: :func:`load_workload` (Weka file/.json.gz/dir/traces.jsonl, Mooncake JSONL),
+  :class:`TraceError`
+* stats: :func:`workload_stats`
+* replay: see :mod:`kvpool.sim.workload.replay`
+* synthesis: see :mod:`kvpool.sim.workload.synth`
+"""
+
+from kvpool.sim.workload.errors import TraceError
+from kvpool.sim.workload.load import load_workload, trace_files, write_jsonl_rows, write_weka_jsonl
+from kvpool.sim.workload.model import Dep, Request, Session, SkippedTrace, Thread, Workload
+from kvpool.sim.workload.stats import workload_stats
+
+__all__ = [
+    "Dep",
+    "Request",
+    "Session",
+    "SkippedTrace",
+    "Thread",
+    "TraceError",
+    "Workload",
+    "load_workload",
+    "trace_files",
+    "workload_stats",
+    "write_jsonl_rows",
+    "write_weka_jsonl",
+]
