@@ -4,7 +4,8 @@ Modules (stdlib + numpy only; a test forbids simpy, torch, triton, mooncake and 
     kvspec     KV geometry: bytes per token per layer and per pipeline stage
     chunks     chained chunk keys, object keys per (chunk, stage), group ids per chunk
     hits       GPU / pool / computed split of a prompt under the all-stage rule
-    eviction   grouped pool bookkeeping with pluggable eviction (LRU, LFU, FIFO)
+    eviction   grouped pool bookkeeping with pluggable eviction (LRU, LFU, FIFO), string keys
+    grouptable the same policy over integer group ids in numpy (the simulator's hot path)
     admission  the KV admission gate in front of decode
     routing    power-of-two and session-affinity prefill routing, decode-aware decode choice
     layout     PP -> DCP token mapping, gather and write plans for the prefill -> decode handoff

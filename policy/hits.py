@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class HitResult:
@@ -50,8 +52,13 @@ class HitResult:
         return self.load_end_chunk - self.load_first_chunk if self.pool_tokens else 0
 
 
-def leading_run(present: Sequence[bool]) -> int:
-    """Length of the run of ``True`` from index 0."""
+def leading_run(present: Sequence[bool] | np.ndarray) -> int:
+    """Length of the run of ``True`` from index 0 (numpy bool arrays are scanned in C)."""
+    if isinstance(present, np.ndarray):
+        if present.size == 0:
+            return 0
+        misses = np.flatnonzero(~present.astype(bool, copy=False))
+        return int(misses[0]) if misses.size else int(present.size)
     n = 0
     for p in present:
         if not p:

@@ -82,3 +82,10 @@ def test_invariants(prompt, gpu, stages, min_load):
         assert h.load_first_chunk * C >= h.gpu_tokens
         assert h.load_end_chunk <= common
         assert h.load_first_chunk * C + h.pool_tokens <= common * C
+
+
+@given(st.lists(st.booleans(), max_size=50))
+def test_leading_run_numpy_matches_python(bits):
+    import numpy as np
+
+    assert leading_run(np.array(bits, dtype=bool)) == leading_run(bits)

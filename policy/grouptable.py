@@ -1,0 +1,211 @@
+"""Grouped eviction over integer group ids, in numpy: the same policy as ``eviction.GroupedPool``
+for callers that hold chunk groups as integers (the simulator: hundreds of chunks per lookup).
+
+Contract (identical to ``eviction``'s, with objects addressed as ``(group, slot)``):
+    * A group is one chunk; its objects are its ``slots`` (pipeline stages stored in this pool
+      part), each of ``slot_bytes[slot]`` bytes. A group is evicted whole.
+    * Eviction starts when usage exceeds ``high_watermark`` x capacity or a put does not fit; a pass
+      frees ``capacity x max(evict_ratio, used_ratio - high_watermark + evict_ratio)`` bytes, at least
+      what the pending put needs; pinned groups and the groups being written are never victims.
+      A pass either frees what it reports or changes nothing.
+    * Order: ``lru`` (least recently read or written first; among equals, the most recently
+      inserted first, so a prefix loses its tail before its head), ``lfu`` (fewest reads, then LRU),
+      ``fifo`` (insertion order). Lookups refresh recency of the present objects' groups, as
+      Mooncake's existence checks grant leases.
+    * A put of an object already present changes nothing (first writer wins).
+    * Time is passed in (``now``); nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+ORDERS = ("lru", "lfu", "fifo")
+
+
+@dataclass(frozen=True)
+class PutOutcome:
+    """What a batched put did: objects stored (new ones), and what was evicted to make room."""
+
+    stored: int
+    rejected: int
+    evicted_groups: int
+    evicted_bytes: int
+
+
+class GroupTable:
+    """One pool part's objects, indexed by integer group id and slot. See the module docstring."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        slot_bytes: Sequence[int],
+        order: str = "lru",
+        *,
+        high_watermark: float = 0.90,
+        evict_ratio: float = 0.05,
+        initial_groups: int = 4096,
+    ) -> None:
+        if order not in ORDERS:
+            raise ValueError(f"unknown eviction order {order!r}; allowed: {list(ORDERS)}")
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if not slot_bytes or any(b <= 0 for b in slot_bytes):
+            raise ValueError(f"slot_bytes must be positive sizes, got {list(slot_bytes)}")
+        if not 0.0 < high_watermark <= 1.0 or not 0.0 < evict_ratio <= 1.0:
+            raise ValueError("high_watermark and evict_ratio must be in (0, 1]")
+        self.capacity_bytes = int(capacity_bytes)
+        self.slot_bytes = np.asarray(slot_bytes, dtype=np.int64)
+        self.order = order
+        self.high_watermark = high_watermark
+        self.evict_ratio = evict_ratio
+        self.used_bytes = 0
+        self.evicted_groups = 0
+        self.evicted_bytes = 0
+        self.evict_passes = 0
+        self._seq = 0
+        n = max(1, initial_groups)
+        self.present = np.zeros((n, len(slot_bytes)), dtype=bool)
+        self._last = np.zeros(n, dtype=np.float64)
+        self._count = np.zeros(n, dtype=np.int64)
+        self._inserted = np.zeros(n, dtype=np.int64)
+        self._pins = np.zeros(n, dtype=np.int32)
+
+    @property
+    def slots(self) -> int:
+        return len(self.slot_bytes)
+
+    @property
+    def objects(self) -> int:
+        return int(self.present.sum())
+
+    def _grow(self, max_gid: int) -> None:
+        n = len(self._last)
+        if max_gid < n:
+            return
+        new = max(max_gid + 1, 2 * n)
+        pad = new - n
+        self.present = np.vstack([self.present, np.zeros((pad, self.slots), dtype=bool)])
+        self._last = np.concatenate([self._last, np.zeros(pad)])
+        self._count = np.concatenate([self._count, np.zeros(pad, dtype=np.int64)])
+        self._inserted = np.concatenate([self._inserted, np.zeros(pad, dtype=np.int64)])
+        self._pins = np.concatenate([self._pins, np.zeros(pad, dtype=np.int32)])
+
+    def _ids(self, gids: Sequence[int] | np.ndarray) -> np.ndarray:
+        ids = np.asarray(gids, dtype=np.int64)
+        if ids.size:
+            if ids.min() < 0:
+                raise ValueError("group ids must be >= 0")
+            self._grow(int(ids.max()))
+        return ids
+
+    # -- reads -------------------------------------------------------------------------------
+    def lookup(self, gids: Sequence[int] | np.ndarray, slot: int, now: float) -> np.ndarray:
+        """Presence of ``(g, slot)`` for each ``g``; present objects' groups count as read now."""
+        ids = self._ids(gids)
+        hit = self.present[ids, slot]
+        touched = ids[hit]
+        if touched.size:
+            self._last[touched] = now
+            self._count[touched] += 1
+        return hit
+
+    def contains(self, gid: int, slot: int) -> bool:
+        """Presence without touching recency."""
+        return gid < len(self._last) and bool(self.present[gid, slot])
+
+    # -- pins --------------------------------------------------------------------------------
+    def pin(self, gids: Sequence[int] | np.ndarray) -> None:
+        """Protect groups from eviction (loads in flight); nests."""
+        ids = self._ids(gids)
+        np.add.at(self._pins, ids, 1)
+
+    def unpin(self, gids: Sequence[int] | np.ndarray) -> None:
+        ids = self._ids(gids)
+        np.subtract.at(self._pins, ids, 1)
+        np.maximum(self._pins, 0, out=self._pins)
+
+    # -- writes ------------------------------------------------------------------------------
+    def put(self, gids: Sequence[int] | np.ndarray, slot: int, now: float) -> PutOutcome:
+        """Store ``(g, slot)`` for each ``g`` in order; evicts first when they would not fit.
+
+        Objects already present are left as they are (their groups count as written now). When
+        eviction cannot make room for all new objects, the leading ones that fit are stored and
+        the rest rejected.
+        """
+        ids = self._ids(gids)
+        if ids.size:
+            ids = ids[np.sort(np.unique(ids, return_index=True)[1])]
+        new = ids[~self.present[ids, slot]]
+        old = ids[self.present[ids, slot]]
+        if old.size:
+            self._last[old] = now
+        size = int(self.slot_bytes[slot])
+        ev_groups = ev_bytes = 0
+        need = self.used_bytes + size * new.size - self.capacity_bytes
+        if need > 0:
+            g, b = self._evict(need, protect=ids, partial_ok=True)
+            ev_groups += g
+            ev_bytes += b
+        room = (self.capacity_bytes - self.used_bytes) // size
+        stored = new[: max(0, min(new.size, room))]
+        if stored.size:
+            fresh = ~self.present[stored].any(axis=1)
+            self._seq += 1
+            self._inserted[stored[fresh]] = self._seq + np.arange(int(fresh.sum()))
+            self._seq += int(fresh.sum())
+            self._count[stored[fresh]] = 0
+            self.present[stored, slot] = True
+            self._last[stored] = now
+            self.used_bytes += size * stored.size
+        if self.used_bytes > self.high_watermark * self.capacity_bytes:
+            g, b = self._evict(0, protect=ids)
+            ev_groups += g
+            ev_bytes += b
+        return PutOutcome(int(stored.size), int(new.size - stored.size), ev_groups, ev_bytes)
+
+    def remove_groups(self, gids: Sequence[int] | np.ndarray) -> int:
+        """Drop whole groups; returns bytes freed."""
+        ids = self._ids(gids)
+        if not ids.size:
+            return 0
+        ids = np.unique(ids)
+        freed = int((self.present[ids] @ self.slot_bytes).sum())
+        self.present[ids] = False
+        self.used_bytes -= freed
+        return freed
+
+    def _evict(self, need_bytes: int, protect: np.ndarray, partial_ok: bool = False) -> tuple[int, int]:
+        cap = self.capacity_bytes
+        used_ratio = self.used_bytes / cap if cap else 1.0
+        ratio = max(self.evict_ratio, used_ratio - self.high_watermark + self.evict_ratio)
+        target = max(need_bytes, int(np.ceil(cap * ratio)))
+        held = self.present.any(axis=1)
+        cand = np.flatnonzero(held & (self._pins == 0))
+        if protect.size:
+            cand = np.setdiff1d(cand, protect, assume_unique=False)
+        if not cand.size:
+            return 0, 0
+        if self.order == "lru":
+            keys = (-self._inserted[cand], self._last[cand])
+        elif self.order == "lfu":
+            keys = (-self._inserted[cand], self._last[cand], self._count[cand])
+        else:
+            keys = (self._inserted[cand],)
+        ordered = cand[np.lexsort(keys)]
+        sizes = self.present[ordered] @ self.slot_bytes
+        cum = np.cumsum(sizes)
+        if cum[-1] < need_bytes and not partial_ok:
+            return 0, 0
+        k = int(np.searchsorted(cum, target, side="left")) + 1
+        victims = ordered[: min(k, ordered.size)]
+        freed = int(cum[victims.size - 1])
+        self.present[victims] = False
+        self.used_bytes -= freed
+        self.evicted_groups += int(victims.size)
+        self.evicted_bytes += freed
+        self.evict_passes += 1
+        return int(victims.size), freed

@@ -1,0 +1,103 @@
+"""policy.grouptable: the integer-id grouped pool agrees with policy.eviction's contract."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.policy.eviction import GroupedPool
+from kvpool.policy.grouptable import ORDERS, GroupTable
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_group_evicted_whole_and_capacity_respected(order):
+    t = GroupTable(400, [10, 10, 10, 10], order)
+    for g in range(12):
+        for s in range(4):
+            t.put([g], s, float(g))
+    assert t.evicted_groups > 0 and t.used_bytes <= 400
+    rows = t.present[:12]
+    assert all(r.all() or not r.any() for r in rows)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_pins_and_all_or_nothing(order):
+    t = GroupTable(100, [50], order, high_watermark=1.0)
+    t.put([0, 1], 0, 0.0)
+    t.pin([0, 1])
+    out = t.put([2], 0, 1.0)
+    assert (out.stored, out.rejected, out.evicted_groups) == (0, 1, 0) and t.present[:2, 0].all()
+    t.unpin([1])
+    out = t.put([2], 0, 2.0)
+    assert out.stored == 1 and out.evicted_groups == 1 and t.contains(0, 0) and not t.contains(1, 0)
+
+
+def test_first_writer_wins_and_duplicates_in_a_batch():
+    t = GroupTable(1000, [10, 20])
+    assert t.put([5, 5, 6], 1, 0.0).stored == 2
+    assert t.put([5], 1, 1.0).stored == 0 and t.used_bytes == 40
+
+
+def test_lru_loses_the_tail_of_a_prefix_first():
+    t = GroupTable(100, [10], "lru", high_watermark=1.0, evict_ratio=0.01)
+    t.put(list(range(10)), 0, 0.0)  # one prefix written at once
+    t.put([10], 0, 1.0)
+    assert not t.contains(9, 0) and t.contains(0, 0)
+
+
+def test_lookup_refreshes_recency():
+    t = GroupTable(30, [10], "lru", high_watermark=1.0, evict_ratio=0.01)
+    for g in range(3):
+        t.put([g], 0, float(g))
+    assert t.lookup([0, 7], 0, 5.0).tolist() == [True, False]
+    t.put([3], 0, 6.0)
+    assert t.contains(0, 0) and not t.contains(1, 0)
+
+
+def test_watermark_pass_frees_ratio():
+    t = GroupTable(1000, [10], "lru", high_watermark=0.9, evict_ratio=0.05)
+    t.put(list(range(90)), 0, 0.0)
+    assert t.evict_passes == 0
+    t.put([90], 0, 1.0)  # 910 B > 900 B: one pass frees >= 5 % of 1000 B, never the group just written
+    assert t.used_bytes <= 910 - 50 and t.evict_passes == 1 and t.contains(90, 0)
+
+
+def test_groups_being_written_are_not_victims_of_their_own_pass():
+    t = GroupTable(1000, [10], "lru", high_watermark=0.9, evict_ratio=0.05)
+    t.put(list(range(95)), 0, 0.0)
+    assert t.used_bytes == 950 and t.evicted_groups == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "read", "pin", "unpin"]), st.integers(0, 12)), max_size=80))
+def test_same_decisions_as_grouped_pool_lru(ops):
+    """Single-slot objects of equal size: both implementations keep the same groups."""
+    ref = GroupedPool(100, "lru", high_watermark=0.9, evict_ratio=0.05)
+    tab = GroupTable(100, [10], "lru", high_watermark=0.9, evict_ratio=0.05)
+    for t, (op, g) in enumerate(ops):
+        now = float(t)
+        if op == "put":
+            r = ref.put(f"k{g}", f"g{g}", 10, now)
+            o = tab.put([g], 0, now)
+            assert (r.stored and not r.already_present) == (o.stored == 1)
+        elif op == "read":
+            assert ref.exists([f"k{g}"], now)[0] == bool(tab.lookup([g], 0, now)[0])
+        elif op == "pin":
+            ref.pin(f"g{g}")
+            if tab.contains(g, 0):
+                tab.pin([g])
+        else:
+            ref.unpin(f"g{g}")
+            tab.unpin([g])
+        held = {int(k[1:]) for k in ref._objects}
+        assert held == set(np.flatnonzero(tab.present[:, 0]).tolist())
+        assert ref.used_bytes == tab.used_bytes
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="allowed"):
+        GroupTable(10, [1], "arc")
+    with pytest.raises(ValueError):
+        GroupTable(10, [])
+    with pytest.raises(ValueError):
+        GroupTable(10, [1]).lookup([-1], 0, 0.0)
