@@ -37,7 +37,9 @@ MODE_CHUNK = 0  # pack / unpack: groups are chunks
 MODE_GATHER = 1  # gather_dcp: groups are decode ranks, rank buffers back to back
 MODE_SCATTER = 2  # scatter_dcp: one rank, a landing slice of its buffer
 
-_TILE_WORDS = 4096  # words per program tile (16 KiB of int32): enough bytes in flight per program
+#: Tuning knobs (bench/kernels.py sweeps them): words per program tile, warps per program.
+TILE_WORDS = 4096
+NUM_WARPS = 4
 _MAX_GRID_Y = 65535
 _KERNELS: dict[bool, Any] = {}
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -61,10 +63,8 @@ def _kernel(interpret: bool) -> Any:
             bt_s0,
             bt_s1,
             n_seg,  # segments in this launch
-            page_tokens,
             flat_off,  # words: flat buffer base (minus row0*REC for scatter)
             group_stride,  # MODE_CHUNK: words between objects
-            chunk_tokens,  # MODE_CHUNK: rows per segment
             tokens,  # MODE_GATHER/SCATTER: handoff tokens
             token_start,  # MODE_GATHER/SCATTER: absolute position of the first one
             ranks,  # MODE_GATHER/SCATTER: DCP size
@@ -74,22 +74,26 @@ def _kernel(interpret: bool) -> Any:
             grp0,  # first group of this launch (grids are split at 65535 groups)
             MODE: tl.constexpr,
             TO_PAGED: tl.constexpr,
+            PAGE: tl.constexpr,  # tokens per page
+            CHUNK: tl.constexpr,  # MODE_CHUNK: tokens per chunk (rows per segment)
+            BT_2D: tl.constexpr,  # block table is 2-D (else bt_cols is unused)
             REC: tl.constexpr,  # words per record
             COLS: tl.constexpr,  # next power of two >= REC
             ROWS: tl.constexpr,
             ALIGN: tl.constexpr,  # words: every row offset is a multiple of this
         ):
+            # Index math in int32 (host checks rows and positions < 2**31), addresses in int64.
             pid = tl.program_id(0)
             grp = tl.program_id(1) + grp0
-            g = pid.to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+            g = pid * ROWS + tl.arange(0, ROWS)
             if MODE == 0:
-                n_rows = n_seg * chunk_tokens
-                mask = g < n_rows
-                s = g // chunk_tokens
-                i = g - s * chunk_tokens
-                pos = grp.to(tl.int64) * chunk_tokens + i
+                mask = g < n_seg * CHUNK
+                s = g // CHUNK
+                i = g - s * CHUNK
+                pos = grp * CHUNK + i
+                s = tl.where(mask, s, 0)
                 flat_seg = tl.load(seg_ptr + 3 * n_seg + s, mask=mask, other=0)
-                flat_row = flat_off + grp.to(tl.int64) * group_stride + flat_seg + i * REC
+                flat_row = flat_off + grp.to(tl.int64) * group_stride + flat_seg + i.to(tl.int64) * REC
             else:
                 r = rank0 + grp
                 end = token_start + tokens
@@ -100,25 +104,29 @@ def _kernel(interpret: bool) -> Any:
                     # handoff tokens of lower ranks: #p in [start, end) with p mod R < r
                     before = (end // ranks) * r + tl.minimum(end % ranks, r)
                     before -= (token_start // ranks) * r + tl.minimum(token_start % ranks, r)
-                    flat_row = flat_off + (before * n_seg + g) * REC
+                    flat_row = flat_off + (before * n_seg + g).to(tl.int64) * REC
                 else:
                     g = g + row_lo
                     mask = g < row_hi
-                    flat_row = flat_off + g * REC
+                    flat_row = flat_off + g.to(tl.int64) * REC
                 s = g // tl.maximum(n_r, 1)
                 j = g - s * n_r
                 pos = first + j * ranks
                 if MODE == 2:
                     pos = pos // ranks  # decode-local index
-            s = tl.where(mask, s, 0)
-            page = pos // page_tokens
-            slot = pos - page * page_tokens
-            prow = page // bt_cols
-            bid = tl.load(bt_ptr + prow * bt_s0 + (page - prow * bt_cols) * bt_s1, mask=mask, other=0).to(tl.int64)
+                s = tl.where(mask, s, 0)
+            page = pos // PAGE
+            slot = pos - page * PAGE
+            if BT_2D:
+                prow = page // bt_cols
+                bt_off = prow.to(tl.int64) * bt_s0 + (page - prow * bt_cols).to(tl.int64) * bt_s1
+            else:
+                bt_off = page.to(tl.int64) * bt_s1
+            bid = tl.load(bt_ptr + bt_off, mask=mask, other=0).to(tl.int64)
             seg_base = tl.load(seg_ptr + s, mask=mask, other=0)
             seg_bs = tl.load(seg_ptr + n_seg + s, mask=mask, other=0)
             seg_ts = tl.load(seg_ptr + 2 * n_seg + s, mask=mask, other=0)
-            paged_row = seg_base + bid * seg_bs + slot * seg_ts
+            paged_row = seg_base + bid * seg_bs + slot.to(tl.int64) * seg_ts
             paged_row = tl.multiple_of(paged_row, ALIGN)
             flat_row = tl.multiple_of(flat_row, ALIGN)
             cols = tl.arange(0, COLS)
@@ -216,12 +224,6 @@ def _seg_table(
     return table
 
 
-def _bt_geometry(block_ids: torch.Tensor) -> tuple[int, int, int]:
-    if block_ids.dim() == 1:
-        return max(block_ids.shape[0], 1), 0, block_ids.stride(0)
-    return max(block_ids.shape[1], 1), block_ids.stride(0), block_ids.stride(1)
-
-
 def _launch(
     caches: Sequence[torch.Tensor],
     index: Sequence[int],
@@ -239,25 +241,30 @@ def _launch(
     table = _seg_table(caches, index, word, flat_bytes)
     rec = rec_bytes // word
     cols = triton.next_power_of_2(rec)
-    rows = max(1, min(_TILE_WORDS // cols, triton.next_power_of_2(max(grid_rows, 1))))
+    rows = max(1, min(max(1, TILE_WORDS // cols), triton.next_power_of_2(max(grid_rows, 1))))
     anchor = triton.reinterpret(caches[0], _tl_word(word))
-    bt_cols, bt_s0, bt_s1 = _bt_geometry(block_ids)
-    args = dict(
-        n_seg=len(index), page_tokens=caches[0].shape[1], flat_off=0, group_stride=0, chunk_tokens=1,
+    a = dict(
+        n_seg=len(index), flat_off=0, group_stride=0, chunk_tokens=1,
         tokens=0, token_start=0, ranks=1, rank0=0, row_lo=0, row_hi=0,
     )
-    args.update(scalars)
-    a = args
+    a.update(scalars)
     n_tiles = triton.cdiv(grid_rows, rows)
     if n_tiles == 0 or groups == 0:
         return
+    if grid_rows >= 2**31 or groups * a["chunk_tokens"] >= 2**31 or a["token_start"] + a["tokens"] >= 2**31:
+        raise ValueError("one launch is limited to 2**31 rows and token positions")
+    bt_2d = block_ids.dim() == 2
+    bt_cols = block_ids.shape[1] if bt_2d else 1
+    bt_s0 = block_ids.stride(0) if bt_2d else 0
+    bt_s1 = block_ids.stride(1) if bt_2d else block_ids.stride(0)
     with _interpret_env(True) if interpret else contextlib.nullcontext():
         for g0 in range(0, groups, _MAX_GRID_Y):
             kernel[(n_tiles, min(_MAX_GRID_Y, groups - g0))](
-                anchor, table, block_ids, bt_cols, bt_s0, bt_s1,
-                a["n_seg"], a["page_tokens"], a["flat_off"], a["group_stride"], a["chunk_tokens"],
+                anchor, table, block_ids, max(bt_cols, 1), bt_s0, bt_s1,
+                a["n_seg"], a["flat_off"], a["group_stride"],
                 a["tokens"], a["token_start"], a["ranks"], a["rank0"], a["row_lo"], a["row_hi"], g0,
-                MODE=a["mode"], TO_PAGED=a["to_paged"], REC=rec, COLS=cols, ROWS=rows, ALIGN=align,
+                MODE=a["mode"], TO_PAGED=a["to_paged"], PAGE=caches[0].shape[1], CHUNK=a["chunk_tokens"],
+                BT_2D=bt_2d, REC=rec, COLS=cols, ROWS=rows, ALIGN=align, num_warps=NUM_WARPS,
             )
 
 
