@@ -1,0 +1,84 @@
+"""Cost models: how long prefill steps, decode steps, restores and handoffs take.
+
+Contract: a ``CostModel`` turns work (tokens, context, bytes, writes) into seconds; it holds no
+state and sees no SimPy. ``AnalyticalCost`` is the default, parameterized by the scenario's
+``[cost]``, ``[gpu]`` and ``[model]`` sections (sources and calibration in docs/cost-model.md):
+
+    prefill step   overhead + sum(tokens x (2 x active params + attention + ctx x attention_ctx))
+                   / (GPUs of the instance x dense peak x MFU)        [pipeline stages overlap]
+    decode step    fixed + per-seq x batch + context bytes read / (HBM bandwidth x efficiency x ranks)
+    transfer       bytes / bandwidth share + writes / message rate  (the links add the sharing)
+    unpack/pack    bytes / unpack rate (GPU copy kernels)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvpool.scenario.model import Scenario
+
+
+class CostModel(Protocol):
+    def prefill_step_s(self, tokens_and_context: list[tuple[int, int]]) -> float:
+        """Time of one prefill step over the whole pipeline: (computed tokens, context before) per request."""
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """Time of one decode step of ``batch`` sequences holding ``context_tokens`` in all."""
+
+    def write_cost_s(self, writes: int) -> float:
+        """Posting cost of ``writes`` separate writes on one NIC."""
+
+    def unpack_s(self, nbytes: int) -> float:
+        """GPU time to unpack (or pack, gather, scatter) ``nbytes``."""
+
+
+@dataclass(frozen=True)
+class AnalyticalCost:
+    """The default cost model (see the module docstring)."""
+
+    flops_per_token: float
+    flops_per_token_ctx: float
+    prefill_flops_s: float
+    prefill_step_overhead_s: float
+    decode_fixed_s: float
+    decode_per_seq_s: float
+    decode_bytes_per_ctx_token: float
+    decode_bytes_s: float
+    writes_per_s: float
+    unpack_bytes_s: float
+
+    @classmethod
+    def from_scenario(cls, s: Scenario) -> AnalyticalCost:
+        c, g = s.cost, s.gpu
+        return cls(
+            flops_per_token=2.0 * s.model.active_params_b * 1e9 + c.attention_flops_per_token,
+            flops_per_token_ctx=c.attention_flops_per_token_ctx,
+            prefill_flops_s=s.prefill.gpus * g.dense_tflops * 1e12 * c.prefill_mfu,
+            prefill_step_overhead_s=c.prefill_step_overhead_s,
+            decode_fixed_s=c.decode_step_fixed_s,
+            decode_per_seq_s=c.decode_step_per_seq_s,
+            decode_bytes_per_ctx_token=c.decode_kv_read_bytes_per_token,
+            decode_bytes_s=g.hbm_tb_s * 1e12 * c.hbm_efficiency * s.decode.dcp,
+            writes_per_s=g.nic_writes_per_s,
+            unpack_bytes_s=c.unpack_gb_s * 1e9,
+        )
+
+    def prefill_step_s(self, tokens_and_context: list[tuple[int, int]]) -> float:
+        flops = 0.0
+        for tokens, ctx in tokens_and_context:
+            # attention over the context before the chunk plus, on average, half the chunk itself
+            flops += tokens * (self.flops_per_token + self.flops_per_token_ctx * (ctx + tokens / 2))
+        return self.prefill_step_overhead_s + flops / self.prefill_flops_s
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        return (self.decode_fixed_s + self.decode_per_seq_s * batch
+                + context_tokens * self.decode_bytes_per_ctx_token / self.decode_bytes_s)
+
+    def write_cost_s(self, writes: int) -> float:
+        return writes / self.writes_per_s
+
+    def unpack_s(self, nbytes: int) -> float:
+        return nbytes / self.unpack_bytes_s
