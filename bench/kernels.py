@@ -1,0 +1,289 @@
+#!/usr/bin/env python3
+"""GB/s of the kvpool kernels on a GPU against a plain device copy of the same bytes (the limit).
+
+Cases (seed sizes, GLM-5.3 FP8 KV, pipeline stage 0: 20 layers x 576 B latent + 7 indexer layers
+x 144 B = 12,528 B per token, 256-token chunk objects of 3,207,168 B; random block tables):
+    pack_1chunk          one chunk object (a save of one chunk; L2-resident, the copy too)
+    pack_64chunks        a 16K-token window (save)
+    unpack_64chunks      the same window (restore)
+    pack_128k            a 128K-token history: 512 objects (save of a long session)
+    unpack_128k          a 128K-token history restore: 512 objects -> paged KV
+    gather_8k_4ranks     8,192-token handoff of 20 layers x 576 B to 4 decode ranks (94,371,840 B)
+    scatter_8k_rank      one decode rank's whole buffer (2,048 tokens x 20 layers, 23,592,960 B)
+    scatter_8mib_write   one landed write of at most 8 MiB (plan.writes(0)[0])
+
+Timing: each op and its copy are captured ``reps`` times in one CUDA graph (validate=False, so
+nothing synchronizes), replayed 5 times, median per call: GPU time only. GB/s counts the payload
+once (bytes moved). ``ratio`` = op GB/s / copy GB/s (goal >= 0.85). ``speedup_vs_torch_ref`` compares
+``triton.testing.do_bench`` medians (L2 flushed between calls, host overhead included) of the
+Triton op and the pure-torch reference on the same GPU.
+
+Usage: python3 bench/kernels.py [--sweep] > kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+from kvpool.kernels import ChunkFormat, gather_dcp, pack, scatter_dcp, staging_views, triton_ops, unpack
+from kvpool.policy.kvspec import ExtraRecord, KVSpec, every_kth_layer
+from kvpool.policy.layout import HandoffPlan
+
+GOAL_RATIO = 0.85
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def graph_time_s(fn: Callable[[], object], target_s: float = 3e-3) -> float:
+    """Median seconds per call of ``fn`` replayed from a CUDA graph (GPU time only)."""
+    fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(3):
+        fn()
+    e1.record()
+    torch.cuda.synchronize()
+    one = max(e0.elapsed_time(e1) / 3e3, 1e-7)
+    reps = int(min(200, max(3, target_s / one)))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        e0.record()
+        graph.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3 / reps)
+    del graph
+    return statistics.median(times)
+
+
+def do_bench_s(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") / 1e3
+
+
+def glm_stage0() -> tuple[KVSpec, ChunkFormat]:
+    spec = KVSpec(
+        model="glm-5.3",
+        layers=78,
+        record_bytes=576,
+        stage_layers=(20, 20, 20, 18),
+        mtp_layers=1,
+        extra_records=(ExtraRecord("indexer", 144, every_kth_layer(78, 3, 4, 6) + (78,)),),
+    )
+    return spec, ChunkFormat.from_spec(spec, 0, 256)
+
+
+class Bench:
+    def __init__(self, quick: bool = False) -> None:
+        self.quick = quick  # ratios only (GPU time), no do_bench of the references
+        self.dev = torch.device("cuda")
+        self.gen = torch.Generator(device="cpu").manual_seed(0)
+        self._copy_cache: dict[int, float] = {}
+        self._copy_bufs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def copy_time_s(self, nbytes: int) -> float:
+        if nbytes not in self._copy_cache:
+            if self._copy_bufs is None or self._copy_bufs[0].numel() < nbytes:
+                self._copy_bufs = None
+                torch.cuda.empty_cache()
+                self._copy_bufs = (
+                    torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=self.dev),
+                    torch.empty(nbytes, dtype=torch.uint8, device=self.dev),
+                )
+            src, dst = self._copy_bufs[0][:nbytes], self._copy_bufs[1][:nbytes]
+            self._copy_cache[nbytes] = graph_time_s(lambda: dst.copy_(src))
+        return self._copy_cache[nbytes]
+
+    def case(
+        self, name: str, nbytes: int, op: Callable[[], object], ref: Callable[[], object], note: str = ""
+    ) -> dict:
+        t_op = graph_time_s(op)
+        t_copy = self.copy_time_s(nbytes)
+        if self.quick:
+            return {"case": name, "ratio": round(t_copy / t_op, 3), "triton_gbps": round(nbytes / t_op / 1e9, 1)}
+        row = {
+            "case": name,
+            "bytes": nbytes,
+            "triton_gbps": round(nbytes / t_op / 1e9, 1),
+            "copy_gbps": round(nbytes / t_copy / 1e9, 1),
+            "ratio": round(t_copy / t_op, 3),
+            "triton_us": round(t_op * 1e6, 2),
+            "copy_us": round(t_copy * 1e6, 2),
+        }
+        try:
+            t_tri_b = do_bench_s(op)
+            t_ref_b = do_bench_s(ref)
+            row["triton_do_bench_gbps"] = round(nbytes / t_tri_b / 1e9, 1)
+            row["torch_ref_do_bench_gbps"] = round(nbytes / t_ref_b / 1e9, 1)
+            row["speedup_vs_torch_ref"] = round(t_ref_b / t_tri_b, 2)
+        except Exception as exc:  # a reference that fails must not hide the kernel's figures
+            row["ref_error"] = repr(exc)[:200]
+        if note:
+            row["note"] = note
+        log(json.dumps(row))
+        return row
+
+
+def run_cases(b: Bench, only: set[str] | None = None) -> list[dict]:
+    spec, fmt = glm_stage0()
+    dev = b.dev
+    page = spec.page_tokens
+    history_tokens = 128 * 1024
+    n_hist = history_tokens // 256
+    nb = history_tokens // page + 256
+    recs = fmt.record_bytes
+    caches = [torch.randint(0, 256, (nb, page, r), dtype=torch.uint8, device=dev) for r in recs]
+    ids = torch.randperm(nb, generator=b.gen)[: history_tokens // page].to(torch.int32).to(dev)
+    objects = torch.empty(n_hist, fmt.object_bytes, dtype=torch.uint8, device=dev)
+    obj_b = fmt.object_bytes
+    rows: list[dict] = []
+
+    def want(name: str) -> bool:
+        return only is None or name in only
+
+    def pk(n: int) -> Callable[[], object]:
+        return lambda: pack(caches, ids, num_chunks=n, out=objects[:n], validate=False)
+
+    def pk_ref(n: int) -> Callable[[], object]:
+        return lambda: pack(caches, ids, num_chunks=n, out=objects[:n], validate=False, backend="torch")
+
+    def up(n: int) -> Callable[[], object]:
+        return lambda: unpack(objects[:n], caches, ids, num_chunks=n, validate=False)
+
+    def up_ref(n: int) -> Callable[[], object]:
+        return lambda: unpack(objects[:n], caches, ids, num_chunks=n, validate=False, backend="torch")
+
+    # correctness guard before timing: the Triton result equals the reference
+    pack(caches, ids, num_chunks=4, out=objects[:4])
+    assert torch.equal(objects[:4], pack(caches, ids, num_chunks=4, backend="torch"))
+
+    if want("pack_1chunk"):
+        rows.append(b.case("pack_1chunk", obj_b, pk(1), pk_ref(1), "3.2 MB: source and copy stay in L2"))
+    if want("pack_64chunks"):
+        rows.append(b.case("pack_64chunks", 64 * obj_b, pk(64), pk_ref(64)))
+    if want("unpack_64chunks"):
+        rows.append(b.case("unpack_64chunks", 64 * obj_b, up(64), up_ref(64)))
+    if want("pack_128k"):
+        rows.append(b.case("pack_128k", n_hist * obj_b, pk(n_hist), pk_ref(n_hist)))
+    if want("unpack_128k"):
+        rows.append(b.case("unpack_128k", n_hist * obj_b, up(n_hist), up_ref(n_hist)))
+    del objects
+
+    plan = HandoffPlan(tokens=8192, layers=20, record_bytes=576, ranks=4)
+    latent = [c for c, seg in zip(caches, fmt.segments) if seg.record == "kv"]
+    assert len(latent) == 20
+    staging = torch.empty(plan.total_bytes, dtype=torch.uint8, device=dev)
+    ref_staging = gather_dcp(latent, ids, plan, backend="torch")
+    assert torch.equal(gather_dcp(latent, ids, plan, out=staging), ref_staging)
+    if want("gather_8k_4ranks"):
+        rows.append(
+            b.case(
+                "gather_8k_4ranks",
+                plan.total_bytes,
+                lambda: gather_dcp(latent, ids, plan, out=staging, validate=False),
+                lambda: gather_dcp(latent, ids, plan, out=staging, validate=False, backend="torch"),
+                f"{plan.batched_writes} writes of <= 8 MiB instead of {plan.naive_writes} of 576 B",
+            )
+        )
+    buf0 = staging_views(staging, plan)[0]
+    local_pages = plan.rank_tokens(0) // page + 1
+    dnb = local_pages + 64
+    decode = [torch.zeros(dnb, page, 576, dtype=torch.uint8, device=dev) for _ in range(20)]
+    d_ids = torch.randperm(dnb, generator=b.gen)[:local_pages].to(torch.int32).to(dev)
+    scatter_dcp(buf0, decode, d_ids, plan, 0)
+    check = [torch.zeros_like(c) for c in decode]
+    scatter_dcp(buf0, check, d_ids, plan, 0, backend="torch")
+    assert all(torch.equal(x, y) for x, y in zip(decode, check))
+    if want("scatter_8k_rank"):
+        rows.append(
+            b.case(
+                "scatter_8k_rank",
+                buf0.numel(),
+                lambda: scatter_dcp(buf0, decode, d_ids, plan, 0, validate=False),
+                lambda: scatter_dcp(buf0, decode, d_ids, plan, 0, validate=False, backend="torch"),
+            )
+        )
+    w = plan.writes(0)[0]
+    piece = buf0.narrow(0, w.offset_bytes, w.nbytes)
+    if want("scatter_8mib_write"):
+        rows.append(
+            b.case(
+                "scatter_8mib_write",
+                w.nbytes,
+                lambda: scatter_dcp(piece, decode, d_ids, plan, 0, offset_bytes=w.offset_bytes, validate=False),
+                lambda: scatter_dcp(
+                    piece, decode, d_ids, plan, 0, offset_bytes=w.offset_bytes, validate=False, backend="torch"
+                ),
+                "8 MiB: L2-resident",
+            )
+        )
+    return rows
+
+
+def sweep() -> list[dict]:
+    """Tile size x warps on the large cases (GPU time, CUDA graphs, ratios to the copy)."""
+    out = []
+    base = (triton_ops.TILE_WORDS, triton_ops.NUM_WARPS)
+    quick = Bench(quick=True)
+    for tile in (2048, 4096, 8192):
+        for warps in (4, 8):
+            triton_ops.TILE_WORDS, triton_ops.NUM_WARPS = tile, warps
+            rows = run_cases(quick, {"unpack_128k", "pack_128k", "gather_8k_4ranks", "scatter_8k_rank"})
+            out.append({"tile_words": tile, "num_warps": warps, **{r["case"]: r["ratio"] for r in rows}})
+            log(json.dumps(out[-1]))
+    triton_ops.TILE_WORDS, triton_ops.NUM_WARPS = base
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="also sweep tile size and warps")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"error": "no GPU: run on the H200 through the device tool"}))
+        sys.exit(2)
+    import triton
+
+    b = Bench()
+    rows = run_cases(b)
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "config": {"tile_words": triton_ops.TILE_WORDS, "num_warps": triton_ops.NUM_WARPS},
+        "goal_ratio": GOAL_RATIO,
+        "cases": rows,
+        "min_ratio": min(r["ratio"] for r in rows),
+        "all_meet_goal": all(r["ratio"] >= GOAL_RATIO for r in rows),
+    }
+    if args.sweep:
+        del b
+        torch.cuda.empty_cache()
+        result["sweep"] = sweep()
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
