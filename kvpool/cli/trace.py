@@ -1,7 +1,160 @@
-"""``kvpool trace``: Agent-session traces: stats, synthetic generation, conversion."""
+"""``kvpool trace``: Agent-session traces: stats, synthetic generation, conversion.
+
+* ``kvpool trace stats PATH [--json] [--skip-bad]``: statistics of a trace file/dir (keys in
+  docs/traces.md).
+* ``kvpool trace synth --preset NAME --sessions N --seed S --out PATH``: synthetic sessions in
+  the Weka format (``.jsonl``/``.jsonl.gz``: one file; otherwise a directory of ``.json.gz``).
+* ``kvpool trace convert SRC --to mooncake|weka --out PATH``: between Weka and Mooncake JSONL.
+
+A bad trace prints ``error: <file>: trace <id>: <request>: <why>`` and exits with status 2.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import typer
 
+from kvpool.cli.common import UserError
+
 app = typer.Typer(help="Agent-session traces: stats, synthetic generation, conversion.", no_args_is_help=True)
+
+
+def _load(path: Path, skip_bad: bool, quiet: bool = False):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvpool.sim.workload import TraceError, load_workload
+
+    try:
+        if quiet:
+            w = load_workload(path, skip_bad=skip_bad)
+        else:
+            with Progress(
+                TextColumn("loading traces"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                transient=True, disable=None,
+            ) as bar:
+                task = bar.add_task("load", total=None)
+                w = load_workload(path, skip_bad=skip_bad, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except TraceError as e:
+        raise UserError(str(e)) from None
+    for s in w.skipped:
+        where = ": ".join(x for x in (s.file, s.trace_id and f"trace {s.trace_id}", s.request) if x)
+        typer.echo(f"skipped: {where}: {s.message}", err=True)
+    return w
+
+
+_GROUPS = [
+    ("Counts", ["traces", "requests", "main_requests", "subagent_requests", "subagent_groups",
+                "sessions_with_subagents", "sessions_with_subagents_fraction", "dropped_subagents"]),
+    ("Input tokens", ["input_tokens_all_p50", "input_tokens_all_mean", "input_tokens_main_p50", "input_tokens_main_p90",
+                      "input_tokens_main_p99", "input_tokens_sub_p50", "input_tokens_sub_p90", "input_tokens_max"]),
+    ("Output tokens", ["output_tokens_main_p50", "output_tokens_main_mean", "output_tokens_main_p90"]),
+    ("Reuse (infinite prefix cache)", ["new_tokens_p50", "new_tokens_mean", "new_tokens_p99", "overlap_prev_main", "reuse_ceiling"]),
+    ("Sessions", ["main_turns_per_session_p50", "main_turns_per_session_p90", "peak_context_p50", "peak_context_max"]),
+    ("Pauses (main thread, end to start)", ["pause_p50_s", "pause_p90_s", "pause_p99_s", "pause_mean_s",
+                                            "pause_over_300s_fraction", "pause_over_1800s_fraction",
+                                            "think_time_p50_s", "api_time_p50_s"]),
+]
+
+
+def _fmt(v) -> str:
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float) and math.isnan(v):
+        return "-"
+    if isinstance(v, float) and abs(v) < 10:
+        return f"{v:.4f}"
+    return f"{v:,.1f}"
+
+
+@app.command()
+def stats(
+    path: Path = typer.Argument(..., help="trace file (.json, .json.gz, .jsonl) or directory"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    skip_bad: bool = typer.Option(False, "--skip-bad", help="leave malformed traces out (reported on stderr)"),
+) -> None:
+    """Statistics of a workload: sizes, reuse ceiling, pauses, sessions (see docs/traces.md)."""
+    from kvpool.sim.workload import workload_stats
+
+    w = _load(path, skip_bad, quiet=as_json)
+    st = workload_stats(w)
+    if as_json:
+        typer.echo(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in st.items()}, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"trace stats: {path}", show_header=True)
+    table.add_column("statistic")
+    table.add_column("value", justify="right")
+    for title, keys in _GROUPS:
+        table.add_section()
+        table.add_row(f"[bold]{title}[/bold]", "")
+        for k in keys:
+            table.add_row(k, _fmt(st[k]))
+    Console().print(table)
+
+
+@app.command()
+def synth(
+    preset: str = typer.Option(..., "--preset", help="kv-cache-tester or agentx-062126"),
+    sessions: int = typer.Option(..., "--sessions", min=1, help="number of sessions"),
+    seed: int = typer.Option(0, "--seed", help="random seed (same seed, same output)"),
+    out: Path = typer.Option(..., "--out", help=".jsonl/.jsonl.gz file, or a directory of .json.gz traces"),
+) -> None:
+    """Generate synthetic agent sessions in the Weka format."""
+    from rich.progress import Progress
+
+    from kvpool.sim.workload.synth import PRESETS, generate_session, preset_params
+
+    if preset not in PRESETS:
+        raise UserError(f"unknown preset '{preset}'; choose one of: {', '.join(sorted(PRESETS))}")
+    params = preset_params(preset)
+    from kvpool.sim.workload.load import write_weka_jsonl
+    from kvpool.sim.workload.synth import write_weka_dir
+
+    with Progress(transient=True, disable=None) as bar:
+        task = bar.add_task("generating", total=sessions)
+
+        def gen():
+            for k in range(sessions):
+                yield generate_session(params, seed=seed, index=k)
+                bar.advance(task)
+
+        if out.name.endswith((".jsonl", ".jsonl.gz")):
+            n = write_weka_jsonl(gen(), out)
+        else:
+            n = write_weka_dir(gen(), out)
+    typer.echo(f"wrote {n} sessions ({preset}, seed {seed}) to {out}")
+
+
+@app.command()
+def convert(
+    src: Path = typer.Argument(..., help="trace file or directory (Weka or Mooncake JSONL)"),
+    to: str = typer.Option(..., "--to", help="mooncake or weka"),
+    out: Path = typer.Option(..., "--out", help="output .jsonl (or .jsonl.gz) file"),
+    stagger_s: float = typer.Option(0.0, "--stagger-s", min=0.0, help="to mooncake: start session k at k * this"),
+    skip_bad: bool = typer.Option(False, "--skip-bad", help="leave malformed traces out"),
+) -> None:
+    """Convert between the Weka (AgentX) format and Mooncake JSONL (512-token blocks)."""
+    from kvpool.sim.workload.load import write_jsonl_rows, write_weka_jsonl
+    from kvpool.sim.workload.mooncake import MOONCAKE_BLOCK_TOKENS, sessions_to_mooncake_rows, weka_to_mooncake_rows
+
+    if to not in ("mooncake", "weka"):
+        raise UserError(f"--to must be 'mooncake' or 'weka', got '{to}'")
+    if not out.name.endswith((".jsonl", ".jsonl.gz")):
+        raise UserError(f"--out must end in .jsonl or .jsonl.gz, got '{out}'")
+    w = _load(src, skip_bad)
+    if to == "mooncake":
+        flat = all(s.hash_scope == "global" and s.block_tokens == MOONCAKE_BLOCK_TOKENS and len(s.requests) == 1 for s in w)
+        try:
+            rows = sessions_to_mooncake_rows(w) if flat else weka_to_mooncake_rows(w, stagger_s=stagger_s)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        n = write_jsonl_rows(rows, out)
+        typer.echo(f"wrote {n} Mooncake rows to {out}")
+    else:
+        n = write_weka_jsonl(w, out)
+        typer.echo(f"wrote {n} Weka traces to {out}")
