@@ -21,10 +21,13 @@ Triton is imported only inside ``_kernel``; importing this module needs torch al
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,95 +55,16 @@ def _kernel(interpret: bool) -> Any:
         return _KERNELS[interpret]
     with _interpret_env(interpret):
         import triton
-        import triton.language as tl
 
-        @triton.jit
-        def _copy_rows_kernel(
-            anchor_ptr,  # *word: every address below is a word offset from here
-            seg_ptr,  # *i64 [4, n_seg]: paged base, block stride, token stride, flat offset (words)
-            bt_ptr,  # *i32|i64 block table, read row-major through (bt_cols, bt_s0, bt_s1)
-            bt_cols,
-            bt_s0,
-            bt_s1,
-            n_seg,  # segments in this launch
-            flat_off,  # words: flat buffer base (minus row0*REC for scatter)
-            group_stride,  # MODE_CHUNK: words between objects
-            tokens,  # MODE_GATHER/SCATTER: handoff tokens
-            token_start,  # MODE_GATHER/SCATTER: absolute position of the first one
-            ranks,  # MODE_GATHER/SCATTER: DCP size
-            rank0,  # MODE_SCATTER: the rank; MODE_GATHER: 0 (rank = rank0 + program_id(1))
-            row_lo,  # MODE_SCATTER: first buffer row held by the landing slice
-            row_hi,  # MODE_SCATTER: one past the last
-            grp0,  # first group of this launch (grids are split at 65535 groups)
-            MODE: tl.constexpr,
-            TO_PAGED: tl.constexpr,
-            PAGE: tl.constexpr,  # tokens per page
-            CHUNK: tl.constexpr,  # MODE_CHUNK: tokens per chunk (rows per segment)
-            BT_2D: tl.constexpr,  # block table is 2-D (else bt_cols is unused)
-            REC: tl.constexpr,  # words per record
-            COLS: tl.constexpr,  # next power of two >= REC
-            ROWS: tl.constexpr,
-            ALIGN: tl.constexpr,  # words: every row offset is a multiple of this
-        ):
-            # Index math in int32 (host checks rows and positions < 2**31), addresses in int64.
-            pid = tl.program_id(0)
-            grp = tl.program_id(1) + grp0
-            g = pid * ROWS + tl.arange(0, ROWS)
-            if MODE == 0:
-                mask = g < n_seg * CHUNK
-                s = g // CHUNK
-                i = g - s * CHUNK
-                pos = grp * CHUNK + i
-                s = tl.where(mask, s, 0)
-                flat_seg = tl.load(seg_ptr + 3 * n_seg + s, mask=mask, other=0)
-                flat_row = flat_off + grp.to(tl.int64) * group_stride + flat_seg + i.to(tl.int64) * REC
-            else:
-                r = rank0 + grp
-                end = token_start + tokens
-                n_r = (end - r + ranks - 1) // ranks - (token_start - r + ranks - 1) // ranks
-                first = token_start + (r + ranks - token_start % ranks) % ranks
-                if MODE == 1:
-                    mask = g < n_seg * n_r
-                    # handoff tokens of lower ranks: #p in [start, end) with p mod R < r
-                    before = (end // ranks) * r + tl.minimum(end % ranks, r)
-                    before -= (token_start // ranks) * r + tl.minimum(token_start % ranks, r)
-                    flat_row = flat_off + (before * n_seg + g).to(tl.int64) * REC
-                else:
-                    g = g + row_lo
-                    mask = g < row_hi
-                    flat_row = flat_off + g.to(tl.int64) * REC
-                s = g // tl.maximum(n_r, 1)
-                j = g - s * n_r
-                pos = first + j * ranks
-                if MODE == 2:
-                    pos = pos // ranks  # decode-local index
-                s = tl.where(mask, s, 0)
-            page = pos // PAGE
-            slot = pos - page * PAGE
-            if BT_2D:
-                prow = page // bt_cols
-                bt_off = prow.to(tl.int64) * bt_s0 + (page - prow * bt_cols).to(tl.int64) * bt_s1
-            else:
-                bt_off = page.to(tl.int64) * bt_s1
-            bid = tl.load(bt_ptr + bt_off, mask=mask, other=0).to(tl.int64)
-            seg_base = tl.load(seg_ptr + s, mask=mask, other=0)
-            seg_bs = tl.load(seg_ptr + n_seg + s, mask=mask, other=0)
-            seg_ts = tl.load(seg_ptr + 2 * n_seg + s, mask=mask, other=0)
-            paged_row = seg_base + bid * seg_bs + slot.to(tl.int64) * seg_ts
-            paged_row = tl.multiple_of(paged_row, ALIGN)
-            flat_row = tl.multiple_of(flat_row, ALIGN)
-            cols = tl.arange(0, COLS)
-            m2 = mask[:, None] & (cols < REC)[None, :]
-            if TO_PAGED:
-                src = flat_row
-                dst = paged_row
-            else:
-                src = paged_row
-                dst = flat_row
-            v = tl.load(anchor_ptr + src[:, None] + cols[None, :], mask=m2)
-            tl.store(anchor_ptr + dst[:, None] + cols[None, :], v, mask=m2)
-
-        _KERNELS[interpret] = (_copy_rows_kernel, triton)
+        spec = importlib.util.spec_from_file_location(
+            f"kvpool.kernels._triton_kernels_{'interpreted' if interpret else 'compiled'}",
+            Path(__file__).with_name("_triton_kernels.py"),
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        _KERNELS[interpret] = (module._copy_rows_kernel, triton)
     return _KERNELS[interpret]
 
 
@@ -226,45 +150,58 @@ def _seg_table(
 
 def _launch(
     caches: Sequence[torch.Tensor],
-    index: Sequence[int],
-    flat_bytes: Sequence[int],
+    groups_of_segments: Sequence[tuple[Sequence[int], Sequence[int], int]],
     block_ids: torch.Tensor,
     word: int,
     align: int,
-    rec_bytes: int,
-    grid_rows: int,
+    rows_per_segment: int,
     groups: int,
     interpret: bool,
+    total_rows: int | None = None,
     **scalars: int,
 ) -> None:
+    """One launch over one or two record sizes.
+
+    Args:
+        groups_of_segments: up to two ``(cache indices, flat offsets in bytes, record bytes)``.
+        rows_per_segment: rows of one segment in one group (chunk_tokens; max rank rows for DCP).
+        groups: chunks (MODE_CHUNK) or ranks (MODE_GATHER); 1 for MODE_SCATTER.
+        total_rows: rows of one group when not ``segments x rows_per_segment`` (MODE_SCATTER).
+    """
     kernel, triton = _kernel(interpret)
-    table = _seg_table(caches, index, word, flat_bytes)
-    rec = rec_bytes // word
-    cols = triton.next_power_of_2(rec)
-    rows = max(1, min(max(1, TILE_WORDS // cols), triton.next_power_of_2(max(grid_rows, 1))))
-    anchor = triton.reinterpret(caches[0], _tl_word(word))
-    a = dict(
-        n_seg=len(index), flat_off=0, group_stride=0, chunk_tokens=1,
-        tokens=0, token_start=0, ranks=1, rank0=0, row_lo=0, row_hi=0,
-    )
+    a = dict(flat_off=0, group_stride=0, chunk_tokens=1, tokens=0, token_start=0, ranks=1, rank0=0, row_lo=0, row_hi=0)
     a.update(scalars)
-    n_tiles = triton.cdiv(grid_rows, rows)
-    if n_tiles == 0 or groups == 0:
+    parts = []
+    for index, flat_bytes, rec_bytes in groups_of_segments:
+        rec = rec_bytes // word
+        cols = triton.next_power_of_2(rec)
+        grid_rows = len(index) * rows_per_segment if total_rows is None else total_rows
+        rows = max(1, min(max(1, TILE_WORDS // cols), triton.next_power_of_2(max(grid_rows, 1))))
+        if grid_rows >= 2**31:
+            raise ValueError("one launch is limited to 2**31 rows")
+        table = _seg_table(caches, index, word, flat_bytes)
+        parts.append((table, len(index), rec, cols, rows, triton.cdiv(grid_rows, rows)))
+    if len(parts) == 1:
+        parts.append((parts[0][0], 0, 0, 1, 1, 0))
+    (t1, n1, rec1, cols1, rows1, tiles1), (t2, n2, rec2, cols2, rows2, tiles2) = parts
+    if tiles1 + tiles2 == 0 or groups == 0:
         return
-    if grid_rows >= 2**31 or groups * a["chunk_tokens"] >= 2**31 or a["token_start"] + a["tokens"] >= 2**31:
-        raise ValueError("one launch is limited to 2**31 rows and token positions")
+    if groups * a["chunk_tokens"] >= 2**31 or a["token_start"] + a["tokens"] >= 2**31:
+        raise ValueError("one launch is limited to 2**31 token positions")
+    anchor = triton.reinterpret(caches[0], _tl_word(word))
     bt_2d = block_ids.dim() == 2
     bt_cols = block_ids.shape[1] if bt_2d else 1
     bt_s0 = block_ids.stride(0) if bt_2d else 0
     bt_s1 = block_ids.stride(1) if bt_2d else block_ids.stride(0)
     with _interpret_env(True) if interpret else contextlib.nullcontext():
         for g0 in range(0, groups, _MAX_GRID_Y):
-            kernel[(n_tiles, min(_MAX_GRID_Y, groups - g0))](
-                anchor, table, block_ids, max(bt_cols, 1), bt_s0, bt_s1,
-                a["n_seg"], a["flat_off"], a["group_stride"],
+            kernel[(tiles1 + tiles2, min(_MAX_GRID_Y, groups - g0))](
+                anchor, t1, t2, block_ids, max(bt_cols, 1), bt_s0, bt_s1, n1, n2, tiles1,
+                a["flat_off"], a["group_stride"],
                 a["tokens"], a["token_start"], a["ranks"], a["rank0"], a["row_lo"], a["row_hi"], g0,
                 MODE=a["mode"], TO_PAGED=a["to_paged"], PAGE=caches[0].shape[1], CHUNK=a["chunk_tokens"],
-                BT_2D=bt_2d, REC=rec, COLS=cols, ROWS=rows, ALIGN=align, num_warps=NUM_WARPS,
+                BT_2D=bt_2d, REC=rec1, COLS=cols1, ROWS=rows1, REC2=rec2, COLS2=cols2, ROWS2=rows2,
+                ALIGN=align, num_warps=NUM_WARPS,
             )
 
 
@@ -294,10 +231,11 @@ def _chunk_op(
     by_rec: dict[int, list[int]] = {}
     for i, rb in enumerate(recs):
         by_rec.setdefault(rb, []).append(i)
-    for rb, index in by_rec.items():  # one launch per record size (REC is a compile-time constant)
+    # REC is a compile-time constant (vectorized, unmasked-by-size copies): one launch per two sizes
+    sizes = [(index, [offsets[i] for i in index], rb) for rb, index in by_rec.items()]
+    for k in range(0, len(sizes), 2):
         _launch(
-            caches, index, [offsets[i] for i in index], block_ids, word, align, rb,
-            grid_rows=len(index) * chunk_tokens, groups=num_chunks, interpret=interpret,
+            caches, sizes[k : k + 2], block_ids, word, align, chunk_tokens, groups=num_chunks, interpret=interpret,
             mode=MODE_CHUNK, to_paged=to_paged, flat_off=flat_off,
             group_stride=objects.stride(0) // word if num_chunks > 1 else 0, chunk_tokens=chunk_tokens,
         )
@@ -375,10 +313,10 @@ def gather_dcp_triton(
     geom, out = _prepare_gather(caches, block_ids, plan, out, validate)
     use_interp = _use_interpreter(geom.device, interpret)
     word, align = _word_bytes(_cache_quantities(caches) + [out.data_ptr()])
-    max_rows = max(plan.rank_tokens(r) for r in range(plan.ranks)) * plan.layers
+    max_rows = max(plan.rank_tokens(r) for r in range(plan.ranks))
     _launch(
-        caches, range(len(caches)), [0] * len(caches), block_ids, word, align, plan.record_bytes,
-        grid_rows=max_rows, groups=plan.ranks if plan.tokens else 0, interpret=use_interp,
+        caches, [(range(len(caches)), [0] * len(caches), plan.record_bytes)], block_ids, word, align,
+        max_rows, groups=plan.ranks if plan.tokens else 0, interpret=use_interp,
         mode=MODE_GATHER, to_paged=False, flat_off=(out.data_ptr() - caches[0].data_ptr()) // word,
         tokens=plan.tokens, token_start=plan.token_start, ranks=plan.ranks,
     )
@@ -416,8 +354,8 @@ def scatter_dcp_triton(
     word, align = _word_bytes(_cache_quantities(caches) + [landing.data_ptr()])
     rec_words = plan.record_bytes // word
     _launch(
-        caches, range(len(caches)), [0] * len(caches), block_ids, word, align, plan.record_bytes,
-        grid_rows=rows, groups=1 if rows else 0, interpret=use_interp,
+        caches, [(range(len(caches)), [0] * len(caches), plan.record_bytes)], block_ids, word, align,
+        0, groups=1 if rows else 0, interpret=use_interp, total_rows=rows,
         mode=MODE_SCATTER, to_paged=True,
         flat_off=(landing.data_ptr() - caches[0].data_ptr()) // word - row0 * rec_words,
         tokens=plan.tokens, token_start=plan.token_start, ranks=plan.ranks, rank0=rank,

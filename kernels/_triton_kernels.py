@@ -1,0 +1,132 @@
+"""The Triton kernel of kvpool.kernels (see ``triton_ops`` for the design and host functions).
+
+Imports Triton at module level: ``triton_ops._kernel`` loads this file lazily, once compiled and
+(on the CPU) once under Triton's interpreter, as two separate module objects, because Triton decides
+at decoration time whether a kernel is interpreted.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _copy_tile(
+    pid, grp, anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+    tokens, token_start, ranks, rank0, row_lo, row_hi,
+    MODE: tl.constexpr, TO_PAGED: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
+    BT_2D: tl.constexpr, REC: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """Copy rows ``pid*ROWS ..`` of group ``grp`` (a chunk or a rank). See ``_copy_rows_kernel``."""
+    # Index math in int32 (host checks rows and positions < 2**31), addresses in int64.
+    g = pid * ROWS + tl.arange(0, ROWS)
+    if MODE == 0:
+        mask = g < n_seg * CHUNK
+        s = g // CHUNK
+        i = g - s * CHUNK
+        pos = grp * CHUNK + i
+        s = tl.where(mask, s, 0)
+        flat_seg = tl.load(seg_ptr + 3 * n_seg + s, mask=mask, other=0)
+        flat_row = flat_off + grp.to(tl.int64) * group_stride + flat_seg + i.to(tl.int64) * REC
+    else:
+        r = rank0 + grp
+        end = token_start + tokens
+        n_r = (end - r + ranks - 1) // ranks - (token_start - r + ranks - 1) // ranks
+        first = token_start + (r + ranks - token_start % ranks) % ranks
+        if MODE == 1:
+            mask = g < n_seg * n_r
+            # handoff tokens of lower ranks: #p in [start, end) with p mod R < r
+            before = (end // ranks) * r + tl.minimum(end % ranks, r)
+            before -= (token_start // ranks) * r + tl.minimum(token_start % ranks, r)
+            flat_row = flat_off + (before * n_seg + g).to(tl.int64) * REC
+        else:
+            g = g + row_lo
+            mask = g < row_hi
+            flat_row = flat_off + g.to(tl.int64) * REC
+        s = g // tl.maximum(n_r, 1)
+        j = g - s * n_r
+        pos = first + j * ranks
+        if MODE == 2:
+            pos = pos // ranks  # decode-local index
+        s = tl.where(mask, s, 0)
+    page = pos // PAGE
+    slot = pos - page * PAGE
+    if BT_2D:
+        prow = page // bt_cols
+        bt_off = prow.to(tl.int64) * bt_s0 + (page - prow * bt_cols).to(tl.int64) * bt_s1
+    else:
+        bt_off = page.to(tl.int64) * bt_s1
+    bid = tl.load(bt_ptr + bt_off, mask=mask, other=0).to(tl.int64)
+    seg_base = tl.load(seg_ptr + s, mask=mask, other=0)
+    seg_bs = tl.load(seg_ptr + n_seg + s, mask=mask, other=0)
+    seg_ts = tl.load(seg_ptr + 2 * n_seg + s, mask=mask, other=0)
+    paged_row = seg_base + bid * seg_bs + slot.to(tl.int64) * seg_ts
+    paged_row = tl.multiple_of(paged_row, ALIGN)
+    flat_row = tl.multiple_of(flat_row, ALIGN)
+    cols = tl.arange(0, COLS)
+    m2 = mask[:, None] & (cols < REC)[None, :]
+    if TO_PAGED:
+        src = flat_row
+        dst = paged_row
+    else:
+        src = paged_row
+        dst = flat_row
+    v = tl.load(anchor_ptr + src[:, None] + cols[None, :], mask=m2)
+    tl.store(anchor_ptr + dst[:, None] + cols[None, :], v, mask=m2)
+
+@triton.jit
+def _copy_rows_kernel(
+    anchor_ptr,  # *word: every address below is a word offset from here
+    seg_ptr,  # *i64 [4, n_seg]: paged base, block stride, token stride, flat offset (words)
+    seg2_ptr,  # the same for the second record size (REC2 > 0)
+    bt_ptr,  # *i32|i64 block table, read row-major through (bt_cols, bt_s0, bt_s1)
+    bt_cols,
+    bt_s0,
+    bt_s1,
+    n_seg,  # segments of the first record size
+    n_seg2,  # segments of the second record size
+    n_tiles,  # programs (along axis 0) of the first record size; the rest do the second
+    flat_off,  # words: flat buffer base (minus row0*REC for scatter)
+    group_stride,  # MODE_CHUNK: words between objects
+    tokens,  # MODE_GATHER/SCATTER: handoff tokens
+    token_start,  # MODE_GATHER/SCATTER: absolute position of the first one
+    ranks,  # MODE_GATHER/SCATTER: DCP size
+    rank0,  # MODE_SCATTER: the rank; MODE_GATHER: 0 (rank = rank0 + program_id(1))
+    row_lo,  # MODE_SCATTER: first buffer row held by the landing slice
+    row_hi,  # MODE_SCATTER: one past the last
+    grp0,  # first group of this launch (grids are split at 65535 groups)
+    MODE: tl.constexpr,
+    TO_PAGED: tl.constexpr,
+    PAGE: tl.constexpr,  # tokens per page
+    CHUNK: tl.constexpr,  # MODE_CHUNK: tokens per chunk (rows per segment)
+    BT_2D: tl.constexpr,  # block table is 2-D (else bt_cols is unused)
+    REC: tl.constexpr,  # words per record
+    COLS: tl.constexpr,  # next power of two >= REC
+    ROWS: tl.constexpr,
+    REC2: tl.constexpr,  # second record size in words (0: none), MODE_CHUNK only
+    COLS2: tl.constexpr,
+    ROWS2: tl.constexpr,
+    ALIGN: tl.constexpr,  # words: every row offset is a multiple of this
+):
+    pid = tl.program_id(0)
+    grp = tl.program_id(1) + grp0
+    if REC2 == 0:
+        _copy_tile(
+            pid, grp, anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+            tokens, token_start, ranks, rank0, row_lo, row_hi,
+            MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, COLS, ROWS, ALIGN,
+        )
+    else:
+        if pid < n_tiles:
+            _copy_tile(
+                pid, grp, anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off,
+                group_stride, tokens, token_start, ranks, rank0, row_lo, row_hi,
+                MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, COLS, ROWS, ALIGN,
+            )
+        else:
+            _copy_tile(
+                pid - n_tiles, grp, anchor_ptr, seg2_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg2, flat_off,
+                group_stride, tokens, token_start, ranks, rank0, row_lo, row_hi,
+                MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC2, COLS2, ROWS2, ALIGN,
+            )
+
