@@ -109,6 +109,7 @@ def digests_from_blocks(
     n_tokens: int,
     chunk_tokens: int,
     seed: bytes,
+    start_chunk: int = 0,
 ) -> list[ChunkDigest]:
     """Chained digests of the full chunks of a prompt described by per-block hash ids (traces).
 
@@ -118,7 +119,9 @@ def digests_from_blocks(
         block_tokens: tokens per block (64 for Weka/AgentX traces, 512 for Mooncake traces).
         n_tokens: prompt length in tokens.
         chunk_tokens: tokens per chunk.
-        seed: the chain seed (``chain_seed``).
+        seed: the chain seed (``chain_seed``); with ``start_chunk > 0``, the digest of chunk
+            ``start_chunk - 1`` (continue a chain already computed for a shared prefix).
+        start_chunk: first chunk to compute; the result holds chunks ``start_chunk ..``.
 
     A chunk is keyed only if it lies within ``n_tokens`` and every block it touches is full.
     """
@@ -132,25 +135,49 @@ def digests_from_blocks(
         )
     full_block_tokens = min(n_tokens, n_blocks * block_tokens) // block_tokens * block_tokens
     keyable = min(full_chunks(n_tokens, chunk_tokens), full_block_tokens // chunk_tokens)
+    first = max(0, start_chunk)
+    if first >= keyable:
+        return []
+    lo, hi = first * chunk_tokens, keyable * chunk_tokens
+    # Piece boundaries: every chunk and block boundary in [lo, hi); piece i is [cuts[i], cuts[i+1]).
+    cuts = np.union1d(np.arange(lo, hi, chunk_tokens, dtype=np.int64),
+                      np.arange(-(-lo // block_tokens) * block_tokens, hi, block_tokens, dtype=np.int64))
+    ends = np.append(cuts[1:], hi)
+    blocks = cuts // block_tokens
+    ids = _as_u64(block_ids, int(blocks[0]), int(blocks[-1]) + 1)[blocks - blocks[0]]
+    pieces = np.empty(cuts.size, dtype=[("id", "<u8"), ("off", "<u4"), ("take", "<u4")])
+    pieces["id"] = ids
+    pieces["off"] = cuts - blocks * block_tokens
+    pieces["take"] = ends - cuts
+    raw = pieces.tobytes()
+    bounds = np.searchsorted(cuts, np.arange(lo, hi + 1, chunk_tokens, dtype=np.int64)) * pieces.itemsize
     head = b"B" + struct.pack("<I", block_tokens)
     out: list[ChunkDigest] = []
     parent = seed
-    for c in range(keyable):
-        start, end = c * chunk_tokens, (c + 1) * chunk_tokens
-        parts = [head]
-        pos = start
-        while pos < end:
-            b = pos // block_tokens
-            off = pos - b * block_tokens
-            take = min(block_tokens - off, end - pos)
-            bid = int(block_ids[b])
-            if not 0 <= bid <= _U64_MAX:
-                raise ValueError(f"block id {bid} at block {b} is not a u64")
-            parts.append(struct.pack("<QII", bid, off, take))
-            pos += take
-        parent = _link(parent, b"".join(parts))
+    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        parent = _link(parent, head + raw[a:b])
         out.append(parent)
     return out
+
+
+def _as_u64(block_ids: Sequence[int] | np.ndarray, start: int, stop: int) -> np.ndarray:
+    """``block_ids[start:stop]`` as uint64, with a clear error for ids that are not u64."""
+    part = block_ids[start:stop]
+    arr = np.asarray(part)
+    if arr.dtype.kind == "u":
+        return arr.astype(np.uint64, copy=False)
+    if arr.dtype.kind == "i":
+        if arr.size and int(arr.min()) < 0:
+            bad = int(np.flatnonzero(arr < 0)[0])
+            raise ValueError(f"block id {int(arr[bad])} at block {start + bad} is not a u64")
+        return arr.astype(np.uint64)
+    try:
+        return np.array([int(x) for x in part], dtype=np.uint64)
+    except (OverflowError, ValueError, TypeError):
+        for i, x in enumerate(part):
+            if not isinstance(x, (int, np.integer)) or not 0 <= int(x) <= _U64_MAX:
+                raise ValueError(f"block id {x!r} at block {start + i} is not a u64") from None
+        raise
 
 
 @dataclass(frozen=True)

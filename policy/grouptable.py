@@ -19,7 +19,7 @@ Contract (identical to ``eviction``'s, with objects addressed as ``(group, slot)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,6 +34,7 @@ class PutOutcome:
     rejected: int
     evicted_groups: int
     evicted_bytes: int
+    evicted_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), compare=False)
 
 
 class GroupTable:
@@ -129,43 +130,56 @@ class GroupTable:
         np.maximum(self._pins, 0, out=self._pins)
 
     # -- writes ------------------------------------------------------------------------------
-    def put(self, gids: Sequence[int] | np.ndarray, slot: int, now: float) -> PutOutcome:
-        """Store ``(g, slot)`` for each ``g`` in order; evicts first when they would not fit.
+    def put(self, gids: Sequence[int] | np.ndarray, slot: int | Sequence[int], now: float) -> PutOutcome:
+        """Store ``(g, slot)`` for each ``g`` in order (for each slot, when several are given);
+        evicts first when they would not fit.
 
         Objects already present are left as they are (their groups count as written now). When
-        eviction cannot make room for all new objects, the leading ones that fit are stored and
+        eviction cannot make room for all new objects, the leading groups that fit are stored and
         the rest rejected.
         """
         ids = self._ids(gids)
+        slots = np.atleast_1d(np.asarray(slot, dtype=np.int64))
         if ids.size:
             ids = ids[np.sort(np.unique(ids, return_index=True)[1])]
-        new = ids[~self.present[ids, slot]]
-        old = ids[self.present[ids, slot]]
-        if old.size:
-            self._last[old] = now
-        size = int(self.slot_bytes[slot])
-        ev_groups = ev_bytes = 0
-        need = self.used_bytes + size * new.size - self.capacity_bytes
+        missing = ~self.present[np.ix_(ids, slots)]  # [group, slot]
+        need_row = missing @ self.slot_bytes[slots]  # bytes each group still needs
+        self._last[ids] = now
+        passes: list[tuple[np.ndarray, int]] = []
+        total = int(need_row.sum())
+        need = self.used_bytes + total - self.capacity_bytes
         if need > 0:
-            g, b = self._evict(need, protect=ids, partial_ok=True)
-            ev_groups += g
-            ev_bytes += b
-        room = (self.capacity_bytes - self.used_bytes) // size
-        stored = new[: max(0, min(new.size, room))]
+            passes.append(self._evict(need, protect=ids, partial_ok=True))
+        room = self.capacity_bytes - self.used_bytes
+        fits = np.cumsum(need_row) <= room
+        stored_rows = np.flatnonzero(fits & (need_row > 0))
+        stored = ids[stored_rows]
         if stored.size:
             fresh = ~self.present[stored].any(axis=1)
-            self._seq += 1
-            self._inserted[stored[fresh]] = self._seq + np.arange(int(fresh.sum()))
-            self._seq += int(fresh.sum())
+            n_fresh = int(fresh.sum())
+            self._inserted[stored[fresh]] = self._seq + 1 + np.arange(n_fresh)
+            self._seq += n_fresh
             self._count[stored[fresh]] = 0
-            self.present[stored, slot] = True
-            self._last[stored] = now
-            self.used_bytes += size * stored.size
+            sub = self.present[np.ix_(stored, slots)] | missing[stored_rows]
+            self.present[np.ix_(stored, slots)] = sub
+            self.used_bytes += int(need_row[stored_rows].sum())
         if self.used_bytes > self.high_watermark * self.capacity_bytes:
-            g, b = self._evict(0, protect=ids)
-            ev_groups += g
-            ev_bytes += b
-        return PutOutcome(int(stored.size), int(new.size - stored.size), ev_groups, ev_bytes)
+            passes.append(self._evict(0, protect=ids))
+        gone = np.concatenate([v for v, _ in passes]) if passes else np.zeros(0, dtype=np.int64)
+        freed = sum(b for _, b in passes)
+        n_new = int(missing.sum())
+        n_stored = int(missing[stored_rows].sum())
+        return PutOutcome(n_stored, n_new - n_stored, int(gone.size), freed, gone)
+
+    def lookup_slots(self, gids: Sequence[int] | np.ndarray, slots: Sequence[int], now: float) -> np.ndarray:
+        """Presence ``[slot index, chunk]`` for several slots in one check (recency as ``lookup``)."""
+        ids = self._ids(gids)
+        hit = self.present[np.ix_(ids, np.asarray(slots, dtype=np.int64))].T
+        touched = ids[hit.any(axis=0)]
+        if touched.size:
+            self._last[touched] = now
+            self._count[touched] += 1
+        return hit
 
     def remove_groups(self, gids: Sequence[int] | np.ndarray) -> int:
         """Drop whole groups; returns bytes freed."""
@@ -178,7 +192,8 @@ class GroupTable:
         self.used_bytes -= freed
         return freed
 
-    def _evict(self, need_bytes: int, protect: np.ndarray, partial_ok: bool = False) -> tuple[int, int]:
+    def _evict(self, need_bytes: int, protect: np.ndarray, partial_ok: bool = False) -> tuple[np.ndarray, int]:
+        """Evict whole groups; returns their ids and the bytes freed (none: nothing changed)."""
         cap = self.capacity_bytes
         used_ratio = self.used_bytes / cap if cap else 1.0
         ratio = max(self.evict_ratio, used_ratio - self.high_watermark + self.evict_ratio)
@@ -187,8 +202,9 @@ class GroupTable:
         cand = np.flatnonzero(held & (self._pins == 0))
         if protect.size:
             cand = np.setdiff1d(cand, protect, assume_unique=False)
+        none = (np.zeros(0, dtype=np.int64), 0)
         if not cand.size:
-            return 0, 0
+            return none
         if self.order == "lru":
             keys = (-self._inserted[cand], self._last[cand])
         elif self.order == "lfu":
@@ -199,7 +215,7 @@ class GroupTable:
         sizes = self.present[ordered] @ self.slot_bytes
         cum = np.cumsum(sizes)
         if cum[-1] < need_bytes and not partial_ok:
-            return 0, 0
+            return none
         k = int(np.searchsorted(cum, target, side="left")) + 1
         victims = ordered[: min(k, ordered.size)]
         freed = int(cum[victims.size - 1])
@@ -208,4 +224,4 @@ class GroupTable:
         self.evicted_groups += int(victims.size)
         self.evicted_bytes += freed
         self.evict_passes += 1
-        return int(victims.size), freed
+        return victims, freed

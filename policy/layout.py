@@ -103,6 +103,11 @@ class HandoffPlan:
         step = self.max_write_bytes // self.record_bytes * self.record_bytes
         return [Write(rank, off, min(step, size - off)) for off in range(0, size, step)]
 
+    def rank_writes(self, rank: int) -> int:
+        """Number of writes of ``rank``'s buffer (``len(writes(rank))`` without building them)."""
+        step = self.max_write_bytes // self.record_bytes * self.record_bytes
+        return -(-self.buffer_bytes(rank) // step)
+
     def all_writes(self) -> list[Write]:
         """Every batched write, rank by rank."""
         return [w for r in range(self.ranks) for w in self.writes(r)]
@@ -110,5 +115,4 @@ class HandoffPlan:
     @property
     def batched_writes(self) -> int:
         """Number of batched writes over all ranks."""
-        step = self.max_write_bytes // self.record_bytes * self.record_bytes
-        return sum(-(-self.buffer_bytes(r) // step) for r in range(self.ranks))
+        return sum(self.rank_writes(r) for r in range(self.ranks))

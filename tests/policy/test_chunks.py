@@ -111,3 +111,12 @@ def test_object_keys_and_groups():
     assert "s0of4" not in naming.group_id(d)
     with pytest.raises(ValueError):
         naming.object_key(d, 4)
+
+
+@given(st.lists(st.integers(0, 1000), min_size=4, max_size=40), st.integers(0, 10))
+def test_continuing_a_chain_equals_computing_it_whole(block_ids, start):
+    n = len(block_ids) * 64
+    whole = digests_from_blocks(block_ids, 64, n, 256, SEED)
+    start = min(start, len(whole))
+    parent = whole[start - 1] if start else SEED
+    assert digests_from_blocks(block_ids, 64, n, 256, parent, start_chunk=start) == whole[start:]

@@ -101,3 +101,23 @@ def test_bad_arguments():
         GroupTable(10, [])
     with pytest.raises(ValueError):
         GroupTable(10, [1]).lookup([-1], 0, 0.0)
+
+
+def test_put_reports_the_evicted_groups():
+    t = GroupTable(30, [10], "lru", high_watermark=1.0, evict_ratio=0.01)
+    t.put([0, 1, 2], 0, 0.0)
+    out = t.put([3], 0, 1.0)
+    assert out.evicted_ids.tolist() == [2] and out.evicted_bytes == 10 and out.evicted_groups == 1
+
+
+def test_multi_slot_put_and_lookup_equal_single_slot_calls():
+    a = GroupTable(10_000, [10, 20, 30, 40])
+    b = GroupTable(10_000, [10, 20, 30, 40])
+    a.put([1, 2, 3], [0, 1, 2, 3], 0.0)
+    for s in range(4):
+        b.put([1, 2, 3], s, 0.0)
+    assert (a.present == b.present).all() and a.used_bytes == b.used_bytes == 3 * 100
+    a.put([3, 4], [1, 2], 1.0)
+    assert a.used_bytes == 300 + 50 and a.contains(4, 1) and not a.contains(4, 0)
+    hit = a.lookup_slots([1, 4, 9], [0, 1], 2.0)
+    assert hit.tolist() == [[True, False, False], [True, True, False]]

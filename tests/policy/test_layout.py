@@ -36,6 +36,7 @@ def test_writes_cover_every_buffer_exactly(tokens, start, ranks, layers, record,
             assert w.offset_bytes == off and 0 < w.nbytes <= plan.max_write_bytes and w.nbytes % record == 0
             off += w.nbytes
     assert plan.batched_writes == len(plan.all_writes())
+    assert all(plan.rank_writes(r) == len(plan.writes(r)) for r in range(ranks))
     assert sum(plan.buffer_bytes(r) for r in range(ranks)) == plan.total_bytes
 
 

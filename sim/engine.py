@@ -1,0 +1,314 @@
+"""The simulation of one load: a scenario's cluster serving a replay schedule, in SimPy.
+
+Each request (``Simulation._serve``) goes: admission gate (``policy.admission``, when enabled) ->
+decode group (``policy.routing.choose_decode``) -> prefill instance (the group's router:
+``policy.routing``) -> lookup: GPU prefix cache + one batched pool check of every rank x chunk
+(``policy.chunks`` keys via ``sim.keys``) -> ``policy.hits`` -> restore per rank over its NIC
+(load worker, bytes / fair share + per-write cost + unpack; the request waits for every rank
+while others compute) -> chunked prefill -> GPU cache insert + asynchronous save of new chunks
+(group ids, ``policy.grouptable`` eviction) -> handoff to decode per stage (``policy.layout``
+write plan) -> decode (continuous batching) -> finish (the replay releases what depends on it).
+
+The simulator owns time and resources; every decision is a policy-core call.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
+from kvpool.policy.chunks import namespace_for
+from kvpool.policy.hits import compute_hits
+from kvpool.policy.layout import HandoffPlan
+from kvpool.policy.routing import choose_decode, make_router
+from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacity_tokens
+from kvpool.scenario.model import Scenario
+from kvpool.sim.cluster import Network, place
+from kvpool.sim.cost import AnalyticalCost, CostModel
+from kvpool.sim.gpucache import GPUPrefixCache
+from kvpool.sim.instances import DecodeInstance, PrefillInstance
+from kvpool.sim.keys import KeySpace
+from kvpool.sim.metrics import RequestRecord
+from kvpool.sim.pool import SimPool
+
+
+@dataclass
+class Timeline:
+    """Time series sampled during the run (for plots)."""
+
+    pool_t: list[float] = field(default_factory=list)
+    pool_used: list[float] = field(default_factory=list)
+    pool_evicted: list[int] = field(default_factory=list)
+    decode_t: list[float] = field(default_factory=list)
+    decode_occ: list[float] = field(default_factory=list)
+
+
+class Simulation:
+    """One scenario, one replay schedule; ``run()`` returns the per-request records."""
+
+    def __init__(self, s: Scenario, replay, *, cost: CostModel | None = None, unbounded: bool = False) -> None:
+        """``replay``: an AgentXReplay or ProductionReplay (sim.workload.replay's driver interface).
+        ``unbounded``: infinite GPU caches and pool (the trace-ceiling check)."""
+        self.s = s
+        self.replay = replay
+        self.env = env = simpy.Environment()
+        self.cost = cost or AnalyticalCost.from_scenario(s)
+        self.spec = spec = s.kvspec()
+        self.chunk_tokens = s.pool.chunk_tokens
+        self.keys = KeySpace(namespace_for(spec, s.pool.chunk_tokens), s.pool.chunk_tokens)
+        self.rng = random.Random(s.seed)
+        self.layout = place(s)
+        self.net = Network(env, s)
+        self.timeline = Timeline()
+        tp = s.prefill.tp
+        # rank r = stage * tp + t holds stage r // tp's layers (MLA latent replicated over TP)
+        self.rank_stage = [r // tp for r in range(s.prefill.pp * tp)]
+        rank_bytes = [spec.chunk_object_bytes(st, self.chunk_tokens) for st in self.rank_stage]
+        self.rank_bytes = rank_bytes
+        if unbounded:
+            s = s.model_copy(update={"pool": s.pool.model_copy(update={"gib_per_service": 1 << 20, "services_per_server": 1})})
+        self.pool = SimPool(s, rank_bytes) if s.pool.services_per_server and s.pool.gib_per_service else None
+        cache_tokens = None if unbounded else prefill_kv_capacity_tokens(s)
+        self.prefills = [
+            PrefillInstance(env, i, pl.server, pl.gpus, pp=s.prefill.pp, tp=tp,
+                            max_batched_tokens=s.prefill.max_batched_tokens, cost=self.cost,
+                            cache=GPUPrefixCache(cache_tokens), load_workers=s.cost.load_workers_per_stage)
+            for i, pl in enumerate(self.layout.prefill)
+        ]
+        self.decodes = [
+            DecodeInstance(env, i, pl.server, pl.gpus, capacity_tokens=decode_kv_capacity_tokens(s),
+                           max_seqs=s.decode.max_seqs, tokens_per_step=s.decode.mtp_accept_tokens, cost=self.cost,
+                           on_occupancy=self._decode_occupancy)
+            for i, pl in enumerate(self.layout.decode)
+        ]
+        self.group_prefills = [[p.index for p, pl in zip(self.prefills, self.layout.prefill) if pl.group == g]
+                               for g in range(len(self.decodes))]
+        self.routers = [make_router(s.routing.prefill, random.Random(self.rng.random())) for _ in self.decodes]
+        self.gate = (AdmissionGate(GateConfig(s.gate.tokens_per_decode, s.gate.budget_fraction, s.gate.max_input_tokens,
+                                              s.gate.max_output_tokens, s.gate.max_wait_s), len(self.decodes))
+                     if s.gate.enabled else None)
+        self._gate_waiters: deque[tuple[object, simpy.Event]] = deque()
+        self.records: list[RequestRecord] = []
+        self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus
+
+    # -- time series -----------------------------------------------------------------------
+    def _decode_occupancy(self, now: float, _frac: float) -> None:
+        cap = sum(d.capacity_tokens for d in self.decodes)
+        self.timeline.decode_t.append(now)
+        self.timeline.decode_occ.append(sum(d.reserved_tokens for d in self.decodes) / cap if cap else 0.0)
+
+    def _sample_pool(self) -> None:
+        if self.pool is None:
+            return
+        self.timeline.pool_t.append(self.env.now)
+        self.timeline.pool_used.append(self.pool.used_bytes / max(1, self.pool.capacity_bytes))
+        self.timeline.pool_evicted.append(self.pool.evicted_groups)
+
+    # -- the driver (sim.workload.replay's interface) ------------------------------------------
+    def run(self) -> list[RequestRecord]:
+        env = self.env
+        env.process(self._driver())
+        env.run()
+        return self.records
+
+    def _driver(self):
+        env = self.env
+        replay = self.replay
+        kick = env.event()
+
+        def run_one(d):
+            yield from self._serve(d)
+            handle(replay.finished(d.key, env.now))
+
+        def handle(w):
+            nonlocal kick
+            for d in w.ready:
+                env.process(run_one(d))
+            if not kick.triggered:
+                kick.succeed(w)
+
+        w = replay.start(env.now)
+        handle(w)
+        while not w.done:
+            w = kick.value
+            kick = env.event()
+            timer = [env.timeout(max(0.0, w.next_due_s - env.now))] if w.next_due_s is not None else []
+            yield env.any_of([kick, *timer])
+            if not kick.triggered:
+                handle(replay.poll(env.now))
+
+    # -- one request -------------------------------------------------------------------------
+    def _admit(self, rec: RequestRecord, d, decode: int):
+        """Wait at the gate; returns the decode instance index or None when rejected."""
+        gate = self.gate
+        key = rec.key
+        bad = gate.check(rec.in_tokens, rec.out_tokens)
+        if bad is not None:
+            rec.rejected = bad.value
+            return None
+        start = self.env.now
+        while True:
+            decode = choose_decode([gate.free_tokens(i) for i in range(len(self.decodes))])
+            if gate.try_admit(key, rec.in_tokens, rec.out_tokens, decode) is Verdict.ADMITTED:
+                return decode
+            left = gate.config.max_wait_s - (self.env.now - start)
+            if left <= 0:
+                rec.rejected = Verdict.REJECT_TIMEOUT.value
+                return None
+            ev = self.env.event()
+            self._gate_waiters.append((key, ev))
+            yield ev | self.env.timeout(left)
+
+    def _release_gate(self, key) -> None:
+        self.gate.release(key)
+        waiters, self._gate_waiters = self._gate_waiters, deque()
+        for _, ev in waiters:
+            if not ev.triggered:
+                ev.succeed()
+
+    def _serve(self, d):
+        env = self.env
+        s = self.s
+        req = d.request
+        out_tokens = max(1, d.out_tokens)
+        rec = RequestRecord(d.key, d.session.id, req.thread, d.measured, env.now, req.in_tokens, out_tokens)
+        self.records.append(rec)
+        # 1. gate and decode group
+        if self.gate is not None:
+            decode = yield from self._admit(rec, d, 0)
+            if decode is None:
+                rec.end_s = env.now
+                return
+        else:
+            decode = choose_decode([dd.free_tokens for dd in self.decodes])
+        rec.decode = decode
+        group = self.group_prefills[decode] or list(range(len(self.prefills)))
+        load = [self.prefills[i].outstanding_tokens for i in group]
+        p = self.prefills[group[self.routers[decode].choose(d.scope or d.session.id, load)]]
+        rec.prefill = p.index
+        p.outstanding_tokens += req.in_tokens
+        try:
+            yield from self._prefill(d, rec, p)
+            yield from self._handoff(rec, p, self.decodes[decode])
+            dec = self.decodes[decode]
+            first, done = dec.generate(req.in_tokens, out_tokens)
+            yield first
+            rec.first_token_s = env.now
+            yield done
+            rec.end_s = env.now
+        finally:
+            if self.gate is not None and not rec.rejected:
+                self._release_gate(rec.key)
+        if d.scope and req.index == len(d.session.requests) - 1:
+            self.keys.forget_scope(d.scope)
+
+    def _prefill(self, d, rec: RequestRecord, p: PrefillInstance):
+        env = self.env
+        req = d.request
+        session = d.session
+        bt = session.block_tokens
+        blocks = d.block_ids()
+        gblocks = self.keys.global_blocks(blocks, d.scope, int(session.blocks.tail.max()) if session.blocks.tail.size else 0)
+        full_blocks = min(gblocks.size, req.in_tokens // bt)
+        gpu_hit = p.cache.hit_blocks(gblocks[:full_blocks], env.now) * bt
+        gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
+        present = self.pool.lookup(p.server, p.ranks, gids, env.now) if self.pool is not None and gids.size else None
+        hits = compute_hits(req.in_tokens, gpu_hit, present, chunk_tokens=self.chunk_tokens,
+                            page_tokens=self.s.model.page_tokens, min_load_tokens=self.s.pool.min_load_tokens)
+        rec.gpu_tokens = hits.gpu_tokens
+        rec.pool_tokens = hits.pool_tokens
+        rec.computed_tokens = hits.computed_tokens
+        rec.prefill_start_s = env.now
+        if hits.pool_tokens:
+            load_ids = gids[hits.load_first_chunk:hits.load_end_chunk]
+            self.pool.pin(p.server, p.ranks, load_ids)
+            try:
+                yield from self._restore(rec, p, load_ids.size)
+            finally:
+                self.pool.unpin(p.server, p.ranks, load_ids)
+        yield p.compute(rec.computed_tokens, rec.gpu_tokens + rec.pool_tokens)
+        rec.prefill_end_s = env.now
+        p.outstanding_tokens -= req.in_tokens
+        p.cache.insert(gblocks[:full_blocks], env.now, bt)
+        if self.pool is not None and gids.size:
+            new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids
+            if new.size:
+                env.process(self._save(rec, p, new))
+
+    def _rank_links(self, p: PrefillInstance, rank: int, nbytes: int, writes: int) -> list[simpy.Event]:
+        """Transfers between the pool and prefill rank ``rank``: its own NIC carries every byte; in a
+        shared multi-server pool, the remote servers' NICs on the same rail carry their share."""
+        gpu = p.rank_gpu(rank)
+        events = [self.net.nic[gpu].transfer(nbytes, writes)]
+        if self.pool is not None and self.pool.mode == "shared" and self.net and self.s.cluster.servers > 1:
+            servers = self.s.cluster.servers
+            share = nbytes // servers
+            rail = gpu % self.s.cluster.gpus_per_server
+            for srv in range(servers):
+                if srv != p.server and share:
+                    events.append(self.net.rail_nic(srv, rail).transfer(share, max(1, writes // servers)))
+        return events
+
+    def _restore(self, rec: RequestRecord, p: PrefillInstance, chunks: int):
+        env = self.env
+        starts, ends = [0.0] * p.ranks, [0.0] * p.ranks
+
+        def one(rank: int):
+            stage = self.rank_stage[rank]
+            delay = stage * p.step_s  # the forwards queued ahead of this stage
+            if delay:
+                yield env.timeout(delay)
+            with p.loaders[rank].request() as slot:
+                yield slot
+                starts[rank] = env.now
+                nbytes = chunks * self.rank_bytes[rank]
+                yield env.all_of(self._rank_links(p, rank, nbytes, chunks))
+                yield env.timeout(self.cost.unpack_s(nbytes))
+                ends[rank] = env.now
+            rec.restore_bytes += nbytes
+
+        yield env.all_of([env.process(one(r)) for r in range(p.ranks)])
+        rec.restore_stage_s = [e - b for b, e in zip(starts, ends)]
+        rec.restore_spread_s = max(ends) - min(starts)
+
+    def _save(self, rec: RequestRecord, p: PrefillInstance, gids: np.ndarray):
+        """Every rank packs its objects of the new chunks (in parallel) and puts them with group ids."""
+        env = self.env
+        nbytes = [gids.size * b for b in self.rank_bytes]
+        yield env.timeout(self.cost.unpack_s(max(nbytes)))  # pack
+        events = [ev for r in range(p.ranks) for ev in self._rank_links(p, r, nbytes[r], int(gids.size))]
+        yield env.all_of(events)
+        self.pool.save(p.server, p.ranks, gids, env.now)
+        rec.save_bytes += sum(nbytes)
+        self._sample_pool()
+
+    def _handoff(self, rec: RequestRecord, p: PrefillInstance, dec: DecodeInstance):
+        """Every stage gathers its layers of every token per decode rank and sends them in large
+        writes (``policy.layout``); each decode rank receives its tokens from every stage."""
+        env = self.env
+        spec = self.spec
+        start = env.now
+        dcp = self.s.decode.dcp
+        events = []
+        rank_bytes = [0] * dcp
+        rank_writes = [0] * dcp
+        for stage in range(spec.stages):
+            layers = len(spec.stage_layer_ids(stage))
+            plan = HandoffPlan(tokens=rec.in_tokens, layers=layers, record_bytes=spec.stage_bytes_per_token[stage] // layers,
+                               ranks=dcp, max_write_bytes=self.s.handoff.max_write_bytes)
+            rec.handoff_bytes += plan.total_bytes
+            rec.handoff_writes += plan.batched_writes
+            events.append(self.net.nic[p.rank_gpu(stage * self.s.prefill.tp)].transfer(plan.total_bytes, plan.batched_writes))
+            for r in range(dcp):
+                rank_bytes[r] += plan.buffer_bytes(r)
+                rank_writes[r] += plan.rank_writes(r)
+        for r in range(dcp):
+            events.append(self.net.nic[dec.gpus[r % len(dec.gpus)]].transfer(rank_bytes[r], rank_writes[r]))
+        yield env.all_of(events)
+        yield env.timeout(2 * self.cost.unpack_s(rec.handoff_bytes // max(1, spec.stages)))  # gather + scatter
+        rec.handoff_s = env.now - start

@@ -1,0 +1,94 @@
+"""Names for what the simulator caches: global block ids (GPU cache) and chunk group ids (pool).
+
+Contract:
+    * Block ids of a play whose hash scope is local (Weka traces: small per-session ints) are
+      shifted into a dense range of their own per scope, so different sessions and different
+      plays of one session never share GPU cache entries; global-scope ids (scope ``""``,
+      Mooncake traces) share one range.
+    * Chunk keys are the policy core's: ``policy.chunks.digests_from_blocks`` under
+      ``chain_seed(namespace, scope)``. Each distinct digest gets a small integer group id (first
+      seen, first numbered) for ``policy.grouptable``. A thread keeps its last request's blocks
+      and digests, so a request hashes only the chunks past its common prefix with the previous
+      one (the chain makes the shared digests identical by construction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvpool.policy.chunks import chain_seed, digests_from_blocks
+
+_GLOBAL_RESERVE = 1 << 24  # block ids reserved for global-scope (Mooncake) ids
+
+
+@dataclass
+class _ThreadKeys:
+    blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    digests: list[bytes] = field(default_factory=list)
+    gids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+
+class KeySpace:
+    def __init__(self, namespace: str, chunk_tokens: int) -> None:
+        self.namespace = namespace
+        self.chunk_tokens = chunk_tokens
+        self._scope_offsets: dict[str, tuple[int, int]] = {}
+        self._next_block = 0
+        self._seeds: dict[str, bytes] = {}
+        self._gid: dict[bytes, int] = {}
+        self._threads: dict[tuple[str, int], _ThreadKeys] = {}
+        self.hashed_chunks = 0
+
+    @property
+    def groups(self) -> int:
+        return len(self._gid)
+
+    def global_blocks(self, block_ids: np.ndarray, scope: str, max_id: int) -> np.ndarray:
+        """Dense global ids of ``block_ids``; ``max_id`` bounds every id the scope will use."""
+        ids = block_ids.astype(np.int64, copy=False)
+        got = self._scope_offsets.get(scope)
+        if got is None:
+            size = _GLOBAL_RESERVE if not scope else max_id + 1
+            got = self._scope_offsets[scope] = (self._next_block, size)
+            self._next_block += size
+        off, size = got
+        if ids.size and int(ids.max()) >= size:
+            raise ValueError(f"block id {int(ids.max())} beyond the {size} ids reserved for scope {scope!r}")
+        return ids + off
+
+    def chunk_gids(self, scope: str, thread: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int) -> np.ndarray:
+        """Group ids of the request's keyable chunks (policy.chunks rules), in order.
+
+        Tokens beyond the recorded blocks (traces whose ``in`` over-counts) are never keyed."""
+        n_tokens = min(n_tokens, block_ids.size * block_tokens)
+        st = self._threads.get((scope, thread))
+        if st is None:
+            st = self._threads[(scope, thread)] = _ThreadKeys()
+        n = min(st.blocks.size, block_ids.size)
+        diff = np.flatnonzero(st.blocks[:n] != block_ids[:n])
+        common_blocks = int(diff[0]) if diff.size else n
+        keep = min(len(st.digests), common_blocks * block_tokens // self.chunk_tokens)
+        seed = self._seeds.get(scope)
+        if seed is None:
+            seed = self._seeds[scope] = chain_seed(self.namespace, scope)
+        parent = st.digests[keep - 1] if keep else seed
+        new = digests_from_blocks(block_ids, block_tokens, n_tokens, self.chunk_tokens, parent, start_chunk=keep)
+        self.hashed_chunks += len(new)
+        gid = self._gid
+        new_ids = []
+        for d in new:
+            g = gid.get(d)
+            if g is None:
+                g = gid[d] = len(gid)
+            new_ids.append(g)
+        digests = st.digests[:keep] + new
+        gids = np.concatenate([st.gids[:keep], np.asarray(new_ids, dtype=np.int64)])
+        st.blocks, st.digests, st.gids = block_ids, digests, gids
+        return gids
+
+    def forget_scope(self, scope: str) -> None:
+        """Drop per-thread state of a finished play (its group ids stay valid)."""
+        for key in [k for k in self._threads if k[0] == scope]:
+            del self._threads[key]

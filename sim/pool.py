@@ -1,0 +1,127 @@
+"""The simulated Mooncake Store pool: parts (one master each), where each stage's objects live.
+
+Contract:
+    * The pool is split into ``pool.parts`` parts (the seed's four RoCE rails; one part on the
+      single server). Stage ``s`` of a prefill instance reads and writes part ``s mod parts``; a
+      part holds, per chunk group, the objects of the stages mapped to it (``policy.grouptable``
+      evicts them together; with four parts each stage is evicted by its own master, so a chunk
+      can be held by some stages only).
+    * ``shared`` mode: one set of parts for the whole cluster, capacity = all servers' services.
+      ``split`` mode: each server has its own parts holding only its services' memory, used only
+      by the prefill instances on that server.
+    * A prefill instance with TP ranks saves one copy per rank (the MLA latent is replicated);
+      rank ``r`` of stage ``s`` is rank index ``s * tp + r`` and uses part ``index mod parts``.
+    * Optional SSD tier: groups evicted from DRAM demote there (its own ``GroupTable``);
+      a chunk found only on SSD is restored at SSD bandwidth and promoted back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpool.policy.grouptable import GroupTable
+from kvpool.scenario.derive import GIB, pool_capacity_bytes
+from kvpool.scenario.model import Scenario
+
+
+@dataclass(frozen=True)
+class PartRef:
+    """Where one prefill rank's objects live: a table and the slot of that rank in it."""
+
+    table: GroupTable
+    slot: int
+    server_group: int  # -1: shared by every server
+    part: int
+
+
+class SimPool:
+    def __init__(self, s: Scenario, chunk_object_bytes: list[int]) -> None:
+        """``chunk_object_bytes[rank]`` is the size of one chunk object of prefill rank ``rank``."""
+        p = s.pool
+        self.scenario = s
+        self.parts = p.parts
+        self.mode = p.mode
+        self.servers = s.cluster.servers
+        ranks = len(chunk_object_bytes)
+        self.rank_part = [r % p.parts for r in range(ranks)]
+        # slots of each part: the ranks mapped to it, in rank order
+        self.part_ranks = [[r for r in range(ranks) if self.rank_part[r] == q] for q in range(p.parts)]
+        total = pool_capacity_bytes(s)
+        groups = 1 if p.mode == "shared" else self.servers
+        per_table = total // (groups * p.parts)
+        self.tables: list[list[GroupTable]] = []
+        for _ in range(groups):
+            row = []
+            for q in range(p.parts):
+                sizes = [chunk_object_bytes[r] for r in self.part_ranks[q]] or [1]
+                row.append(GroupTable(per_table, sizes, p.eviction_policy,
+                                      high_watermark=p.high_watermark, evict_ratio=p.evict_ratio))
+            self.tables.append(row)
+        self.ssd: list[GroupTable] | None = None
+        if p.ssd.enabled and p.ssd.gib_per_server > 0:
+            ssd_total = int(p.ssd.gib_per_server * GIB * self.servers)
+            ssd_groups = 1 if p.mode == "shared" else self.servers
+            self.ssd = [GroupTable(ssd_total // ssd_groups, [sum(chunk_object_bytes)], p.eviction_policy,
+                                   high_watermark=p.high_watermark, evict_ratio=p.evict_ratio)
+                        for _ in range(ssd_groups)]
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(t.capacity_bytes for row in self.tables for t in row)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(t.used_bytes for row in self.tables for t in row)
+
+    @property
+    def evicted_groups(self) -> int:
+        return sum(t.evicted_groups for row in self.tables for t in row)
+
+    def _group(self, server: int) -> int:
+        return 0 if self.mode == "shared" else server
+
+    def ref(self, server: int, rank: int) -> PartRef:
+        """Where prefill rank ``rank`` of an instance on ``server`` reads and writes."""
+        q = self.rank_part[rank]
+        g = self._group(server)
+        return PartRef(self.tables[g][q], self.part_ranks[q].index(rank), -1 if self.mode == "shared" else server, q)
+
+    def lookup(self, server: int, ranks: int, gids: np.ndarray, now: float) -> list[np.ndarray]:
+        """Presence of every rank's object for each chunk: one batched check per part."""
+        out: list[np.ndarray | None] = [None] * ranks
+        g = self._group(server)
+        for q, members in enumerate(self.part_ranks):
+            mine = [r for r in members if r < ranks]
+            if not mine:
+                continue
+            hit = self.tables[g][q].lookup_slots(gids, [self.part_ranks[q].index(r) for r in mine], now)
+            for i, r in enumerate(mine):
+                out[r] = hit[i]
+        return out
+
+    def ssd_lookup(self, server: int, gids: np.ndarray, now: float) -> np.ndarray | None:
+        if self.ssd is None:
+            return None
+        return self.ssd[self._group(server)].lookup(gids, 0, now)
+
+    def save(self, server: int, ranks: int, gids: np.ndarray, now: float) -> None:
+        """Put every rank's objects of ``gids`` (one batched put per part); groups evicted from
+        DRAM demote to the SSD tier when there is one."""
+        g = self._group(server)
+        for q, members in enumerate(self.part_ranks):
+            slots = [i for i, r in enumerate(members) if r < ranks]
+            if not slots:
+                continue
+            out = self.tables[g][q].put(gids, slots, now)
+            if self.ssd is not None and out.evicted_ids.size:
+                self.ssd[g].put(out.evicted_ids, 0, now)
+
+    def pin(self, server: int, ranks: int, gids: np.ndarray) -> None:
+        for r in range(ranks):
+            self.ref(server, r).table.pin(gids)
+
+    def unpin(self, server: int, ranks: int, gids: np.ndarray) -> None:
+        for r in range(ranks):
+            self.ref(server, r).table.unpin(gids)

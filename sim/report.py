@@ -1,0 +1,104 @@
+"""Reports of simulator runs: terminal table, JSON/CSV files and a figure shaped like the seed's
+Figure 6 (throughput per GPU and the stacked token-source shares per load, with TTFT)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.table import Table
+
+from kvpool.sim.metrics import SUMMARY_KEYS
+
+_TABLE_COLUMNS = (
+    ("throughput_per_gpu_tok_s", "tok/s/GPU", "{:,.0f}"),
+    ("ttft_p50_s", "TTFT p50", "{:.2f}s"),
+    ("ttft_p90_s", "TTFT p90", "{:.2f}s"),
+    ("share_gpu", "GPU", "{:.1%}"),
+    ("share_pool", "pool", "{:.1%}"),
+    ("share_computed", "computed", "{:.1%}"),
+    ("reuse", "reuse", "{:.1%}"),
+    ("gen_speed_per_user_tok_s_p50", "tok/s/user", "{:.0f}"),
+    ("decode_kv_occupancy_p50", "decode KV", "{:.0%}"),
+    ("restore_stage_s_p50", "restore/stage", "{:.3f}s"),
+    ("requests", "requests", "{:,}"),
+    ("wall_s", "wall", "{:.1f}s"),
+)
+
+
+def load_of(row: dict) -> tuple[str, float]:
+    return ("sessions", row["sessions"]) if "sessions" in row else ("rps", row["rps"])
+
+
+def public(row: dict) -> dict:
+    """The documented keys of one result (docs/metrics.md), without time series."""
+    out = {k: row[k] for k in SUMMARY_KEYS if k in row}
+    for extra in ("scenario", "simulated_s", "cpu_s", "sim_s_per_wall_s", "pool_evicted_groups", "prompt_tokens",
+                  "output_tokens", "window_s"):
+        if extra in row:
+            out[extra] = row[extra]
+    return out
+
+
+def table(rows: Sequence[dict], title: str = "") -> Table:
+    t = Table(title=title)
+    t.add_column(load_of(rows[0])[0] if rows else "load", justify="right")
+    for _, head, _ in _TABLE_COLUMNS:
+        t.add_column(head, justify="right")
+    for r in rows:
+        t.add_row(f"{load_of(r)[1]:g}", *[fmt.format(r.get(k, 0)) for k, _, fmt in _TABLE_COLUMNS])
+    return t
+
+
+def write_files(rows: Sequence[dict], out_dir: Path, stem: str) -> list[Path]:
+    """``stem.json`` (documented keys), ``stem.csv`` and ``stem.png``; returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    js = out_dir / f"{stem}.json"
+    js.write_text(json.dumps([public(r) for r in rows], indent=2) + "\n")
+    cs = out_dir / f"{stem}.csv"
+    keys = list(public(rows[0])) if rows else []
+    with cs.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        for r in rows:
+            w.writerow(public(r))
+    png = out_dir / f"{stem}.png"
+    figure(rows, png, title=stem)
+    return [js, cs, png]
+
+
+def figure(rows: Sequence[dict], path: Path, title: str = "") -> None:
+    """Throughput per GPU (bars) and token sources (stacked shares), TTFT p50/p90 (right panel)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = load_of(rows[0])[0]
+    xs = [f"{load_of(r)[1]:g}" for r in rows]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4))
+    ax1.bar(xs, [r["throughput_per_gpu_tok_s"] / 1e3 for r in rows], color="#4c72b0")
+    ax1.set_ylabel("throughput per GPU (K tok/s)")
+    ax1.set_xlabel(key)
+    gpu = [r["share_gpu"] * 100 for r in rows]
+    pool = [r["share_pool"] * 100 for r in rows]
+    comp = [r["share_computed"] * 100 for r in rows]
+    ax2.bar(xs, gpu, label="GPU prefix cache", color="#55a868")
+    ax2.bar(xs, pool, bottom=gpu, label="KV pool (Store)", color="#dd8452")
+    ax2.bar(xs, comp, bottom=[a + b for a, b in zip(gpu, pool)], label="computed", color="#c44e52")
+    ax2.set_ylim(0, 100)
+    ax2.set_ylabel("share of prompt tokens (%)")
+    ax2.set_xlabel(key)
+    ax2.legend(loc="lower left", fontsize=8)
+    ax3.plot(xs, [r["ttft_p50_s"] for r in rows], "o-", label="TTFT p50")
+    ax3.plot(xs, [r["ttft_p90_s"] for r in rows], "s--", label="TTFT p90")
+    ax3.set_ylabel("time to first token (s)")
+    ax3.set_xlabel(key)
+    ax3.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
