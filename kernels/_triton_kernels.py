@@ -14,7 +14,7 @@ def _copy_tile(
     pid, grp, anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
     tokens, token_start, ranks, rank0, row_lo, row_hi,
     MODE: tl.constexpr, TO_PAGED: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
-    BT_2D: tl.constexpr, REC: tl.constexpr, COLS: tl.constexpr, ROWS: tl.constexpr,
+    BT_2D: tl.constexpr, REC: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr, ROWS: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
     """Copy rows ``pid*ROWS ..`` of group ``grp`` (a chunk or a rank). See ``_copy_rows_kernel``."""
@@ -63,16 +63,26 @@ def _copy_tile(
     paged_row = seg_base + bid * seg_bs + slot.to(tl.int64) * seg_ts
     paged_row = tl.multiple_of(paged_row, ALIGN)
     flat_row = tl.multiple_of(flat_row, ALIGN)
-    cols = tl.arange(0, COLS)
-    m2 = mask[:, None] & (cols < REC)[None, :]
     if TO_PAGED:
         src = flat_row
         dst = paged_row
     else:
         src = paged_row
         dst = flat_row
-    v = tl.load(anchor_ptr + src[:, None] + cols[None, :], mask=m2)
-    tl.store(anchor_ptr + dst[:, None] + cols[None, :], v, mask=m2)
+    # A record is COLS words (a power of two, unmasked) plus a TAIL tile (masked to REC): a 576 B
+    # latent is 128 + 16 int32 words, a 144 B indexer key 32 + 4, so no lane holds padding.
+    cols = tl.arange(0, COLS)
+    m_head = mask[:, None] & (cols < COLS)[None, :]
+    v = tl.load(anchor_ptr + src[:, None] + cols[None, :], mask=m_head)
+    if TAIL > 0:
+        tcols = COLS + tl.arange(0, TAIL)
+        m_tail = mask[:, None] & (tcols < REC)[None, :]
+        vt = tl.load(anchor_ptr + src[:, None] + tcols[None, :], mask=m_tail)
+        tl.store(anchor_ptr + dst[:, None] + cols[None, :], v, mask=m_head)
+        tl.store(anchor_ptr + dst[:, None] + tcols[None, :], vt, mask=m_tail)
+    else:
+        tl.store(anchor_ptr + dst[:, None] + cols[None, :], v, mask=m_head)
+
 
 @triton.jit
 def _copy_rows_kernel(
@@ -101,10 +111,12 @@ def _copy_rows_kernel(
     CHUNK: tl.constexpr,  # MODE_CHUNK: tokens per chunk (rows per segment)
     BT_2D: tl.constexpr,  # block table is 2-D (else bt_cols is unused)
     REC: tl.constexpr,  # words per record
-    COLS: tl.constexpr,  # next power of two >= REC
+    COLS: tl.constexpr,  # largest power of two <= REC
+    TAIL: tl.constexpr,  # next power of two >= REC - COLS (0 if REC is a power of two)
     ROWS: tl.constexpr,
     REC2: tl.constexpr,  # second record size in words (0: none), MODE_CHUNK only
     COLS2: tl.constexpr,
+    TAIL2: tl.constexpr,
     ROWS2: tl.constexpr,
     ALIGN: tl.constexpr,  # words: every row offset is a multiple of this
 ):
@@ -114,19 +126,19 @@ def _copy_rows_kernel(
         _copy_tile(
             pid, grp, anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
             tokens, token_start, ranks, rank0, row_lo, row_hi,
-            MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, COLS, ROWS, ALIGN,
+            MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, COLS, TAIL, ROWS, ALIGN,
         )
     else:
         if pid < n_tiles:
             _copy_tile(
                 pid, grp, anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off,
                 group_stride, tokens, token_start, ranks, rank0, row_lo, row_hi,
-                MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, COLS, ROWS, ALIGN,
+                MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, COLS, TAIL, ROWS, ALIGN,
             )
         else:
             _copy_tile(
                 pid - n_tiles, grp, anchor_ptr, seg2_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg2, flat_off,
                 group_stride, tokens, token_start, ranks, rank0, row_lo, row_hi,
-                MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC2, COLS2, ROWS2, ALIGN,
+                MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC2, COLS2, TAIL2, ROWS2, ALIGN,
             )
 

@@ -8,8 +8,8 @@ Primitives:
 
 Design. Every op moves *rows*: one token's record of one per-layer cache (576 B latent, 144 B
 indexer, ...). A row has a paged side (cache base + block id x block stride + slot x token stride)
-and a flat side (chunk object or staging buffer). A program copies a ``ROWS x COLS`` tile: ``ROWS``
-rows of one launch, ``COLS`` the record's words rounded up to a power of two (masked). The block id
+and a flat side (chunk object or staging buffer). A program copies ``ROWS`` rows of one launch;
+a row's words are split into a power-of-two head and a masked power-of-two tail. The block id
 is read once per row. Records move as 4-, 2- or 1-byte words, the widest that divides every
 address, stride and record size, with ``tl.multiple_of`` hints up to 16 B so loads vectorize.
 All addresses are word offsets from one anchor pointer (the first cache), so one launch reaches any
@@ -174,16 +174,18 @@ def _launch(
     parts = []
     for index, flat_bytes, rec_bytes in groups_of_segments:
         rec = rec_bytes // word
-        cols = triton.next_power_of_2(rec)
+        cols = 1 << (rec.bit_length() - 1)  # head: largest power of two <= rec
+        tail = triton.next_power_of_2(rec - cols) if rec > cols else 0
         grid_rows = len(index) * rows_per_segment if total_rows is None else total_rows
-        rows = max(1, min(max(1, TILE_WORDS // cols), triton.next_power_of_2(max(grid_rows, 1))))
+        width = triton.next_power_of_2(rec)
+        rows = max(1, min(max(1, TILE_WORDS // width), triton.next_power_of_2(max(grid_rows, 1))))
         if grid_rows >= 2**31:
             raise ValueError("one launch is limited to 2**31 rows")
         table = _seg_table(caches, index, word, flat_bytes)
-        parts.append((table, len(index), rec, cols, rows, triton.cdiv(grid_rows, rows)))
+        parts.append((table, len(index), rec, cols, tail, rows, triton.cdiv(grid_rows, rows)))
     if len(parts) == 1:
-        parts.append((parts[0][0], 0, 0, 1, 1, 0))
-    (t1, n1, rec1, cols1, rows1, tiles1), (t2, n2, rec2, cols2, rows2, tiles2) = parts
+        parts.append((parts[0][0], 0, 0, 1, 0, 1, 0))
+    (t1, n1, rec1, cols1, tail1, rows1, tiles1), (t2, n2, rec2, cols2, tail2, rows2, tiles2) = parts
     if tiles1 + tiles2 == 0 or groups == 0:
         return
     if groups * a["chunk_tokens"] >= 2**31 or a["token_start"] + a["tokens"] >= 2**31:
@@ -200,7 +202,8 @@ def _launch(
                 a["flat_off"], a["group_stride"],
                 a["tokens"], a["token_start"], a["ranks"], a["rank0"], a["row_lo"], a["row_hi"], g0,
                 MODE=a["mode"], TO_PAGED=a["to_paged"], PAGE=caches[0].shape[1], CHUNK=a["chunk_tokens"],
-                BT_2D=bt_2d, REC=rec1, COLS=cols1, ROWS=rows1, REC2=rec2, COLS2=cols2, ROWS2=rows2,
+                BT_2D=bt_2d, REC=rec1, COLS=cols1, TAIL=tail1, ROWS=rows1,
+                REC2=rec2, COLS2=cols2, TAIL2=tail2, ROWS2=rows2,
                 ALIGN=align, num_warps=NUM_WARPS,
             )
 
