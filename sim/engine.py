@@ -298,14 +298,18 @@ class Simulation:
         rank_bytes = [0] * dcp
         rank_writes = [0] * dcp
         for stage in range(spec.stages):
-            layers = len(spec.stage_layer_ids(stage))
-            plan = HandoffPlan(tokens=rec.in_tokens, layers=layers, record_bytes=spec.stage_bytes_per_token[stage] // layers,
-                               ranks=dcp, max_write_bytes=self.s.handoff.max_write_bytes)
-            rec.handoff_bytes += plan.total_bytes
+            # the main records' write plan (the seed's landing path); the stage's extra records
+            # (DSA index cache) ride along in the byte count
+            plan = HandoffPlan(tokens=rec.in_tokens, layers=len(spec.stage_layer_ids(stage)),
+                               record_bytes=self.s.model.record_bytes, ranks=dcp,
+                               max_write_bytes=self.s.handoff.max_write_bytes)
+            stage_bpt = spec.stage_bytes_per_token[stage]
+            nbytes = rec.in_tokens * stage_bpt
+            rec.handoff_bytes += nbytes
             rec.handoff_writes += plan.batched_writes
-            events.append(self.net.nic[p.rank_gpu(stage * self.s.prefill.tp)].transfer(plan.total_bytes, plan.batched_writes))
+            events.append(self.net.nic[p.rank_gpu(stage * self.s.prefill.tp)].transfer(nbytes, plan.batched_writes))
             for r in range(dcp):
-                rank_bytes[r] += plan.buffer_bytes(r)
+                rank_bytes[r] += plan.rank_tokens(r) * stage_bpt
                 rank_writes[r] += plan.rank_writes(r)
         for r in range(dcp):
             events.append(self.net.nic[dec.gpus[r % len(dec.gpus)]].transfer(rank_bytes[r], rank_writes[r]))

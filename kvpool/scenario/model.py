@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvpool.policy.kvspec import ExtraRecord, KVSpec, every_kth_layer
 
@@ -180,6 +180,15 @@ class WorkloadConfig(_Section):
         if self.start_fraction_min > self.start_fraction_max:
             raise ValueError("start_fraction_min must be <= start_fraction_max")
         return self
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, v: str) -> str:
+        from kvpool.sim.workload.synth import PRESETS
+
+        if v not in PRESETS:
+            raise ValueError(f"allowed: {', '.join(PRESETS)}")
+        return v
 
 
 class CostConfig(_Section):

@@ -1,0 +1,142 @@
+"""Simulator invariants on small generated sessions and a few real traces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import KV_TRACES, req, trace
+
+from kvpool.scenario import load_scenario
+from kvpool.sim.engine import Simulation
+from kvpool.sim.metrics import summarize
+from kvpool.sim.run import run_point, sweep
+from kvpool.sim.workload.load import load_workload
+from kvpool.sim.workload.model import Workload
+from kvpool.sim.workload.replay import AgentXReplay
+from kvpool.sim.workload.weka import session_from_weka
+
+SCENARIO = "mi355x-1p1d"
+
+
+def growing_session(tid: str, rng: np.random.Generator, turns: int = 8) -> dict:
+    """One main thread whose context grows; one turn rewrites history after block 40 (a prefix change)."""
+    ids: list[int] = []
+    nxt = 0
+    reqs = []
+    t = 0.0
+    for k in range(turns):
+        if k == turns // 2 and len(ids) > 40:
+            ids = ids[:40]  # history changed: only the first 40 blocks still match
+        grow = int(rng.integers(20, 120))
+        ids = ids + list(range(nxt, nxt + grow))
+        nxt += grow
+        n_in = len(ids) * 64 - int(rng.integers(0, 63))
+        reqs.append(req(t, n_in, list(ids), out=int(rng.integers(50, 400)), api=2.0))
+        t += 2.0 + float(rng.exponential(20.0))
+    return trace(tid, reqs)
+
+
+def small_workload(n: int = 6, seed: int = 3) -> Workload:
+    rng = np.random.default_rng(seed)
+    return Workload(tuple(session_from_weka(growing_session(f"s{i}", rng)) for i in range(n)))
+
+
+def every_request(w: Workload, lanes: int) -> AgentXReplay:
+    return AgentXReplay(w, lanes=lanes, seed=1, warmup=False, recycle=False, idle_cap_s=300.0)
+
+
+def ceiling_tokens(w: Workload) -> tuple[int, int]:
+    """(reused, prompt) tokens under an infinite cache, in each session's order, with the
+    last-token and whole-page rules of policy.hits (docs/metrics.md)."""
+    reused = prompt = 0
+    for s in w:
+        seen: set[int] = set()
+        for r in s.requests:
+            ids = s.block_ids(r.index).tolist()
+            full = min(len(ids), r.in_tokens // 64)
+            h = 0
+            while h < full and ids[h] in seen:
+                h += 1
+            seen.update(ids[:full])
+            reused += min(h * 64, r.in_tokens - 1) // 16 * 16
+            prompt += r.in_tokens
+    return reused, prompt
+
+
+def test_unbounded_caches_reach_the_trace_ceiling_exactly():
+    w = small_workload()
+    s = load_scenario(SCENARIO)
+    sim = Simulation(s, every_request(w, lanes=len(w)), unbounded=True)
+    recs = sim.run()
+    assert len(recs) == w.n_requests and all(r.measured for r in recs)
+    reused, prompt = ceiling_tokens(w)
+    m = summarize(recs, gpus=sim.gpus)
+    assert m["prompt_tokens"] == prompt
+    assert sum(r.gpu_tokens + r.pool_tokens for r in recs) == reused
+    assert m["reuse"] == reused / prompt
+
+
+def test_token_sources_add_up_and_bytes_follow_the_kv_size():
+    w = small_workload()
+    s = load_scenario(SCENARIO, ["prefill.gpu_mem_utilization=0.36"])  # tiny GPU cache: the pool must work
+    sim = Simulation(s, every_request(w, lanes=len(w)))
+    recs = sim.run()
+    bpt = s.kvspec().bytes_per_token
+    chunk_bytes = s.pool.chunk_tokens * bpt
+    assert sum(r.pool_tokens for r in recs) > 0
+    for r in recs:
+        assert r.gpu_tokens + r.pool_tokens + r.computed_tokens == r.in_tokens
+        assert r.computed_tokens >= 1
+        assert r.handoff_bytes == r.in_tokens * bpt
+        assert r.restore_bytes % chunk_bytes == 0
+        if r.pool_tokens:
+            assert r.pool_tokens * bpt <= r.restore_bytes < (r.pool_tokens + s.pool.chunk_tokens) * bpt
+            assert len(r.restore_stage_s) == 4 and r.restore_spread_s >= max(r.restore_stage_s)
+        else:
+            assert r.restore_bytes == 0
+        assert r.save_bytes % chunk_bytes == 0
+        assert r.arrival_s <= r.prefill_start_s <= r.prefill_end_s <= r.first_token_s <= r.end_s
+
+
+def test_no_pool_means_no_pool_share():
+    w = small_workload()
+    s = load_scenario(SCENARIO, ["pool.gib_per_service=0", "prefill.gpu_mem_utilization=0.36"])
+    recs = Simulation(s, every_request(w, lanes=len(w))).run()
+    m = summarize(recs, gpus=8)
+    assert m["share_pool"] == 0.0 and m["reuse"] == m["share_gpu"]
+    assert all(r.restore_bytes == 0 and r.save_bytes == 0 for r in recs)
+
+
+def test_pool_recovers_what_the_small_gpu_cache_loses():
+    w = small_workload()
+    small_gpu = ["prefill.gpu_mem_utilization=0.36"]
+    with_pool = summarize(Simulation(load_scenario(SCENARIO, small_gpu), every_request(w, len(w))).run(), gpus=8)
+    without = summarize(Simulation(load_scenario(SCENARIO, small_gpu + ["pool.gib_per_service=0"]),
+                                   every_request(w, len(w))).run(), gpus=8)
+    assert with_pool["reuse"] > without["reuse"]
+    assert with_pool["share_computed"] < without["share_computed"]
+
+
+def test_same_seed_same_results_in_any_process():
+    s = load_scenario(SCENARIO, ["workload.duration_s=300", "workload.synthetic_sessions=12", "workload.warmup_requests=1"])
+    traces = str(KV_TRACES / "trace_0001.json.gz")
+    one = run_point(s, 4, traces)
+    again = sweep(s, [4, 6], traces=traces, workers=2)
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_s", "cpu_s", "sim_s_per_wall_s")}  # noqa: E731
+    assert strip(one) == strip(again[0])
+    assert again[1]["sessions"] == 6 and again[0]["sessions"] == 4
+
+
+@pytest.mark.skipif(not KV_TRACES.exists(), reason="needs ../shared/traces")
+def test_real_traces_run_and_use_the_pool_under_pressure():
+    files = sorted(KV_TRACES.glob("*.json.gz"))[:12]
+    w = Workload(tuple(s for f in files for s in load_workload(f)))
+    s = load_scenario(SCENARIO, ["prefill.gpu_mem_utilization=0.4", "workload.duration_s=600"])
+    rp = AgentXReplay(w, lanes=12, seed=s.seed, duration_s=600.0, warmup_requests=2)
+    sim = Simulation(s, rp)
+    m = summarize(sim.run(), gpus=sim.gpus, occupancy=(sim.timeline.decode_t, sim.timeline.decode_occ))
+    assert m["requests"] > 50
+    assert abs(m["share_gpu"] + m["share_pool"] + m["share_computed"] - 1.0) < 1e-12
+    assert m["share_pool"] > 0 and m["reuse"] > 0.8
+    assert 0 < m["ttft_p50_s"] <= m["ttft_p90_s"]
+    assert 0 < m["decode_kv_occupancy_p50"] < 1
