@@ -47,7 +47,8 @@ def _load(path: Path, skip_bad: bool, quiet: bool = False):
 
 _GROUPS = [
     ("Counts", ["traces", "requests", "main_requests", "subagent_requests", "subagent_groups",
-                "sessions_with_subagents", "sessions_with_subagents_fraction", "dropped_subagents"]),
+                "sessions_with_subagents", "sessions_with_subagents_fraction", "subagent_groups_per_session_p50",
+                "subagent_requests_per_group_p50", "dropped_subagents"]),
     ("Input tokens", ["input_tokens_all_p50", "input_tokens_all_mean", "input_tokens_main_p50", "input_tokens_main_p90",
                       "input_tokens_main_p99", "input_tokens_sub_p50", "input_tokens_sub_p90", "input_tokens_max"]),
     ("Output tokens", ["output_tokens_main_p50", "output_tokens_main_mean", "output_tokens_main_p90"]),

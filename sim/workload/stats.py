@@ -72,11 +72,15 @@ def workload_stats(workload: Workload) -> dict[str, float | int]:
     hit_blocks = total_blocks = 0
     overlap_num = overlap_den = 0
     groups = sessions_with_sub = dropped = 0
+    groups_per_sub_session, requests_per_group = [], []
     for k, s in enumerate(sessions):
         b = s.block_tokens
         n_sub = len(s.threads) - 1
         groups += n_sub
         sessions_with_sub += n_sub > 0
+        if n_sub:
+            groups_per_sub_session.append(n_sub)
+            requests_per_group.extend(len(th.requests) for th in s.threads[1:])
         dropped += s.dropped_subagents
         peak.append(s.peak_context_tokens)
         turns.append(len(s.threads[0].requests))
@@ -110,6 +114,8 @@ def workload_stats(workload: Workload) -> dict[str, float | int]:
         "sessions_with_subagents": sessions_with_sub,
         "sessions_with_subagents_fraction": sessions_with_sub / len(sessions) if sessions else float("nan"),
         "dropped_subagents": dropped,
+        "subagent_groups_per_session_p50": _pct(groups_per_sub_session, 50),
+        "subagent_requests_per_group_p50": _pct(requests_per_group, 50),
         "input_tokens_total": int(sum(in_all)),
         "output_tokens_total": int(sum(out_all)),
         "input_tokens_all_p50": _pct(in_all, 50),

@@ -1,0 +1,82 @@
+"""``kvpool trace``: stats, synth, convert, and user errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import MOONCAKE, spawn_join_trace, write
+
+from kvpool.cli import main
+from kvpool.sim.workload import load_workload, workload_stats
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    out = capsys.readouterr()
+    return e.value.code or 0, out.out, out.err
+
+
+def test_stats_json_has_the_documented_keys(tmp_path, capsys):
+    write(tmp_path / "a.json", spawn_join_trace())
+    code, out, _ = _run(capsys, "trace", "stats", str(tmp_path), "--json")
+    st = json.loads(out)
+    assert code == 0
+    for key in ("traces", "requests", "subagent_groups", "sessions_with_subagents_fraction", "input_tokens_all_p50",
+                "input_tokens_main_p50", "input_tokens_sub_p50", "input_tokens_main_p90", "output_tokens_main_p50",
+                "new_tokens_p50", "main_turns_per_session_p50", "pause_over_300s_fraction", "peak_context_p50",
+                "reuse_ceiling"):  # fmt: skip
+        assert key in st
+    assert (st["traces"], st["requests"], st["subagent_groups"]) == (1, 7, 2)
+
+
+def test_stats_table(tmp_path, capsys):
+    write(tmp_path / "a.json", spawn_join_trace())
+    code, out, _ = _run(capsys, "trace", "stats", str(tmp_path / "a.json"))
+    assert code == 0 and "reuse_ceiling" in out
+
+
+def test_bad_trace_is_one_error_line_and_skip_bad_reports(tmp_path, capsys):
+    doc = spawn_join_trace()
+    del doc["requests"][3]["hash_ids"]
+    write(tmp_path / "bad.json", doc)
+    code, _, err = _run(capsys, "trace", "stats", str(tmp_path / "bad.json"))
+    assert code == 2
+    assert err.strip() == f"error: {tmp_path / 'bad.json'}: trace tj: requests[3]: field 'hash_ids' is missing"
+    write(tmp_path / "good.json", {**spawn_join_trace(), "id": "ok"})
+    code, out, err = _run(capsys, "trace", "stats", str(tmp_path), "--json", "--skip-bad")
+    assert code == 0 and json.loads(out)["traces"] == 1
+    assert "skipped:" in err and "requests[3]" in err
+
+
+def test_synth_is_deterministic_and_readable(tmp_path, capsys):
+    for name in ("a", "b"):
+        code, _, _ = _run(capsys, "trace", "synth", "--preset", "kv-cache-tester", "--sessions", "3", "--seed", "5",
+                          "--out", str(tmp_path / f"{name}.jsonl"))  # fmt: skip
+        assert code == 0
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    code, _, _ = _run(capsys, "trace", "synth", "--preset", "kv-cache-tester", "--sessions", "3", "--seed", "5",
+                      "--out", str(tmp_path / "dir"))  # fmt: skip
+    w1, w2 = load_workload(tmp_path / "a.jsonl"), load_workload(tmp_path / "dir")
+    assert [s.requests for s in w1] == [s.requests for s in w2]
+    code, _, err = _run(capsys, "trace", "synth", "--preset", "nope", "--sessions", "1", "--out", str(tmp_path / "x.jsonl"))
+    assert code == 2 and "unknown preset 'nope'" in err
+
+
+def test_convert_weka_to_mooncake_keeps_reuse_and_mooncake_roundtrips(tmp_path, capsys):
+    write(tmp_path / "a.json", spawn_join_trace())
+    code, _, _ = _run(capsys, "trace", "convert", str(tmp_path / "a.json"), "--to", "mooncake", "--out", str(tmp_path / "m.jsonl"))
+    assert code == 0
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert len(rows) == 7 and all(len(r["hash_ids"]) == -(-r["input_length"] // 512) for r in rows)
+    src = MOONCAKE / "synthetic_trace.jsonl"
+    code, _, _ = _run(capsys, "trace", "convert", str(src), "--to", "weka", "--out", str(tmp_path / "w.jsonl"))
+    assert code == 0
+    code, _, _ = _run(capsys, "trace", "convert", str(tmp_path / "w.jsonl"), "--to", "mooncake", "--out", str(tmp_path / "back.jsonl"))
+    assert code == 0
+    orig = [json.loads(x) for x in src.read_text().splitlines()]
+    back = [json.loads(x) for x in (tmp_path / "back.jsonl").read_text().splitlines()]
+    assert back == orig
+    st = workload_stats(load_workload(tmp_path / "w.jsonl"))
+    assert st["reuse_ceiling"] == pytest.approx(0.640, abs=0.0005)  # the reference's 64.0 % block reuse
