@@ -13,6 +13,10 @@ explicitly (``reference/mooncake-store.md`` sections 5-7):
       must still check every stage (``policy.hits``).
     * **Leases.** Reads and exist checks lease objects for the master's ``--default_kv_lease_ttl``
       (leased objects are not evicted); ``remove`` uses ``force=True`` so a lease cannot block it.
+    * **Lease shorter than a read.** A read leases its objects for the lease TTL; a batch that
+      takes longer gets -707 (LEASE_EXPIRED) for keys whose lease ran out, since they might have
+      been evicted meanwhile. Those keys are read once more under a fresh lease (still expired:
+      ``FAILED``). Keep the lease TTL well above the longest batch read.
     * **Dead store service.** Its keys still "exist" until the master's ``--client_ttl``; reads of
       them fail at once with -800 -> ``FAILED`` (a miss; the caller recomputes).
     * **Dead or hung master.** Calls fail with -900 (dead: after ~4.3 s of reconnects) or -901
@@ -21,6 +25,8 @@ explicitly (``reference/mooncake-store.md`` sections 5-7):
     * **Wrong size.** ``get`` asks for exactly the range's size. An object that is larger makes
       Mooncake return -600; one ``get_size`` call then tells ``WRONG_SIZE`` from other errors. An
       object that is smaller returns its size -> ``WRONG_SIZE``.
+    * **Absent master at construction.** The master's port is probed first (``connect_timeout_s``),
+      so ``PoolUnavailable`` comes at once instead of after Mooncake's ~90 s of setup retries.
     * The process environment gets ``MC_TCP_BIND_ADDRESS=127.0.0.1`` and ``MC_RPC_TIMEOUT_MS`` (if not
       already set) before the client starts, since the C++ client reads them at setup.
 """
@@ -28,6 +34,7 @@ explicitly (``reference/mooncake-store.md`` sections 5-7):
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -43,6 +50,7 @@ from kvpool.backend.pool.metrics import MetricsUnavailable, read_master_metrics
 INVALID_PARAMS = -600
 NO_AVAILABLE_HANDLE = -200
 OBJECT_NOT_FOUND = -704
+LEASE_EXPIRED = -707
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
@@ -96,6 +104,8 @@ class MooncakePool:
         protocol: ``"tcp"``, or ``"rdma"`` where the hardware has it.
         rdma_devices: RDMA device names for the ``rdma`` protocol.
         metrics_timeout_s: bound on the ``stats`` HTTP call.
+        connect_timeout_s: bound on the TCP probe of the master before ``setup`` (Mooncake's own
+            setup would retry an absent master for about 90 s).
     """
 
     def __init__(
@@ -108,10 +118,15 @@ class MooncakePool:
         protocol: str = "tcp",
         rdma_devices: str = "",
         metrics_timeout_s: float = 2.0,
+        connect_timeout_s: float = 2.0,
     ) -> None:
         self.address = PoolAddress.parse(address) if isinstance(address, str) else address
         self.put_retry = put_retry
         self.metrics_timeout_s = metrics_timeout_s
+        try:  # Mooncake's setup retries an absent master for ~90 s; answer at once instead
+            socket.create_connection((self.address.host, self.address.rpc_port), timeout=connect_timeout_s).close()
+        except OSError as e:
+            raise PoolUnavailable(f"no Mooncake master answers at {self.address.master}: {e}") from None
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(rpc_timeout_ms))
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
@@ -193,6 +208,14 @@ class MooncakePool:
         codes = self._store.batch_get_into(
             list(keys), [buffer.address + off for off in offsets_bytes], list(sizes_bytes)
         )
+        expired = [i for i, c in enumerate(codes) if c == LEASE_EXPIRED]
+        if expired:  # the batch outlasted the lease: read those keys once more under a fresh lease
+            again = self._store.batch_get_into(
+                [keys[i] for i in expired], [buffer.address + offsets_bytes[i] for i in expired], [sizes_bytes[i] for i in expired]
+            )
+            codes = list(codes)
+            for i, c in zip(expired, again):
+                codes[i] = c
         out: list[Status] = []
         for key, size, code in zip(keys, sizes_bytes, codes):
             if code >= 0:

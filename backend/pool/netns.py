@@ -5,46 +5,48 @@ every client and store process, whatever ``MC_TCP_BIND_ADDRESS`` says. kvpool's 
 servers bind 127.0.0.1, so Mooncake processes run inside a network namespace whose only
 interface is ``lo``: ``unshare -n sh -c 'ip link set lo up; exec <command>'``.
 
-Contract: ``netns_problem()`` returns ``None`` when the only network interface is ``lo`` and it is
-up, otherwise a one-paragraph explanation with the command that fixes it.
+Contract: ``netns_problem()`` returns ``None`` when the only network interface of this process's
+namespace is ``lo`` and it is up, otherwise a one-paragraph explanation with the command that
+fixes it. Interfaces come from ``socket.if_nameindex()`` and flags from ``SIOCGIFFLAGS``, both of
+which see the calling process's namespace (``/sys/class/net`` does not: it shows the namespace
+sysfs was mounted in).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import fcntl
+import socket
+import struct
 
 IFF_UP = 0x1
+SIOCGIFFLAGS = 0x8913
 HOW_TO = "unshare -n sh -c 'ip link set lo up; exec <command>'"
 
 
-def interfaces(sys_class_net: Path = Path("/sys/class/net")) -> list[str]:
-    """Names of the network interfaces visible to this process."""
-    try:
-        return sorted(os.listdir(sys_class_net))
-    except OSError:
-        return []
+def interfaces() -> list[str]:
+    """Names of the network interfaces in this process's network namespace."""
+    return sorted(name for _, name in socket.if_nameindex())
 
 
-def loopback_up(sys_class_net: Path = Path("/sys/class/net")) -> bool:
-    """Whether ``lo`` exists and has the IFF_UP flag."""
-    try:
-        flags = int((sys_class_net / "lo" / "flags").read_text().strip(), 16)
-    except (OSError, ValueError):
-        return False
-    return bool(flags & IFF_UP)
+def interface_up(name: str) -> bool:
+    """Whether interface ``name`` exists in this namespace and has the IFF_UP flag."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            res = fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack("16sH22x", name.encode()[:15], 0))
+        except OSError:
+            return False
+    return bool(struct.unpack("16sH22x", res)[1] & IFF_UP)
 
 
-def netns_problem(sys_class_net: Path = Path("/sys/class/net")) -> str | None:
+def netns_problem() -> str | None:
     """``None`` inside a private namespace with ``lo`` up; otherwise what is wrong and the fix."""
-    names = interfaces(sys_class_net)
-    others = [n for n in names if n != "lo"]
+    others = [n for n in interfaces() if n != "lo"]
     if others:
         return (
             f"network interfaces other than lo are visible ({', '.join(others)}): Mooncake's transfer "
             f"engine would listen on all of them. Run inside a private network namespace: {HOW_TO} "
             "(needs root, or try 'unshare -rn')."
         )
-    if not loopback_up(sys_class_net):
+    if not interface_up("lo"):
         return f"the loopback interface is down in this network namespace; bring it up first: {HOW_TO}"
     return None

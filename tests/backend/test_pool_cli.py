@@ -1,0 +1,178 @@
+"""``kvpool pool up`` / ``kvpool pool status`` as a user runs them, plus the launcher's small parts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpool.backend.pool import netns
+from kvpool.backend.pool.address import PoolAddress
+from kvpool.backend.pool.launcher import PoolSpec
+from kvpool.backend.pool.metrics import MetricsUnavailable, metrics_from_text, read_master_metrics
+
+from pool_testing import require_private_netns
+
+KVPOOL = [sys.executable, "-c", "from kvpool.cli import main; main()"]
+MIB = 1 << 20
+
+
+def start_pool_up(tmp_path: Path, *args: str, prelude: str = "") -> tuple[subprocess.Popen, dict[str, str]]:
+    """Run ``kvpool pool up`` and read its banner until 'ready' (bounded)."""
+    code = f"{prelude}\nfrom kvpool.cli import main; main()"
+    argv = [sys.executable, "-c", code, "pool", "up", "--services", "2", "--gib-per-service", "0.0625",
+            "--client-ttl-s", "2", "--work-dir", str(tmp_path / "pool"), "--state-file", str(tmp_path / "state.json"), *args]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    banner: dict[str, str] = {}
+    deadline = time.monotonic() + 30
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if ":" in line:
+            k, v = line.split(":", 1)
+            banner[k.strip()] = v.strip()
+        if line.startswith("ready"):
+            return proc, banner
+    proc.kill()
+    pytest.fail(f"pool up did not become ready: {banner} {proc.stderr.read() if proc.stderr else ''}")
+
+
+def port_open(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_pool_up_serves_status_and_stops_cleanly(tmp_path: Path, stop_signal: int) -> None:
+    require_private_netns()
+    proc, banner = start_pool_up(tmp_path)
+    try:
+        addr = PoolAddress.parse(banner["address"])
+        assert addr.host == "127.0.0.1" and addr.metrics_port
+        state = json.loads((tmp_path / "state.json").read_text())
+        assert state["address"] == addr.url()
+
+        out = subprocess.run([*KVPOOL, "pool", "status", "--address", addr.url(), "--json"], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        status = json.loads(out.stdout)
+        assert status["capacity_bytes"] == 2 * 64 * MIB and status["key_count"] == 0
+        assert len(status["segments"]) == 2
+        # without --address, status finds the pool through the state file 'pool up' wrote
+        out = subprocess.run([*KVPOOL, "pool", "status", "--state-file", str(tmp_path / "state.json")], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "capacity   128.00 MiB (2 services)" in out.stdout and "evictions" in out.stdout
+        service_pids = [json.loads(p.read_text())["pid"] for p in sorted((tmp_path / "pool").glob("service*.ready.json"))]
+        assert len(service_pids) == 2
+    finally:
+        proc.send_signal(stop_signal)
+        rc = proc.wait(timeout=30)
+    stdout, stderr = proc.communicate(timeout=5)
+    assert rc == 0, stderr
+    assert "kvpool pool: stopped" in stdout
+    assert "warning" not in stderr  # inside the namespace: nothing to warn about
+    assert not (tmp_path / "state.json").exists()
+    assert not port_open(addr.rpc_port) and not port_open(addr.metrics_port or 0)
+    for pid in service_pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_pool_up_outside_a_private_namespace_warns_but_works(tmp_path: Path) -> None:
+    require_private_netns()  # the processes still start inside this test's namespace
+    fake = "import socket; socket.if_nameindex = lambda: [(1, 'lo'), (2, 'eth0')]"
+    proc, banner = start_pool_up(tmp_path, prelude=fake)
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=30)
+    _, stderr = proc.communicate(timeout=5)
+    assert rc == 0 and "address" in banner
+    assert "warning: network interfaces other than lo are visible (eth0)" in stderr
+    assert "unshare -n" in stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["pool", "up", "--gib-per-service", "0"], "--gib-per-service must be > 0"),
+        (["pool", "up", "--services", "0"], "services must be in 1..64"),
+        (["pool", "up", "--gib-per-service", "100000"], "exceeds the memory available"),
+        (["pool", "up", "--eviction-ratio", "1.5"], "eviction_ratio must be in (0, 1]"),
+        (["pool", "status", "--address", "http://x:1"], "bad pool address"),
+        (["pool", "status", "--address", "127.0.0.1:1"], "has no metrics port"),
+        (["pool", "status", "--address", "mooncake://127.0.0.1:1?metrics=1"], "no answer from http://127.0.0.1:1/metrics"),
+        (["pool", "status", "--state-file", "/nonexistent/state.json"], "no running pool recorded"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(args: list[str], message: str) -> None:
+    out = subprocess.run([*KVPOOL, *args], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: ") and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_netns_problem_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0")])
+    problem = netns.netns_problem()
+    assert problem and "eth0" in problem and "unshare -n sh -c 'ip link set lo up" in problem
+    monkeypatch.setattr(netns.socket, "if_nameindex", lambda: [(1, "lo")])
+    monkeypatch.setattr(netns, "interface_up", lambda name: False)
+    assert "loopback interface is down" in (netns.netns_problem() or "")
+
+
+def test_fixtures_refuse_to_start_mooncake_outside_a_private_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0")])
+    with pytest.raises(pytest.fail.Exception, match="refusing to start Mooncake processes.*unshare -n"):
+        require_private_netns()
+
+
+def test_pool_address_round_trip_and_errors() -> None:
+    a = PoolAddress("127.0.0.1", 5000, 5001)
+    assert PoolAddress.parse(a.url()) == a and a.master == "127.0.0.1:5000"
+    assert a.metrics_url == "http://127.0.0.1:5001"
+    assert PoolAddress.parse("127.0.0.1:5000") == PoolAddress("127.0.0.1", 5000, None)
+    for bad in ["127.0.0.1", "mooncake://h:1?metrics=x", "mooncake://h:1?foo=2", "mooncake://h:99999"]:
+        with pytest.raises(ValueError):
+            PoolAddress.parse(bad)
+
+
+def test_pool_spec_validates() -> None:
+    with pytest.raises(ValueError, match="services"):
+        PoolSpec(services=0)
+    with pytest.raises(ValueError, match="bytes_per_service"):
+        PoolSpec(bytes_per_service=1000)
+    assert PoolSpec(services=3, bytes_per_service=64 * MIB).capacity_bytes == 192 * MIB
+
+
+def test_metrics_parser_reads_mooncake_text() -> None:
+    text = """# HELP master_key_count keys
+master_total_capacity_bytes 134217728
+master_allocated_bytes 2097152
+segment_allocated_bytes{segment="127.0.0.1:13573"} 2097152
+segment_total_capacity_bytes{segment="127.0.0.1:13573"} 67108864
+segment_total_capacity_bytes{segment="127.0.0.1:13043"} 67108864
+master_key_count 2
+master_successful_evictions_total 3
+master_evicted_key_count 7
+master_evicted_size_bytes 7340032
+junk line
+"""
+    m = metrics_from_text(text)
+    assert (m.capacity_bytes, m.used_bytes, m.key_count) == (134217728, 2097152, 2)
+    assert (m.eviction_passes, m.evicted_key_count, m.evicted_bytes) == (3, 7, 7340032)
+    assert [(s.segment, s.used_bytes) for s in m.segments] == [("127.0.0.1:13043", 0), ("127.0.0.1:13573", 2097152)]
+    assert m.to_pool_stats().used_fraction == pytest.approx(2097152 / 134217728)
+    with pytest.raises(MetricsUnavailable, match="master_total_capacity_bytes"):
+        metrics_from_text("master_key_count 1\n")
+    with pytest.raises(MetricsUnavailable, match="no answer"):
+        read_master_metrics("http://127.0.0.1:1", timeout_s=1.0)
