@@ -17,26 +17,26 @@ earlier after a later call (idle caps), so a driver must not cache ``next_due_s`
 always sleep on the newest one. ``Dispatch.measured`` is False for warm-up, primer and cold
 requests, which metrics exclude. A SimPy driver (``kvpool.sim`` does it this way)::
 
-    def driver(env, replay, serve):          # serve(dispatch) is a SimPy process
-        kick = env.event()
+    def driver(env, replay, serve):          # serve(dispatch) is a SimPy process function
+        wakeup = [env.event()]
+
         def run(d):
-            yield from serve(d)
-            handle(replay.finished(d.key, env.now))
-        def handle(w):
-            nonlocal kick
+            yield env.process(serve(d))
+            issue(replay.finished(d.key, env.now))
+            if not wakeup[0].triggered:
+                wakeup[0].succeed()
+
+        def issue(w):
             for d in w.ready:
                 env.process(run(d))
-            if not kick.triggered:
-                kick.succeed(w)
-        w = replay.start(env.now)
-        handle(w)
+            return w
+
+        w = issue(replay.start(env.now))
         while not w.done:
-            w = kick.value
-            kick = env.event()
-            timer = [env.timeout(w.next_due_s - env.now)] if w.next_due_s is not None else []
-            yield env.any_of([kick, *timer])
-            if not kick.triggered:
-                handle(replay.poll(env.now))
+            timer = env.timeout(w.next_due_s - env.now) if w.next_due_s is not None else env.event()
+            yield wakeup[0] | timer
+            wakeup[0] = env.event()
+            w = issue(replay.poll(env.now))
 
 A real client does the same with asyncio (wait on a condition with a timeout). See also
 :func:`run_fixed_latency`, a tiny event loop used by the tests and ``kvpool trace`` tools.

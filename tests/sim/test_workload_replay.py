@@ -150,3 +150,49 @@ def test_production_replay_poisson_lanes_first_turn_cold():
     assert min(gaps) >= 0 and 1.5 < sum(gaps) / len(gaps) < 2.5
     assert _timeline(log) == _timeline(run_fixed_latency(mk(7), lambda d: 1.0))
     assert _timeline(log) != _timeline(run_fixed_latency(mk(8), lambda d: 1.0))
+
+
+def test_documented_simpy_driver_matches_the_reference_loop():
+    simpy = pytest.importorskip("simpy")
+    w = _wl(spawn_join_trace(), _ten_turns("a"), _ten_turns("b"))
+    lat = lambda d: 0.5 + d.in_tokens / 1000  # noqa: E731
+
+    def mk():
+        return AgentXReplay(w, lanes=2, seed=3, duration_s=300.0, warmup_requests=1, system_idle_cap_s=10.0)
+
+    env = simpy.Environment()
+    log = []
+
+    def serve(d):
+        start = env.now
+        yield env.timeout(lat(d))
+        log.append((d.session.id, d.request.source, start, env.now, d.phase))
+
+    def driver(env, replay, serve):
+        wakeup = [env.event()]
+
+        def run(d):
+            yield env.process(serve(d))
+            issue(replay.finished(d.key, env.now))
+            if not wakeup[0].triggered:
+                wakeup[0].succeed()
+
+        def issue(w):
+            for d in w.ready:
+                env.process(run(d))
+            return w
+
+        w = issue(replay.start(env.now))
+        while not w.done:
+            timer = env.timeout(w.next_due_s - env.now) if w.next_due_s is not None else env.event()
+            yield wakeup[0] | timer
+            wakeup[0] = env.event()
+            w = issue(replay.poll(env.now))
+
+    env.process(driver(env, mk(), serve))
+    env.run(until=1000)
+    ref = [(x.dispatch.session.id, x.dispatch.request.source, x.start_s, x.end_s, x.dispatch.phase)
+           for x in run_fixed_latency(mk(), lat)]  # fmt: skip
+    rounded = lambda rows: sorted((a, b, round(c, 6), round(d, 6), e) for a, b, c, d, e in rows)  # noqa: E731
+    assert rounded(log) == rounded(ref)
+    assert len(log) > 20
