@@ -140,8 +140,13 @@ def digests_from_blocks(
         return []
     lo, hi = first * chunk_tokens, keyable * chunk_tokens
     # Piece boundaries: every chunk and block boundary in [lo, hi); piece i is [cuts[i], cuts[i+1]).
-    cuts = np.union1d(np.arange(lo, hi, chunk_tokens, dtype=np.int64),
-                      np.arange(-(-lo // block_tokens) * block_tokens, hi, block_tokens, dtype=np.int64))
+    if chunk_tokens % block_tokens == 0:  # whole blocks per chunk (Weka: 4 x 64)
+        cuts = np.arange(lo, hi, block_tokens, dtype=np.int64)
+    elif block_tokens % chunk_tokens == 0:  # chunks inside one block (Mooncake: 512 / 256)
+        cuts = np.arange(lo, hi, chunk_tokens, dtype=np.int64)
+    else:
+        cuts = np.union1d(np.arange(lo, hi, chunk_tokens, dtype=np.int64),
+                          np.arange(-(-lo // block_tokens) * block_tokens, hi, block_tokens, dtype=np.int64))
     ends = np.append(cuts[1:], hi)
     blocks = cuts // block_tokens
     ids = _as_u64(block_ids, int(blocks[0]), int(blocks[-1]) + 1)[blocks - blocks[0]]

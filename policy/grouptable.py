@@ -127,7 +127,7 @@ class GroupTable:
     def unpin(self, gids: Sequence[int] | np.ndarray) -> None:
         ids = self._ids(gids)
         np.subtract.at(self._pins, ids, 1)
-        np.maximum(self._pins, 0, out=self._pins)
+        self._pins[ids] = np.maximum(self._pins[ids], 0)
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, gids: Sequence[int] | np.ndarray, slot: int | Sequence[int], now: float) -> PutOutcome:
@@ -140,7 +140,7 @@ class GroupTable:
         """
         ids = self._ids(gids)
         slots = np.atleast_1d(np.asarray(slot, dtype=np.int64))
-        if ids.size:
+        if ids.size > 1 and np.unique(ids).size != ids.size:
             ids = ids[np.sort(np.unique(ids, return_index=True)[1])]
         missing = ~self.present[np.ix_(ids, slots)]  # [group, slot]
         need_row = missing @ self.slot_bytes[slots]  # bytes each group still needs

@@ -18,7 +18,7 @@ import numpy as np
 
 
 class GPUPrefixCache:
-    def __init__(self, capacity_tokens: int | None, *, evict_fraction: float = 0.02, initial: int = 1 << 16) -> None:
+    def __init__(self, capacity_tokens: int | None, *, evict_fraction: float = 0.05, initial: int = 1 << 16) -> None:
         if capacity_tokens is not None and capacity_tokens < 0:
             raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
         self.capacity_tokens = capacity_tokens

@@ -9,8 +9,9 @@ Contract:
       transfers are active (equal shares, recomputed at every arrival and departure).
     * ``bytes_moved`` and ``busy_s`` accumulate for metrics. Zero-byte transfers succeed at once.
 
-Implementation: no process per link; each arrival or departure reschedules one wake-up event
-for the next completion (stale wake-ups are ignored by a version counter).
+Implementation: no process per link. One wake-up event is pending at a time, at or before the next
+completion; an arrival schedules an earlier one only if it would finish first (a wake-up that
+comes early just recomputes), and wake-ups made stale that way are ignored by a version counter.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class FairLink:
         self._active: list[list] = []  # [remaining_virtual_bytes, event]
         self._last = env.now
         self._version = 0
+        self._wake_at = float("inf")
 
     @property
     def active(self) -> int:
@@ -72,29 +74,38 @@ class FairLink:
     def _start(self, work: float, done: simpy.Event) -> None:
         self._advance()
         self._active.append([work, done])
-        self._reschedule()
+        # everyone slows down, so only this transfer can finish before the pending wake-up
+        if self.env.now + work * len(self._active) / self.bytes_per_s < self._wake_at:
+            self._reschedule()
 
     def _reschedule(self) -> None:
         self._version += 1
         if not self._active:
+            self._wake_at = float("inf")
             return
         n = len(self._active)
         wait = max(0.0, min(a[0] for a in self._active) * n / self.bytes_per_s)
         version = self._version
+        self._wake_at = self.env.now + wait
         self.env.timeout(wait).callbacks.append(lambda _ev: self._wake(version))
 
     def _wake(self, version: int) -> None:
         if version != self._version:
             return
+        self._wake_at = float("inf")
         self._advance()
+        eps = _EPS_BYTES * max(1.0, self.bytes_per_s * 1e-9)
         still = []
         for a in self._active:
-            if a[0] <= _EPS_BYTES * max(1.0, self.bytes_per_s * 1e-9):
+            if a[0] <= eps:
                 a[1].succeed()
             else:
                 still.append(a)
-        if len(still) == len(self._active):  # float rounding: finish the smallest
-            still.sort(key=lambda a: a[0])
-            still.pop(0)[1].succeed()
+        if len(still) == len(self._active):
+            # an early wake-up (arrivals slowed everyone) or float rounding: finish what is due
+            smallest = min(still, key=lambda a: a[0])
+            if smallest[0] * len(still) / self.bytes_per_s <= 1e-12:
+                still.remove(smallest)
+                smallest[1].succeed()
         self._active = still
         self._reschedule()

@@ -1,0 +1,1 @@
+PRESET_DICTS: dict[str, dict] = {}

@@ -1,0 +1,50 @@
+"""sim.links.FairLink: processor sharing, posting cost, exact completion times."""
+
+import pytest
+import simpy
+
+from kvpool.sim.links import FairLink
+
+
+def finish_times(transfers, **kw):
+    """transfers: (start_s, nbytes, writes); returns completion times."""
+    env = simpy.Environment()
+    link = FairLink(env, 100.0, **kw)
+    done = {}
+
+    def go(i, start, nbytes, writes):
+        yield env.timeout(start)
+        yield link.transfer(nbytes, writes)
+        done[i] = env.now
+
+    for i, t in enumerate(transfers):
+        env.process(go(i, *t))
+    env.run()
+    return [done[i] for i in range(len(transfers))], link
+
+
+def test_single_transfer_takes_bytes_over_bandwidth():
+    (t,), link = finish_times([(0.0, 500, 0)])
+    assert t == pytest.approx(5.0) and link.bytes_moved == 500
+
+
+def test_two_equal_transfers_share_the_link():
+    times, _ = finish_times([(0.0, 100, 0), (0.0, 100, 0)])
+    assert times == pytest.approx([2.0, 2.0])
+
+
+def test_late_arrival_slows_the_first_and_small_one_finishes_first():
+    # A: 300 B at t=0; B: 50 B at t=1. 0-1: A alone (100 B). 1-2: 50 B/s each, B done at 2.
+    # A has 150 B left at 2, alone again: done at 3.5.
+    times, _ = finish_times([(0.0, 300, 0), (1.0, 50, 0)])
+    assert times == pytest.approx([3.5, 2.0])
+
+
+def test_posting_cost_and_latency_take_link_time():
+    (t,), _ = finish_times([(0.0, 100, 10)], writes_per_s=10.0, latency_s=0.5)
+    assert t == pytest.approx(1.0 + 1.0 + 0.5)
+
+
+def test_zero_bytes_is_immediate():
+    (t,), _ = finish_times([(2.0, 0, 5)])
+    assert t == 2.0
