@@ -102,3 +102,146 @@ def run(
     wide = Console(width=max(Console().width, 150))
     wide.print(report.table(rows, title=f"{s.name}: {s.workload.mode}, {s.workload.duration_s:g} s per load"))
     console.print("wrote " + ", ".join(str(p) for p in paths))
+
+
+def _progress(console: Console, disable: bool) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TimeElapsedColumn(), console=console, transient=True, disable=disable)
+
+
+@app.command()
+def compare(
+    scenarios: list[str] = typer.Argument(..., help="Two or more scenarios (names or TOML files); the first is the reference of the ratios."),
+    sessions: str = typer.Option(None, "--sessions", help="AgentX loads, e.g. 56,72,96,112."),
+    rps: str = typer.Option(None, "--rps", help="Production-replay loads, e.g. 0.6,0.8,1.0."),
+    duration: float = typer.Option(None, "--duration", help="Measured window per load, seconds."),
+    traces: str = typer.Option(None, "--traces", help="Replay these traces instead of each scenario's workload."),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP + " Applied to every arm."),
+    workers: int = typer.Option(0, "--workers", help="Parallel processes (0: one per core)."),
+    out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON and PNG."),
+    json_: bool = typer.Option(False, "--json", help="Print {scenario name: [per-load objects]} as JSON."),
+) -> None:
+    """Run arms side by side at the same loads (e.g. shared vs split pool) and print the ratios."""
+    from kvpool.sim import compare as cmp
+    from kvpool.sim import report
+    from kvpool.sim.run import sweep
+
+    if len(scenarios) < 2:
+        raise UserError("compare needs two or more scenarios")
+    if sessions is not None and rps is not None:
+        raise UserError("give --sessions (AgentX lanes) or --rps (production replay), not both")
+    extra = list(set_)
+    if duration is not None:
+        if duration <= 0:
+            raise UserError(f"--duration {duration:g}: must be > 0 seconds")
+        extra.append(f"workload.duration_s={duration}")
+    if sessions is not None:
+        extra.append('workload.mode="agentx"')
+    if rps is not None:
+        extra.append('workload.mode="replay"')
+    arms_s = [load_or_exit(name, extra) for name in scenarios]
+    names = [s.name for s in arms_s]
+    if len(set(names)) != len(names):
+        raise UserError(f"the arms need distinct scenario names, got {names}")
+    loads = parse_loads(sessions, "--sessions", True) or parse_loads(rps, "--rps", False)
+    if not loads:
+        first = arms_s[0].workload
+        loads = [first.sessions] if first.mode == "agentx" else [first.rps]
+    console = Console(stderr=True)
+    arms: dict[str, list[dict]] = {}
+    n_workers = workers or (os.cpu_count() or 1)
+    with _progress(console, json_) as progress:
+        task = progress.add_task("comparing " + " vs ".join(names), total=len(loads) * len(arms_s))
+        for s in arms_s:
+            arms[s.name] = sweep(s, loads, traces=traces, workers=min(n_workers, len(loads)),
+                                 on_done=lambda *_: progress.advance(task))
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "compare-" + "-vs-".join(names)
+    (out / f"{stem}.json").write_text(json.dumps({n: [report.public(r) for r in rows] for n, rows in arms.items()}, indent=2) + "\n")
+    cmp.figure(arms, out / f"{stem}.png")
+    if json_:
+        typer.echo(json.dumps({n: [report.public(r) for r in rows] for n, rows in arms.items()}, indent=2))
+        return
+    Console(width=max(Console().width, 150)).print(cmp.ratio_table(arms))
+    console.print(f"wrote {out / (stem + '.json')}, {out / (stem + '.png')}")
+
+
+@app.command()
+def plan(
+    scenario: str = typer.Argument(..., help="Built-in scenario name or TOML file."),
+    target: list[str] = typer.Option(..., "--target", help="METRIC>=VALUE (or <=, >, <), repeatable, e.g. reuse>=0.95 ttft_p90_s<=2.5."),
+    vary: str = typer.Option(..., "--vary", help="section.field=LO..HI, e.g. pool.gib_per_service=64..768, cluster.servers=1..8 or workload.sessions=40..160."),
+    load: float = typer.Option(None, "--load", help="Sessions (or RPS) of every run when the variable is not the load (default: the scenario's)."),
+    duration: float = typer.Option(None, "--duration", help="Measured window per run, seconds."),
+    traces: str = typer.Option(None, "--traces", help="Replay these traces instead of the scenario's workload."),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    workers: int = typer.Option(2, "--workers", help="Points evaluated in parallel per round."),
+    max_runs: int = typer.Option(24, "--max-runs", help="Upper bound on simulator runs."),
+    out: Path = typer.Option(Path("out"), "--out", help="Directory for the explored curve (JSON, PNG)."),
+    json_: bool = typer.Option(False, "--json", help="Print the result and the explored curve as JSON."),
+) -> None:
+    """Capacity search: the smallest value of a field (or the largest load) meeting every target."""
+    from kvpool.sim import plan as pl
+    from kvpool.sim import report
+
+    extra = list(set_)
+    if duration is not None:
+        if duration <= 0:
+            raise UserError(f"--duration {duration:g}: must be > 0 seconds")
+        extra.append(f"workload.duration_s={duration}")
+    base = load_or_exit(scenario, extra)
+    try:
+        targets = [pl.parse_target(t) for t in target]
+        variable = pl.parse_vary(vary, base)
+    except pl.PlanError as e:
+        raise UserError(str(e)) from None
+    console = Console(stderr=True)
+    with _progress(console, json_) as progress:
+        task = progress.add_task(f"searching {variable.field}", total=max_runs)
+        res = pl.search(base, variable, targets, load=load, traces=traces, workers=workers, max_runs=max_runs,
+                        on_run=lambda *_: progress.advance(task))
+    curve = [{"value": v, "meets_targets": ok, **report.public(row)} for v, row, ok in res.curve()]
+    summary = {"variable": variable.field, "direction": "maximize" if variable.maximize else "minimize",
+               "targets": [str(t) for t in targets], "best": res.best, "runs": len(curve), "curve": curve}
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"plan-{base.name}-{variable.field}"
+    (out / f"{stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plan_figure(curve, targets, variable.field, out / f"{stem}.png")
+    if json_:
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    from rich.table import Table
+
+    t = Table(title=f"{base.name}: {variable.field} ({summary['direction']}) for {', '.join(summary['targets'])}")
+    t.add_column(variable.field, justify="right")
+    for tg in targets:
+        t.add_column(tg.metric, justify="right")
+    t.add_column("meets", justify="center")
+    for row in curve:
+        t.add_row(f"{row['value']:g}", *[f"{row[tg.metric]:.4g}" for tg in targets], "yes" if row["meets_targets"] else "no")
+    Console(width=max(Console().width, 120)).print(t)
+    if res.best is None:
+        Console().print(f"[bold red]no value of {variable.field} in {variable.lo:g}..{variable.hi:g} meets every target[/]")
+    else:
+        Console().print(f"[bold]best {variable.field} = {res.best:g}[/] ({len(curve)} runs); wrote {out / (stem + '.json')}, {out / (stem + '.png')}")
+
+
+def _plan_figure(curve: list[dict], targets, field: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(targets), figsize=(5 * len(targets), 3.6), squeeze=False)
+    xs = [c["value"] for c in curve]
+    for ax, tg in zip(axes[0], targets):
+        ax.plot(xs, [c[tg.metric] for c in curve], "o-")
+        for c in curve:
+            ax.plot(c["value"], c[tg.metric], "o", color="#55a868" if c["meets_targets"] else "#c44e52")
+        ax.axhline(tg.value, color="gray", ls="--")
+        ax.set_xlabel(field)
+        ax.set_ylabel(tg.metric)
+        ax.set_title(str(tg))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
