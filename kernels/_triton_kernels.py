@@ -10,14 +10,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _copy_tile(
-    pid, grp, anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+def _tile_addrs(
+    pid, grp, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
     tokens, token_start, ranks, rank0, row_lo, row_hi,
     MODE: tl.constexpr, TO_PAGED: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
-    BT_2D: tl.constexpr, REC: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr, ROWS: tl.constexpr,
-    ALIGN: tl.constexpr,
+    BT_2D: tl.constexpr, REC: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
 ):
-    """Copy rows ``pid*ROWS ..`` of group ``grp`` (a chunk or a rank). See ``_copy_rows_kernel``."""
+    """Source and destination word offsets and the row mask of rows ``pid*ROWS ..`` of group ``grp``
+    (a chunk or a rank). See ``_copy_rows_kernel`` for the arguments."""
     # Index math in int32 (host checks rows and positions < 2**31), addresses in int64.
     g = pid * ROWS + tl.arange(0, ROWS)
     if MODE == 0:
@@ -69,19 +69,48 @@ def _copy_tile(
     else:
         src = paged_row
         dst = flat_row
-    # A record is COLS words (a power of two, unmasked) plus a TAIL tile (masked to REC): a 576 B
-    # latent is 128 + 16 int32 words, a 144 B indexer key 32 + 4, so no lane holds padding.
+    return src, dst, mask
+
+
+@triton.jit
+def _load_rows(anchor_ptr, src, mask, REC: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr):
+    """Load rows: a record is COLS words (a power of two) plus a TAIL tile masked to REC (a 576 B
+    latent is 128 + 16 int32 words, a 144 B indexer key 32 + 4), so no lane holds padding."""
     cols = tl.arange(0, COLS)
-    m_head = mask[:, None] & (cols < COLS)[None, :]
-    v = tl.load(anchor_ptr + src[:, None] + cols[None, :], mask=m_head)
+    v = tl.load(anchor_ptr + src[:, None] + cols[None, :], mask=mask[:, None] & (cols < COLS)[None, :])
     if TAIL > 0:
         tcols = COLS + tl.arange(0, TAIL)
-        m_tail = mask[:, None] & (tcols < REC)[None, :]
-        vt = tl.load(anchor_ptr + src[:, None] + tcols[None, :], mask=m_tail)
-        tl.store(anchor_ptr + dst[:, None] + cols[None, :], v, mask=m_head)
-        tl.store(anchor_ptr + dst[:, None] + tcols[None, :], vt, mask=m_tail)
+        vt = tl.load(anchor_ptr + src[:, None] + tcols[None, :], mask=mask[:, None] & (tcols < REC)[None, :])
     else:
-        tl.store(anchor_ptr + dst[:, None] + cols[None, :], v, mask=m_head)
+        vt = v
+    return v, vt
+
+
+@triton.jit
+def _store_rows(anchor_ptr, dst, mask, v, vt, REC: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr):
+    cols = tl.arange(0, COLS)
+    tl.store(anchor_ptr + dst[:, None] + cols[None, :], v, mask=mask[:, None] & (cols < COLS)[None, :])
+    if TAIL > 0:
+        tcols = COLS + tl.arange(0, TAIL)
+        tl.store(anchor_ptr + dst[:, None] + tcols[None, :], vt, mask=mask[:, None] & (tcols < REC)[None, :])
+
+
+@triton.jit
+def _copy_tile(
+    pid, grp, anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+    tokens, token_start, ranks, rank0, row_lo, row_hi,
+    MODE: tl.constexpr, TO_PAGED: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
+    BT_2D: tl.constexpr, REC: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr, ROWS: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """Copy rows ``pid*ROWS ..`` of group ``grp`` (a chunk or a rank). See ``_copy_rows_kernel``."""
+    src, dst, mask = _tile_addrs(
+        pid, grp, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+        tokens, token_start, ranks, rank0, row_lo, row_hi,
+        MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, ROWS, ALIGN,
+    )
+    v, vt = _load_rows(anchor_ptr, src, mask, REC, COLS, TAIL)
+    _store_rows(anchor_ptr, dst, mask, v, vt, REC, COLS, TAIL)
 
 
 @triton.jit
@@ -142,3 +171,43 @@ def _copy_rows_kernel(
                 MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC2, COLS2, TAIL2, ROWS2, ALIGN,
             )
 
+
+
+@triton.jit
+def _copy_rows_persistent_kernel(
+    anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg,
+    n_tiles,  # row tiles per group
+    n_groups,  # chunks (MODE_CHUNK) or ranks (MODE_GATHER); 1 for MODE_SCATTER
+    flat_off, group_stride, tokens, token_start, ranks, rank0, row_lo, row_hi,
+    MODE: tl.constexpr, TO_PAGED: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
+    BT_2D: tl.constexpr, REC: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr, ROWS: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """One record size, a fixed number of programs, each looping over tiles ``pid, pid + nprog, ..``
+    (tile ``f`` = row tile ``f % n_tiles`` of group ``f // n_tiles``). Software-pipelined by hand:
+    the next tile's block ids and table entries are read while this tile's data is in flight, so
+    the small dependent loads no longer add their latency to every tile."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    total = n_tiles * n_groups
+    src, dst, mask = _tile_addrs(
+        pid % n_tiles, pid // n_tiles, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+        tokens, token_start, ranks, rank0, row_lo, row_hi,
+        MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, ROWS, ALIGN,
+    )
+    zero = tl.zeros([ROWS], dtype=tl.int32)  # (scalar & block masks trip the interpreter)
+    mask = mask & (zero + pid < total)
+    for f in range(pid, total, nprog):
+        v, vt = _load_rows(anchor_ptr, src, mask, REC, COLS, TAIL)
+        fn = f + nprog
+        fv = zero + fn < total
+        fn = tl.where(fn < total, fn, 0)
+        nsrc, ndst, nmask = _tile_addrs(
+            fn % n_tiles, fn // n_tiles, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+            tokens, token_start, ranks, rank0, row_lo, row_hi,
+            MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, ROWS, ALIGN,
+        )
+        _store_rows(anchor_ptr, dst, mask, v, vt, REC, COLS, TAIL)
+        src = nsrc
+        dst = ndst
+        mask = nmask & fv

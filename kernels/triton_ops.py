@@ -43,6 +43,13 @@ MODE_SCATTER = 2  # scatter_dcp: one rank, a landing slice of its buffer
 #: Tuning knobs (bench/kernels.py sweeps them): words per program tile, warps per program.
 TILE_WORDS = 4096
 NUM_WARPS = 4
+#: Single-record-size launches use the persistent, software-pipelined kernel with this many
+#: programs per multiprocessor (0: the one-tile-per-program kernel).
+PERSIST_CTAS_PER_SM = 8
+#: Pack/unpack of two record sizes (latent + indexer) in one launch of the one-tile kernel (True)
+#: or one persistent launch per size (False).
+PAIR_RECORD_SIZES = True
+_SM_COUNT: dict[int, int] = {}
 _MAX_GRID_Y = 65535
 _KERNELS: dict[bool, Any] = {}
 _TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -64,7 +71,7 @@ def _kernel(interpret: bool) -> Any:
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
         spec.loader.exec_module(module)
-        _KERNELS[interpret] = (module._copy_rows_kernel, triton)
+        _KERNELS[interpret] = (module, triton)
     return _KERNELS[interpret]
 
 
@@ -168,7 +175,7 @@ def _launch(
         groups: chunks (MODE_CHUNK) or ranks (MODE_GATHER); 1 for MODE_SCATTER.
         total_rows: rows of one group when not ``segments x rows_per_segment`` (MODE_SCATTER).
     """
-    kernel, triton = _kernel(interpret)
+    module, triton = _kernel(interpret)
     a = dict(flat_off=0, group_stride=0, chunk_tokens=1, tokens=0, token_start=0, ranks=1, rank0=0, row_lo=0, row_hi=0)
     a.update(scalars)
     parts = []
@@ -196,8 +203,18 @@ def _launch(
     bt_s0 = block_ids.stride(0) if bt_2d else 0
     bt_s1 = block_ids.stride(1) if bt_2d else block_ids.stride(0)
     with _interpret_env(True) if interpret else contextlib.nullcontext():
+        if n2 == 0 and PERSIST_CTAS_PER_SM > 0:
+            programs = min(tiles1 * groups, _sm_count(caches[0].device) * PERSIST_CTAS_PER_SM)
+            module._copy_rows_persistent_kernel[(programs,)](
+                anchor, t1, block_ids, max(bt_cols, 1), bt_s0, bt_s1, n1, tiles1, groups,
+                a["flat_off"], a["group_stride"],
+                a["tokens"], a["token_start"], a["ranks"], a["rank0"], a["row_lo"], a["row_hi"],
+                MODE=a["mode"], TO_PAGED=a["to_paged"], PAGE=caches[0].shape[1], CHUNK=a["chunk_tokens"],
+                BT_2D=bt_2d, REC=rec1, COLS=cols1, TAIL=tail1, ROWS=rows1, ALIGN=align, num_warps=NUM_WARPS,
+            )
+            return
         for g0 in range(0, groups, _MAX_GRID_Y):
-            kernel[(tiles1 + tiles2, min(_MAX_GRID_Y, groups - g0))](
+            module._copy_rows_kernel[(tiles1 + tiles2, min(_MAX_GRID_Y, groups - g0))](
                 anchor, t1, t2, block_ids, max(bt_cols, 1), bt_s0, bt_s1, n1, n2, tiles1,
                 a["flat_off"], a["group_stride"],
                 a["tokens"], a["token_start"], a["ranks"], a["rank0"], a["row_lo"], a["row_hi"], g0,
@@ -206,6 +223,16 @@ def _launch(
                 REC2=rec2, COLS2=cols2, TAIL2=tail2, ROWS2=rows2,
                 ALIGN=align, num_warps=NUM_WARPS,
             )
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors (CUDA) or compute units (ROCm) of ``device``; 4 on the CPU (interpreter)."""
+    if device.type == "cpu":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
 
 
 def _tl_word(word: int) -> Any:
@@ -236,9 +263,10 @@ def _chunk_op(
         by_rec.setdefault(rb, []).append(i)
     # REC is a compile-time constant (vectorized, unmasked-by-size copies): one launch per two sizes
     sizes = [(index, [offsets[i] for i in index], rb) for rb, index in by_rec.items()]
-    for k in range(0, len(sizes), 2):
+    step = 2 if PAIR_RECORD_SIZES else 1
+    for k in range(0, len(sizes), step):
         _launch(
-            caches, sizes[k : k + 2], block_ids, word, align, chunk_tokens, groups=num_chunks, interpret=interpret,
+            caches, sizes[k : k + step], block_ids, word, align, chunk_tokens, groups=num_chunks, interpret=interpret,
             mode=MODE_CHUNK, to_paged=to_paged, flat_off=flat_off,
             group_stride=objects.stride(0) // word if num_chunks > 1 else 0, chunk_tokens=chunk_tokens,
         )

@@ -106,7 +106,7 @@ def clone_caches(caches):
 PACK_CASES = [
     # record sizes, page, chunk_tokens, pages in table, style
     ([576], 16, 256, 16, "plain"),  # one seed chunk, one segment
-    ([576, 144, 576, 576, 144], 16, 256, 40, "plain"),  # latent + indexer; 40 pages: 2 full chunks
+    ([576, 144, 576, 576, 144], 16, 128, 20, "plain"),  # latent + indexer; 20 pages: 2 full chunks
     ([576, 144, 576], 16, 16, 7, "sliced"),  # single-page chunks, strided caches
     ([576, 144], 16, 48, 9, "padded"),  # token stride > record
     ([100, 6, 34], 5, 20, 13, "plain"),  # odd record sizes (2-byte words), odd page size
@@ -236,7 +236,7 @@ def test_gather_scatter_round_trip_in_landed_writes(device, tokens, start, layer
     pages = -(-(start + tokens) // page)
     prefill = make_caches([rec] * layers, pages + 4, page, gen, device, "plain")
     p_ids = torch.randperm(pages + 4, generator=gen)[:pages].to(device)
-    plan = _plan(tokens, start, layers, rec, ranks, max_write=rec * 5)
+    plan = _plan(tokens, start, layers, rec, ranks, max_write=rec * 40)
     staging = gather_dcp(prefill, p_ids, plan, backend="triton")
 
     local_pages = (start + tokens - 1) // ranks // page + 1  # pages of the decode-local index
@@ -293,3 +293,32 @@ def test_gpu_ops_capture_in_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, pack(caches, ids, backend="torch"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("persist,pair", [(0, True), (0, False), (3, False)])
+def test_kernel_variants_agree(device, persist, pair, monkeypatch):
+    """Every launch variant (one tile per program / persistent loop; record sizes paired or not)."""
+    from kvpool.kernels import triton_ops
+
+    monkeypatch.setattr(triton_ops, "PERSIST_CTAS_PER_SM", persist)
+    monkeypatch.setattr(triton_ops, "PAIR_RECORD_SIZES", pair)
+    gen = torch.Generator().manual_seed(persist + 10 * pair)
+    caches = make_caches([576, 144, 576], 24, 16, gen, device, "sliced")
+    ids = torch.randperm(24, generator=gen)[:16].to(device)
+    objects = pack(caches, ids, chunk_tokens=64, backend="triton")
+    assert torch.equal(objects, pack(caches, ids, chunk_tokens=64, backend="torch"))
+    back = [torch.zeros_like(c) for c in caches]
+    unpack(objects, back, ids, chunk_tokens=64, backend="triton")
+    assert torch.equal(pack(back, ids, chunk_tokens=64, backend="torch"), objects)
+    plan = _plan(150, 7, 3, 576, 4)
+    lat = [caches[0], caches[2], caches[0]]
+    staging = gather_dcp(lat, ids, plan, backend="triton")
+    assert torch.equal(staging, gather_dcp(lat, ids, plan, backend="torch"))
+    buf = staging_views(staging, plan)[3]
+    d_ids = torch.randperm(24, generator=gen)[:4].to(device)
+    a = [torch.zeros(24, 16, 576, dtype=torch.uint8, device=device) for _ in range(3)]
+    b = [torch.zeros_like(x) for x in a]
+    scatter_dcp(buf, a, d_ids, plan, 3, backend="triton")
+    scatter_dcp(buf, b, d_ids, plan, 3, backend="torch")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
