@@ -82,7 +82,10 @@ def weighted_median(times_s: Sequence[float], values: Sequence[float], end_s: fl
 
 def summarize(records: Sequence[RequestRecord], *, gpus: int, occupancy: tuple[list[float], list[float]] = ([], []),
               window: tuple[float, float] | None = None) -> dict:
-    """Per-run metrics over measured, non-rejected requests (AgentX definitions)."""
+    """Per-run metrics over measured, non-rejected requests (AgentX definitions).
+
+    ``occupancy``: decode KV occupancy as a step function (times, values); its median is taken
+    over ``window`` (default: first arrival to last end of the measured requests)."""
     kept = [r for r in records if r.measured and not r.rejected and r.end_s > 0]
     prompt = sum(r.in_tokens for r in kept)
     out = sum(r.out_tokens for r in kept)
@@ -101,9 +104,14 @@ def summarize(records: Sequence[RequestRecord], *, gpus: int, occupancy: tuple[l
     stages = [s for r in kept if r.pool_tokens for s in r.restore_stage_s]
     spreads = [r.restore_spread_s for r in kept if r.pool_tokens]
     occ_t, occ_v = occupancy
-    if window is not None and occ_t:
-        occ = [(t, v) for t, v in zip(occ_t, occ_v) if window[0] <= t <= window[1]]
-        occ_t, occ_v = [t for t, _ in occ], [v for _, v in occ]
+    if window is None:
+        window = (start, end)
+    if occ_t:
+        # the step function restricted to the window (its value at the window start included)
+        before = [v for t, v in zip(occ_t, occ_v) if t <= window[0]]
+        inside = [(t, v) for t, v in zip(occ_t, occ_v) if window[0] < t <= window[1]]
+        occ_t = [window[0]] + [t for t, _ in inside] if before else [t for t, _ in inside]
+        occ_v = ([before[-1]] if before else []) + [v for _, v in inside]
     return {
         "gpus": gpus,
         "requests": len(kept),
@@ -117,7 +125,7 @@ def summarize(records: Sequence[RequestRecord], *, gpus: int, occupancy: tuple[l
         "share_computed": share(comp),
         "reuse": share(gpu + pool),
         "gen_speed_per_user_tok_s_p50": _pct(speeds, 50),
-        "decode_kv_occupancy_p50": weighted_median(occ_t, occ_v, window[1] if window else (occ_t[-1] if occ_t else 0.0)),
+        "decode_kv_occupancy_p50": weighted_median(occ_t, occ_v, window[1]),
         "restore_stage_s_p50": _pct(stages, 50),
         "restore_spread_s_mean": float(np.mean(spreads)) if spreads else 0.0,
         "bytes_moved": int(sum(r.restore_bytes + r.save_bytes + r.handoff_bytes for r in kept)),

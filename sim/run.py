@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import lru_cache
@@ -32,9 +33,37 @@ def _traces(path: str) -> Workload:
 
 @lru_cache(maxsize=4)
 def _synthetic(preset: str, sessions: int, seed: int) -> Workload:
-    from kvpool.sim.workload.synth import synthetic_workload
+    """A synthetic workload, generated once and kept in the user's cache directory
+    (``$KVPOOL_CACHE_DIR``, default ``~/.cache/kvpool``) under a key that covers the preset's
+    parameters and the generator's source, so a changed generator never serves stale sessions."""
+    import hashlib
+    import inspect
+    import json
+    import pickle
 
-    return synthetic_workload(preset, sessions, seed)
+    from kvpool.sim.workload import synth
+
+    params = synth.preset_params(preset).to_dict()
+    key = hashlib.sha256(json.dumps([params, sessions, seed, inspect.getsource(synth)], sort_keys=True,
+                                    default=str).encode()).hexdigest()[:24]
+    root = Path(os.environ.get("KVPOOL_CACHE_DIR", Path.home() / ".cache" / "kvpool"))
+    path = root / f"synth-{preset}-{sessions}-{seed}-{key}.pkl"
+    if path.is_file():
+        try:
+            with path.open("rb") as f:
+                return pickle.load(f)
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError):
+            pass  # unreadable cache entry: generate again
+    w = synth.synthetic_workload(preset, sessions, seed)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with tmp.open("wb") as f:
+            pickle.dump(w, f, protocol=pickle.HIGHEST_PROTOCOL)
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home still runs, just slower
+    return w
 
 
 def workload_for(s: Scenario, traces: str | None = None) -> Workload:

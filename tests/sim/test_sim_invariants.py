@@ -140,3 +140,11 @@ def test_real_traces_run_and_use_the_pool_under_pressure():
     assert m["share_pool"] > 0 and m["reuse"] > 0.8
     assert 0 < m["ttft_p50_s"] <= m["ttft_p90_s"]
     assert 0 < m["decode_kv_occupancy_p50"] < 1
+
+
+def test_weighted_median_of_a_step_function():
+    from kvpool.sim.metrics import weighted_median
+
+    # 0.1 for 1 s, 0.9 for 3 s, 0.5 for 1 s -> the median time-weighted value is 0.9
+    assert weighted_median([0.0, 1.0, 4.0], [0.1, 0.9, 0.5], 5.0) == 0.9
+    assert weighted_median([0.0, 4.0], [0.2, 0.7], 5.0) == 0.2
