@@ -43,11 +43,13 @@ MODE_SCATTER = 2  # scatter_dcp: one rank, a landing slice of its buffer
 #: Tuning knobs (bench/kernels.py sweeps them): words per program tile, warps per program.
 TILE_WORDS = 4096
 NUM_WARPS = 4
-#: Single-record-size launches use the persistent, software-pipelined kernel with this many
-#: programs per multiprocessor (0: the one-tile-per-program kernel).
-PERSIST_CTAS_PER_SM = 8
-#: Pack/unpack of two record sizes (latent + indexer) in one launch of the one-tile kernel (True)
-#: or one persistent launch per size (False).
+#: Programs per multiprocessor of the persistent, software-pipelined kernel for single-size
+#: launches; 0 (default) uses the one-tile-per-program kernel. Measured on an H200 (bench/kernels.py
+#: --sweep, 2026-11-29): persistent 8/SM gave 0.74 of the copy on scatter_8k_rank against 0.83 for
+#: one tile per program, and 0.80 against 0.90 on gather_8k_4ranks.
+PERSIST_CTAS_PER_SM = 0
+#: Pack/unpack of two record sizes (latent + indexer) in one launch (True, default) or one launch
+#: per size (False; same sweep: 0.77-0.84 against 0.87-0.92 on the 64-chunk window).
 PAIR_RECORD_SIZES = True
 _SM_COUNT: dict[int, int] = {}
 _MAX_GRID_Y = 65535
