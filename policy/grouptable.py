@@ -74,6 +74,9 @@ class GroupTable:
         self._count = np.zeros(n, dtype=np.int64)
         self._inserted = np.zeros(n, dtype=np.int64)
         self._pins = np.zeros(n, dtype=np.int32)
+        self._mark = np.zeros(n, dtype=np.int32)
+        self._resident = np.zeros(0, dtype=np.int64)  # groups holding objects (+ stale until a pass)
+        self._listed = np.zeros(n, dtype=bool)  # whether a group is in _resident
 
     @property
     def slots(self) -> int:
@@ -94,6 +97,8 @@ class GroupTable:
         self._count = np.concatenate([self._count, np.zeros(pad, dtype=np.int64)])
         self._inserted = np.concatenate([self._inserted, np.zeros(pad, dtype=np.int64)])
         self._pins = np.concatenate([self._pins, np.zeros(pad, dtype=np.int32)])
+        self._mark = np.concatenate([self._mark, np.zeros(pad, dtype=np.int32)])
+        self._listed = np.concatenate([self._listed, np.zeros(pad, dtype=bool)])
 
     def _ids(self, gids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(gids, dtype=np.int64)
@@ -140,7 +145,7 @@ class GroupTable:
         """
         ids = self._ids(gids)
         slots = np.atleast_1d(np.asarray(slot, dtype=np.int64))
-        if ids.size > 1 and np.unique(ids).size != ids.size:
+        if ids.size > 1 and self._has_duplicates(ids):
             ids = ids[np.sort(np.unique(ids, return_index=True)[1])]
         missing = ~self.present[np.ix_(ids, slots)]  # [group, slot]
         need_row = missing @ self.slot_bytes[slots]  # bytes each group still needs
@@ -157,6 +162,9 @@ class GroupTable:
         if stored.size:
             fresh = ~self.present[stored].any(axis=1)
             n_fresh = int(fresh.sum())
+            joining = stored[fresh & ~self._listed[stored]]
+            self._listed[joining] = True
+            self._resident = np.concatenate([self._resident, joining])
             self._inserted[stored[fresh]] = self._seq + 1 + np.arange(n_fresh)
             self._seq += n_fresh
             self._count[stored[fresh]] = 0
@@ -170,6 +178,14 @@ class GroupTable:
         n_new = int(missing.sum())
         n_stored = int(missing[stored_rows].sum())
         return PutOutcome(n_stored, n_new - n_stored, int(gone.size), freed, gone)
+
+    def _has_duplicates(self, ids: np.ndarray) -> bool:
+        """O(n) duplicate check with a scratch counter (ids are already in range)."""
+        mark = self._mark
+        np.add.at(mark, ids, 1)
+        dup = bool((mark[ids] > 1).any())
+        mark[ids] = 0
+        return dup
 
     def lookup_slots(self, gids: Sequence[int] | np.ndarray, slots: Sequence[int], now: float) -> np.ndarray:
         """Presence ``[slot index, chunk]`` for several slots in one check (recency as ``lookup``)."""
@@ -198,10 +214,16 @@ class GroupTable:
         used_ratio = self.used_bytes / cap if cap else 1.0
         ratio = max(self.evict_ratio, used_ratio - self.high_watermark + self.evict_ratio)
         target = max(need_bytes, int(np.ceil(cap * ratio)))
-        held = self.present.any(axis=1)
-        cand = np.flatnonzero(held & (self._pins == 0))
+        # candidates: the resident groups (stale entries dropped here), unpinned, not being written
+        alive = self.present[self._resident].any(axis=1)
+        self._listed[self._resident[~alive]] = False
+        res = self._resident = self._resident[alive]
+        ok = self._pins[res] == 0
         if protect.size:
-            cand = np.setdiff1d(cand, protect, assume_unique=False)
+            self._mark[protect] = 1
+            ok &= self._mark[res] == 0
+            self._mark[protect] = 0
+        cand = res[ok]
         none = (np.zeros(0, dtype=np.int64), 0)
         if not cand.size:
             return none

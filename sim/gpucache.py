@@ -29,6 +29,8 @@ class GPUPrefixCache:
         self._depth = np.zeros(initial, dtype=np.int32)
         self.blocks = 0
         self.evicted_blocks = 0
+        self._resident = np.zeros(0, dtype=np.int64)  # ids held (plus stale ones until the next evict)
+        self._listed = np.zeros(initial, dtype=bool)  # whether an id is in _resident
 
     def _grow(self, max_id: int) -> None:
         n = len(self.held)
@@ -38,6 +40,7 @@ class GPUPrefixCache:
         self.held = np.concatenate([self.held, np.zeros(new - n, dtype=bool)])
         self._last = np.concatenate([self._last, np.zeros(new - n)])
         self._depth = np.concatenate([self._depth, np.zeros(new - n, dtype=np.int32)])
+        self._listed = np.concatenate([self._listed, np.zeros(new - n, dtype=bool)])
 
     def hit_blocks(self, ids: np.ndarray, now: float) -> int:
         """Leading blocks of ``ids`` held; they count as used now."""
@@ -62,6 +65,10 @@ class GPUPrefixCache:
             ids = ids[: self.capacity_blocks]
         new = ~self.held[ids]
         self.blocks += int(new.sum())
+        if self.capacity_blocks is not None:
+            joining = ids[new & ~self._listed[ids]]
+            self._listed[joining] = True
+            self._resident = np.concatenate([self._resident, joining])
         self.held[ids] = True
         self._last[ids] = now
         self._depth[ids] = np.arange(ids.size, dtype=np.int32)
@@ -71,10 +78,16 @@ class GPUPrefixCache:
     def _evict(self, protect: np.ndarray) -> None:
         cap = self.capacity_blocks or 0
         target = self.blocks - cap + int(cap * self.evict_fraction)
-        cand = np.flatnonzero(self.held)
-        keep = np.zeros(len(self.held), dtype=bool)
-        keep[protect] = True
-        cand = cand[~keep[cand]]
+        alive = self.held[self._resident]
+        self._listed[self._resident[~alive]] = False
+        self._resident = self._resident[alive]  # drop stale entries
+        mark = np.zeros(self._resident.size, dtype=bool)
+        cand = self._resident
+        if protect.size:
+            self.held[protect] = False  # temporarily: the blocks being inserted are never victims
+            mark = ~self.held[cand]
+            self.held[protect] = True
+        cand = cand[~mark]
         if not cand.size:
             return
         k = max(0, min(target, cand.size))

@@ -121,3 +121,12 @@ def test_multi_slot_put_and_lookup_equal_single_slot_calls():
     assert a.used_bytes == 300 + 50 and a.contains(4, 1) and not a.contains(4, 0)
     hit = a.lookup_slots([1, 4, 9], [0, 1], 2.0)
     assert hit.tolist() == [[True, False, False], [True, True, False]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 2)), max_size=200))
+def test_reinserted_groups_are_never_double_counted(ops):
+    t = GroupTable(200, [10, 10, 10], "lru", high_watermark=0.9, evict_ratio=0.05)
+    for i, (g, s) in enumerate(ops):
+        t.put([g], s, float(i))
+        assert t.used_bytes == int((t.present @ t.slot_bytes).sum()) <= 200
