@@ -1,10 +1,11 @@
-"""Triton kernel and host functions for the four ops (portable Triton: CUDA and ROCm alike).
+"""Triton host functions for the four ops (portable Triton: CUDA and ROCm alike).
 
 Primitives:
-    Host functions (validate, then launch; tensors on a GPU, or on the CPU under Triton's
-    interpreter when ``TRITON_INTERPRET=1`` or ``interpret=True``):
+    Host functions (validate, then launch; tensors on a GPU compiled, or on the CPU under
+    Triton's interpreter, which needs the ``triton`` package but no GPU):
         ``pack_triton``, ``unpack_triton``, ``gather_dcp_triton``, ``scatter_dcp_triton``.
-    The one kernel behind them: ``_copy_rows_kernel`` (built lazily by ``_kernel(interpret)``).
+    The kernels behind them live in ``_triton_kernels.py`` (``_copy_rows_kernel``, and
+    ``_copy_rows_persistent_kernel`` behind ``PERSIST_CTAS_PER_SM``), loaded by ``_kernel(interpret)``.
 
 Design. Every op moves *rows*: one token's record of one per-layer cache (576 B latent, 144 B
 indexer, ...). A row has a paged side (cache base + block id x block stride + slot x token stride)
@@ -14,6 +15,17 @@ is read once per row. Records move as 4-, 2- or 1-byte words, the widest that di
 address, stride and record size, with ``tl.multiple_of`` hints up to 16 B so loads vectorize.
 All addresses are word offsets from one anchor pointer (the first cache), so one launch reaches any
 number of caches; per-cache bases and strides sit in a small int64 table cached across calls.
+With ``validate=False`` nothing synchronizes, so the ops can be captured in a CUDA graph.
+
+Measured on one H200 (bench/kernels.py, 2026-11-29, cold L2). The ratio is against a device copy of
+the same bytes:
+    pack 64 x 256-token chunks of a 20-layer GLM-5.3 stage: 1.87 TB/s, ratio 0.90
+    unpack of the same: 1.78 TB/s, ratio 0.86
+    128K-token save: 1.99 TB/s; restore: 1.89 TB/s (0.96 and 0.91 of the best copy)
+    8,192-token gather to 4 ranks: 1.81 TB/s, ratio 0.90
+    scatter of one rank's 23.6 MB: 1.46 TB/s, ratio 0.81
+    scatter of one 8 MiB landed write: ratio 1.06
+    one 3.2 MB chunk: ratio 0.73 (launch-latency bound)
 
 Triton is imported only inside ``_kernel``; importing this module needs torch alone.
 """
