@@ -199,3 +199,77 @@ def scatter_rows(plan: HandoffPlan, rank: int, offset_bytes: int, landing_bytes:
             f"landing bytes {offset_bytes}..{offset_bytes + landing_bytes} run past rank {rank}'s buffer ({size} B)"
         )
     return offset_bytes // rec, landing_bytes // rec
+
+
+# ---------------------------------------------------------------- whole-op checks (all backends)
+
+
+def prepare_chunks(
+    caches: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    num_chunks: int | None,
+    chunk_tokens: int,
+    objects: torch.Tensor | None,
+    fmt: ChunkFormat | None,
+    validate: bool,
+    to_paged: bool,
+) -> tuple[CacheGeometry, int, torch.Tensor]:
+    """Shared checks of pack/unpack; allocates ``out`` for pack when it is None."""
+    geom = check_caches(caches)
+    check_format(fmt, geom, chunk_tokens)
+    check_block_ids(block_ids, 0, geom.device)
+    ppc = chunk_tokens // geom.page_tokens
+    if num_chunks is None:
+        num_chunks = objects.shape[0] if (to_paged and objects is not None and objects.dim() == 2) else block_ids.numel() // ppc
+    if num_chunks < 0:
+        raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
+    check_block_ids(block_ids, num_chunks * ppc, geom.device)
+    obj_bytes = chunk_tokens * sum(geom.record_bytes)
+    if objects is None:
+        objects = torch.empty((num_chunks, obj_bytes), dtype=torch.uint8, device=geom.device)
+    check_objects(objects, num_chunks, obj_bytes, geom.device, "objects" if to_paged else "out")
+    if validate:
+        check_block_bounds(block_ids, num_chunks * ppc, geom.num_blocks, unique=to_paged)
+    return geom, num_chunks, objects
+
+
+def prepare_gather(
+    caches: Sequence[torch.Tensor], block_ids: torch.Tensor, plan: HandoffPlan, out: torch.Tensor | None, validate: bool
+) -> tuple[CacheGeometry, torch.Tensor]:
+    """Shared checks of gather_dcp; allocates ``out`` (the staging tensor) when it is None."""
+    geom = check_caches(caches)
+    check_plan_caches(plan, geom)
+    pages = pages_for(plan.token_start + plan.tokens, geom.page_tokens) if plan.tokens else 0
+    check_block_ids(block_ids, pages, geom.device)
+    if out is None:
+        out = torch.empty(plan.total_bytes, dtype=torch.uint8, device=geom.device)
+    check_flat(out, plan.total_bytes, geom.device, "out")
+    if validate:
+        check_block_bounds(block_ids, pages, geom.num_blocks, unique=False)
+    return geom, out
+
+
+def prepare_scatter(
+    landing: torch.Tensor,
+    caches: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    plan: HandoffPlan,
+    rank: int,
+    offset_bytes: int,
+    validate: bool,
+) -> tuple[CacheGeometry, int, int]:
+    """Shared checks of scatter_dcp; returns the geometry and the landing's buffer rows (first, count)."""
+    geom = check_caches(caches)
+    check_plan_caches(plan, geom)
+    check_flat(landing, 0, geom.device, "landing")
+    row0, rows = scatter_rows(plan, rank, offset_bytes, landing.numel())
+    if rows:
+        positions = plan.rank_positions(rank)
+        first_page = positions[0] // plan.ranks // geom.page_tokens
+        pages = positions[-1] // plan.ranks // geom.page_tokens + 1
+        check_block_ids(block_ids, pages, geom.device)
+        if validate:
+            check_block_bounds(block_ids, pages, geom.num_blocks, unique=True, first=first_page)
+    else:
+        check_block_ids(block_ids, 0, geom.device)
+    return geom, row0, rows

@@ -75,7 +75,7 @@ def pack(
     geom = ck.check_caches(caches)
     if _use_triton(geom.device, backend):
         return tri.pack_triton(caches, block_ids, num_chunks, chunk_tokens, out, fmt, validate)
-    geom, num_chunks, out = tri._prepare_chunks(caches, block_ids, num_chunks, chunk_tokens, out, fmt, validate, False)
+    geom, num_chunks, out = ck.prepare_chunks(caches, block_ids, num_chunks, chunk_tokens, out, fmt, validate, False)
     return ref.pack_ref(caches, block_ids, num_chunks, chunk_tokens, out)
 
 
@@ -101,7 +101,7 @@ def unpack(
     if _use_triton(geom.device, backend):
         tri.unpack_triton(objects, caches, block_ids, num_chunks, chunk_tokens, fmt, validate)
         return
-    geom, num_chunks, _ = tri._prepare_chunks(caches, block_ids, num_chunks, chunk_tokens, objects, fmt, validate, True)
+    geom, num_chunks, _ = ck.prepare_chunks(caches, block_ids, num_chunks, chunk_tokens, objects, fmt, validate, True)
     ref.unpack_ref(objects, caches, block_ids, num_chunks, chunk_tokens)
 
 
@@ -131,7 +131,7 @@ def gather_dcp(
     geom = ck.check_caches(caches)
     if _use_triton(geom.device, backend):
         return tri.gather_dcp_triton(caches, block_ids, plan, out, validate)
-    geom, out = tri._prepare_gather(caches, block_ids, plan, out, validate)
+    geom, out = ck.prepare_gather(caches, block_ids, plan, out, validate)
     return ref.gather_dcp_ref(caches, block_ids, plan, out)
 
 
@@ -160,5 +160,5 @@ def scatter_dcp(
     if _use_triton(geom.device, backend):
         tri.scatter_dcp_triton(landing, caches, block_ids, plan, rank, offset_bytes, validate)
         return
-    geom, row0, rows = tri._prepare_scatter(landing, caches, block_ids, plan, rank, offset_bytes, validate)
+    geom, row0, rows = ck.prepare_scatter(landing, caches, block_ids, plan, rank, offset_bytes, validate)
     ref.scatter_dcp_ref(landing, caches, block_ids, plan, rank, row0)

@@ -117,9 +117,6 @@ def _use_interpreter(device: torch.device, interpret: bool | None) -> bool:
     return bool(interpret)
 
 
-_WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
-
-
 def _word_bytes(quantities: Sequence[int]) -> tuple[int, int]:
     """(word bytes, alignment in words) for byte quantities: addresses, strides, record sizes."""
     g = 0
@@ -297,7 +294,7 @@ def pack_triton(
     interpret: bool | None = None,
 ) -> torch.Tensor:
     """Triton ``pack``: see ``kvpool.kernels.ops.pack`` for the contract."""
-    geom, num_chunks, out = _prepare_chunks(caches, block_ids, num_chunks, chunk_tokens, out, fmt, validate, False)
+    geom, num_chunks, out = ck.prepare_chunks(caches, block_ids, num_chunks, chunk_tokens, out, fmt, validate, False)
     _chunk_op(caches, block_ids, out, num_chunks, chunk_tokens, False, _use_interpreter(geom.device, interpret))
     return out
 
@@ -313,37 +310,8 @@ def unpack_triton(
     interpret: bool | None = None,
 ) -> None:
     """Triton ``unpack``: see ``kvpool.kernels.ops.unpack`` for the contract."""
-    geom, num_chunks, _ = _prepare_chunks(caches, block_ids, num_chunks, chunk_tokens, objects, fmt, validate, True)
+    geom, num_chunks, _ = ck.prepare_chunks(caches, block_ids, num_chunks, chunk_tokens, objects, fmt, validate, True)
     _chunk_op(caches, block_ids, objects, num_chunks, chunk_tokens, True, _use_interpreter(geom.device, interpret))
-
-
-def _prepare_chunks(
-    caches: Sequence[torch.Tensor],
-    block_ids: torch.Tensor,
-    num_chunks: int | None,
-    chunk_tokens: int,
-    objects: torch.Tensor | None,
-    fmt: ChunkFormat | None,
-    validate: bool,
-    to_paged: bool,
-) -> tuple[ck.CacheGeometry, int, torch.Tensor]:
-    """Shared checks of pack/unpack; allocates ``out`` for pack when it is None."""
-    geom = ck.check_caches(caches)
-    ck.check_format(fmt, geom, chunk_tokens)
-    ck.check_block_ids(block_ids, 0, geom.device)
-    ppc = chunk_tokens // geom.page_tokens
-    if num_chunks is None:
-        num_chunks = objects.shape[0] if (to_paged and objects is not None and objects.dim() == 2) else block_ids.numel() // ppc
-    if num_chunks < 0:
-        raise ValueError(f"num_chunks must be >= 0, got {num_chunks}")
-    ck.check_block_ids(block_ids, num_chunks * ppc, geom.device)
-    obj_bytes = chunk_tokens * sum(geom.record_bytes)
-    if objects is None:
-        objects = torch.empty((num_chunks, obj_bytes), dtype=torch.uint8, device=geom.device)
-    ck.check_objects(objects, num_chunks, obj_bytes, geom.device, "objects" if to_paged else "out")
-    if validate:
-        ck.check_block_bounds(block_ids, num_chunks * ppc, geom.num_blocks, unique=to_paged)
-    return geom, num_chunks, objects
 
 
 def gather_dcp_triton(
@@ -355,7 +323,7 @@ def gather_dcp_triton(
     interpret: bool | None = None,
 ) -> torch.Tensor:
     """Triton ``gather_dcp``: see ``kvpool.kernels.ops.gather_dcp`` for the contract."""
-    geom, out = _prepare_gather(caches, block_ids, plan, out, validate)
+    geom, out = ck.prepare_gather(caches, block_ids, plan, out, validate)
     use_interp = _use_interpreter(geom.device, interpret)
     word, align = _word_bytes(_cache_quantities(caches) + [out.data_ptr()])
     max_rows = max(plan.rank_tokens(r) for r in range(plan.ranks))
@@ -366,21 +334,6 @@ def gather_dcp_triton(
         tokens=plan.tokens, token_start=plan.token_start, ranks=plan.ranks,
     )
     return out
-
-
-def _prepare_gather(
-    caches: Sequence[torch.Tensor], block_ids: torch.Tensor, plan: HandoffPlan, out: torch.Tensor | None, validate: bool
-) -> tuple[ck.CacheGeometry, torch.Tensor]:
-    geom = ck.check_caches(caches)
-    ck.check_plan_caches(plan, geom)
-    pages = ck.pages_for(plan.token_start + plan.tokens, geom.page_tokens) if plan.tokens else 0
-    ck.check_block_ids(block_ids, pages, geom.device)
-    if out is None:
-        out = torch.empty(plan.total_bytes, dtype=torch.uint8, device=geom.device)
-    ck.check_flat(out, plan.total_bytes, geom.device, "out")
-    if validate:
-        ck.check_block_bounds(block_ids, pages, geom.num_blocks, unique=False)
-    return geom, out
 
 
 def scatter_dcp_triton(
@@ -394,7 +347,7 @@ def scatter_dcp_triton(
     interpret: bool | None = None,
 ) -> None:
     """Triton ``scatter_dcp``: see ``kvpool.kernels.ops.scatter_dcp`` for the contract."""
-    geom, row0, rows = _prepare_scatter(landing, caches, block_ids, plan, rank, offset_bytes, validate)
+    geom, row0, rows = ck.prepare_scatter(landing, caches, block_ids, plan, rank, offset_bytes, validate)
     use_interp = _use_interpreter(geom.device, interpret)
     word, align = _word_bytes(_cache_quantities(caches) + [landing.data_ptr()])
     rec_words = plan.record_bytes // word
@@ -408,26 +361,3 @@ def scatter_dcp_triton(
     )
 
 
-def _prepare_scatter(
-    landing: torch.Tensor,
-    caches: Sequence[torch.Tensor],
-    block_ids: torch.Tensor,
-    plan: HandoffPlan,
-    rank: int,
-    offset_bytes: int,
-    validate: bool,
-) -> tuple[ck.CacheGeometry, int, int]:
-    geom = ck.check_caches(caches)
-    ck.check_plan_caches(plan, geom)
-    ck.check_flat(landing, 0, geom.device, "landing")
-    row0, rows = ck.scatter_rows(plan, rank, offset_bytes, landing.numel())
-    if rows:
-        positions = plan.rank_positions(rank)
-        first_page = positions[0] // plan.ranks // geom.page_tokens
-        pages = positions[-1] // plan.ranks // geom.page_tokens + 1
-        ck.check_block_ids(block_ids, pages, geom.device)
-        if validate:
-            ck.check_block_bounds(block_ids, pages, geom.num_blocks, unique=True, first=first_page)
-    else:
-        ck.check_block_ids(block_ids, 0, geom.device)
-    return geom, row0, rows
