@@ -2,6 +2,55 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import typer
 
-app = typer.Typer(help="Start the Streamlit capacity-planning dashboard on 127.0.0.1.", no_args_is_help=True)
+from kvpool.cli.common import UserError
+
+app = typer.Typer(help="Start the Streamlit capacity-planning dashboard on 127.0.0.1.")
+
+ADDRESS = "127.0.0.1"  # the dashboard binds loopback only (design.md: servers bind to 127.0.0.1)
+
+
+def app_file() -> Path:
+    """The dashboard's Streamlit entry script inside the installed package."""
+    import kvpool.dashboard
+
+    return Path(kvpool.dashboard.__file__).with_name("app.py")
+
+
+def streamlit_command(port: int) -> list[str]:
+    """The ``streamlit run`` command line: headless, on 127.0.0.1:``port``, no usage statistics."""
+    return [
+        sys.executable, "-m", "streamlit", "run", str(app_file()),
+        "--server.address", ADDRESS,
+        "--server.port", str(port),
+        "--server.headless", "true",
+        "--browser.gatherUsageStats", "false",
+        "--server.fileWatcherType", "none",
+        "--global.developmentMode", "false",
+    ]
+
+
+@app.callback(invoke_without_command=True)
+def dashboard(
+    port: int = typer.Option(8501, "--port", help="TCP port on 127.0.0.1 to serve the dashboard on."),
+) -> None:
+    """Start the dashboard (Scenario, Run, Compare, Plan pages) at http://127.0.0.1:PORT; Ctrl-C stops it."""
+    if not 1 <= port <= 65535:
+        raise UserError(f"--port {port}: must be 1..65535")
+    try:
+        import streamlit  # noqa: F401
+    except ImportError:
+        raise UserError("the dashboard needs Streamlit: pip install 'kvpool[dashboard]'") from None
+    typer.echo(f"kvpool dashboard: http://{ADDRESS}:{port} (Ctrl-C stops it)", err=True)
+    env = {**os.environ, "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"}
+    try:
+        rc = subprocess.call(streamlit_command(port), env=env)
+    except KeyboardInterrupt:
+        rc = 0
+    raise typer.Exit(rc)

@@ -1,0 +1,148 @@
+"""Altair chart builders for the dashboard, shaped like the seed's figures (no Streamlit here).
+
+Each builder takes a frame from ``kvpool.dashboard.results`` and returns an ``alt.Chart``:
+    * per load (x: sessions or RPS): ``throughput``, ``token_sources`` (stacked GPU / pool /
+      computed shares), ``ttft`` (p50 and p90), ``decode_occupancy_p50``;
+    * over simulated time: ``pool_occupancy``, ``evictions``, ``decode_occupancy``;
+    * distributions: ``restore_latency`` (empirical CDF of the per-stage restore time);
+    * across scenarios: ``compare_metric`` (grouped bars), ``ratios``.
+"""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+HEIGHT = 260
+SOURCE_COLORS = {"GPU prefix cache": "#55a868", "KV pool (Store)": "#dd8452", "computed": "#c44e52"}
+
+
+def _x(key: str) -> alt.X:
+    return alt.X(f"{key}:O", title=key, axis=alt.Axis(labelAngle=0))
+
+
+def throughput(summary: pd.DataFrame, key: str) -> alt.Chart:
+    """Throughput per GPU (tok/s) per load, as bars."""
+    return (
+        alt.Chart(summary, title="Throughput per GPU")
+        .mark_bar(color="#4c72b0")
+        .encode(_x(key), alt.Y("throughput_per_gpu_tok_s:Q", title="tok/s per GPU"),
+                tooltip=[key, alt.Tooltip("throughput_per_gpu_tok_s:Q", format=",.0f")])
+        .properties(height=HEIGHT)
+    )
+
+
+def token_sources(summary: pd.DataFrame, key: str) -> alt.Chart:
+    """Where prompt tokens came from, stacked shares per load: GPU cache, pool, computed."""
+    long = summary[[key, "share_gpu", "share_pool", "share_computed"]].rename(columns={
+        "share_gpu": "GPU prefix cache", "share_pool": "KV pool (Store)", "share_computed": "computed"})
+    long = long.melt(id_vars=[key], var_name="source", value_name="share")
+    order = list(SOURCE_COLORS)
+    long["order"] = long["source"].map(order.index)
+    return (
+        alt.Chart(long, title="Token sources (share of prompt tokens)")
+        .mark_bar()
+        .encode(
+            _x(key),
+            alt.Y("share:Q", title="share", axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1])),
+            alt.Color("source:N", scale=alt.Scale(domain=order, range=list(SOURCE_COLORS.values())),
+                      legend=alt.Legend(orient="bottom", title=None)),
+            alt.Order("order:Q"),
+            tooltip=[key, "source", alt.Tooltip("share:Q", format=".1%")],
+        )
+        .properties(height=HEIGHT)
+    )
+
+
+def ttft(summary: pd.DataFrame, key: str) -> alt.Chart:
+    """Time to first token, p50 and p90 per load."""
+    long = summary[[key, "ttft_p50_s", "ttft_p90_s"]].rename(columns={"ttft_p50_s": "p50", "ttft_p90_s": "p90"})
+    long = long.melt(id_vars=[key], var_name="percentile", value_name="ttft_s")
+    return (
+        alt.Chart(long, title="Time to first token")
+        .mark_line(point=True)
+        .encode(_x(key), alt.Y("ttft_s:Q", title="TTFT (s)"),
+                alt.Color("percentile:N", legend=alt.Legend(orient="bottom", title=None)),
+                alt.StrokeDash("percentile:N", legend=None),
+                tooltip=[key, "percentile", alt.Tooltip("ttft_s:Q", format=".2f")])
+        .properties(height=HEIGHT)
+    )
+
+
+def decode_occupancy_p50(summary: pd.DataFrame, key: str) -> alt.Chart:
+    """Time-weighted median decode KV occupancy per load."""
+    return (
+        alt.Chart(summary, title="Decode KV occupancy (p50)")
+        .mark_bar(color="#8172b3")
+        .encode(_x(key), alt.Y("decode_kv_occupancy_p50:Q", title="of decode KV capacity",
+                               axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1])),
+                tooltip=[key, alt.Tooltip("decode_kv_occupancy_p50:Q", format=".1%")])
+        .properties(height=HEIGHT)
+    )
+
+
+def _over_time(frame: pd.DataFrame, y: str, title: str, y_title: str, fmt: str | None = None) -> alt.Chart:
+    axis = alt.Axis(format=fmt) if fmt else alt.Axis()
+    return (
+        alt.Chart(frame, title=title)
+        .mark_line()
+        .encode(alt.X("t_s:Q", title="simulated time (s)"), alt.Y(f"{y}:Q", title=y_title, axis=axis),
+                alt.Color("load:N", legend=alt.Legend(orient="bottom", title=None)),
+                tooltip=["load", alt.Tooltip("t_s:Q", format=".0f"), alt.Tooltip(f"{y}:Q", format=fmt or ",")])
+        .properties(height=HEIGHT)
+    )
+
+
+def pool_occupancy(timeline: pd.DataFrame) -> alt.Chart:
+    """Pool bytes used over capacity, over simulated time, per load."""
+    return _over_time(timeline, "pool_used", "Pool occupancy", "of pool capacity", ".0%")
+
+
+def evictions(timeline: pd.DataFrame) -> alt.Chart:
+    """Cumulative evicted chunk groups over simulated time, per load."""
+    return _over_time(timeline, "evicted_groups", "Pool evictions (cumulative groups)", "evicted groups")
+
+
+def decode_occupancy(frame: pd.DataFrame) -> alt.Chart:
+    """Reserved decode KV over decode KV capacity, over simulated time."""
+    return _over_time(frame, "decode_kv_occupancy", "Decode KV occupancy over time", "of decode KV capacity", ".0%")
+
+
+def restore_latency(restore: pd.DataFrame) -> alt.Chart:
+    """Empirical CDF of the per-stage restore time (pool read + unpack), per load."""
+    f = restore.sort_values(["load", "restore_stage_s"]).copy()
+    f["fraction"] = f.groupby("load").cumcount().add(1) / f.groupby("load")["restore_stage_s"].transform("size")
+    return (
+        alt.Chart(f, title="Restore latency per stage (CDF)")
+        .mark_line(interpolate="step-after")
+        .encode(alt.X("restore_stage_s:Q", title="restore time per stage (s)"),
+                alt.Y("fraction:Q", title="fraction of loads", axis=alt.Axis(format="%")),
+                alt.Color("load:N", legend=alt.Legend(orient="bottom", title=None)),
+                tooltip=["load", alt.Tooltip("restore_stage_s:Q", format=".3f"), alt.Tooltip("fraction:Q", format=".0%")])
+        .properties(height=HEIGHT)
+    )
+
+
+def compare_metric(frame: pd.DataFrame, key: str, metric: str, title: str, fmt: str = ",.3g") -> alt.Chart:
+    """One metric per load, bars grouped by scenario."""
+    return (
+        alt.Chart(frame, title=title)
+        .mark_bar()
+        .encode(_x(key), alt.Y(f"{metric}:Q", title=title), alt.XOffset("scenario:N"),
+                alt.Color("scenario:N", legend=alt.Legend(orient="bottom", title=None, columns=1)),
+                tooltip=["scenario", key, alt.Tooltip(f"{metric}:Q", format=fmt)])
+        .properties(height=HEIGHT)
+    )
+
+
+def ratios(ratio: pd.DataFrame, key: str) -> alt.Chart:
+    """Each ratio metric per load (1.0 = the baseline), one line per compared pair."""
+    long = ratio.melt(id_vars=["scenario", key], var_name="metric", value_name="ratio")
+    base = alt.Chart(long, title="Ratio to the baseline").encode(
+        alt.X("metric:N", title=None, axis=alt.Axis(labelAngle=-20)),
+        alt.Y("ratio:Q", title="ratio (1 = baseline)"),
+    )
+    bars = base.mark_bar().encode(alt.XOffset(f"{key}:O"), alt.Color(f"{key}:O", title=key),
+                                  tooltip=["scenario", key, "metric", alt.Tooltip("ratio:Q", format=".3f")])
+    rule = alt.Chart(pd.DataFrame({"y": [1.0]})).mark_rule(color="black", strokeDash=[4, 4]).encode(y="y:Q")
+    return (bars + rule).properties(height=HEIGHT)

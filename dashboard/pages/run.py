@@ -1,0 +1,97 @@
+"""Run page: a sweep of the current scenario over sessions (or RPS), with the seed's plots."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from kvpool.dashboard import charts, data, results, state, ui
+from kvpool.sim.run import load_key
+
+LAST = "run_last"  # (run scenario TOML, loads, traces, workers, edited scenario TOML): what the page shows
+
+
+def _charts(rows: list[dict], toml_text: str) -> None:
+    key = results.load_name(rows)
+    summary = results.summary_frame(rows)
+    c1, c2 = st.columns(2)
+    c1.altair_chart(charts.throughput(summary, key), width="stretch")
+    c2.altair_chart(charts.token_sources(summary, key), width="stretch")
+    c1, c2 = st.columns(2)
+    c1.altair_chart(charts.ttft(summary, key), width="stretch")
+    restore = results.restore_frame(rows)
+    if len(restore):
+        c2.altair_chart(charts.restore_latency(restore), width="stretch")
+    else:
+        c2.info("No request restored from the pool in these runs, so there is no restore-latency distribution.")
+    timeline = results.timeline_frame(rows)
+    c1, c2 = st.columns(2)
+    if len(timeline):
+        c1.altair_chart(charts.pool_occupancy(timeline), width="stretch")
+        c2.altair_chart(charts.evictions(timeline), width="stretch")
+    else:
+        c1.info("This scenario has no pool (no Store services), so there is no pool occupancy to plot.")
+    c1, c2 = st.columns(2)
+    c1.altair_chart(charts.decode_occupancy_p50(summary, key), width="stretch")
+    with c2:
+        st.caption("Decode KV occupancy over time is not exported by the simulator's results yet "
+                   "(`run_point`'s timeline holds the pool series only). It can be simulated for one load "
+                   "on request: one more run of that load.")
+        loads = [r[key] for r in rows]
+        pick = st.selectbox(f"Load ({key})", loads, index=len(loads) - 1, key="run_decode_load")
+        if st.button("Simulate decode KV occupancy over time", key="run_decode_go"):
+            st.session_state["run_decode"] = (toml_text, float(pick))
+        want = st.session_state.get("run_decode")
+        if want and want[0] == toml_text:
+            t, occ = data.decode_series(want[0], want[1], st.session_state[LAST][2])
+            label = f"{want[1]:g} {key}"
+            st.altair_chart(charts.decode_occupancy(results.decode_frame({label: (t, occ)})), width="stretch")
+
+
+def render() -> None:
+    st.title("Run")
+    cur = state.current()
+    if cur.scenario is None:
+        st.warning("The scenario being edited does not validate; fix it on the Scenario page.")
+        ui.show_errors(cur.errors)
+        st.page_link("pages/scenario.py", label="Go to the Scenario page", icon=":material/tune:")
+        return
+    s = cur.scenario
+    key = load_key(s)
+    st.caption(f"Scenario **{s.name}** ({cur.label}{', edited' if cur.overrides else ''}): {s.workload.mode} mode, "
+               f"workload {'traces ' + s.workload.traces if s.workload.traces else 'synthetic preset ' + s.workload.preset}. "
+               "Change it on the Scenario page.")
+    with st.form("run_form"):
+        settings, errors = ui.run_settings("run", key)
+        go = st.form_submit_button("Run sweep", type="primary", icon=":material/play_arrow:")
+    if go:
+        ui.show_errors(errors)
+        if settings is not None:
+            run_s, errors = ui.scenario_for_run(cur.toml, cur.label, settings)
+            ui.show_errors(errors)
+            if run_s is not None:
+                from kvpool.scenario import to_toml
+
+                st.session_state[LAST] = (to_toml(run_s), tuple(settings.loads), None, settings.workers, cur.toml)
+                st.session_state["run_cli"] = settings.cli(f"{s.name}.toml", key)
+    last = st.session_state.get(LAST)
+    if last is None:
+        st.info("Set the loads and press **Run sweep**. Results are cached: the same scenario and loads "
+                "show again at once.")
+        return
+    toml_text, loads, traces, workers, source_toml = last
+    rows, err = ui.simulate(toml_text, loads, traces, workers)
+    if err:
+        ui.show_errors([err])
+        return
+    run_name = data.scenario(toml_text).name
+    st.subheader(f"{run_name}: {len(rows)} load(s), {rows[0]['duration_s']:g} s each")
+    if source_toml != cur.toml:
+        st.caption("These results are of an earlier version of the scenario; press Run sweep to update.")
+    st.dataframe(results.summary_frame(rows), hide_index=True, width="stretch")
+    ui.downloads(rows, run_name, "run")
+    st.caption("The same numbers from the command line (with the scenario TOML downloaded from the Scenario page):")
+    st.code(st.session_state.get("run_cli", ""), language="bash")
+    _charts(rows, toml_text)
+
+
+render()

@@ -1,0 +1,174 @@
+"""AppTest of every page: opens without an exception, edits, bad input named by field, runs, caching."""
+
+from __future__ import annotations
+
+import time
+
+from conftest import by_label, errors, press, set_run
+
+from kvpool.scenario import load_scenario, to_toml
+
+
+def test_scenario_page_opens_with_the_default_scenario_and_its_derived_figures(app):
+    assert not app.exception
+    assert "mi355x-1p1d" in app.subheader[0].value
+    metrics = {m.label: m.value for m in app.metric}
+    assert metrics["KV bytes per token"] == "48,672"
+    assert metrics["Pool capacity"] == "1.50 TiB"
+
+
+def test_page_reopens_quickly(app):
+    t0 = time.perf_counter()
+    app.run()
+    assert time.perf_counter() - t0 < 2.0
+    assert not app.exception
+
+
+def test_picking_a_builtin_loads_it(app):
+    by_label(app.selectbox, "Built-in scenario").set_value("h200-1p1d").run()
+    assert not app.exception
+    assert "h200-1p1d" in app.subheader[0].value
+    assert by_label(app.number_input, "Decode TP").value == load_scenario("h200-1p1d").decode.tp
+
+
+def test_a_bad_field_value_shows_an_error_naming_the_field(app):
+    by_label(app.number_input, "GiB per Store service").set_value(-5.0).run()
+    assert not app.exception
+    errs = errors(app)
+    assert any("pool.gib_per_service" in e and "greater than or equal to 0" in e for e in errs), errs
+    assert by_label(app.get("download_button"), "Download scenario TOML").disabled
+
+
+def test_a_cross_field_error_is_shown_next_to_both_fields(app):
+    by_label(app.number_input, "Decode DCP").set_value(3).run()
+    errs = errors(app)
+    assert sum("decode.dcp (3) must divide decode.tp (4)" in e for e in errs) >= 3  # summary + DCP + TP
+
+
+def test_an_edit_changes_the_derived_figures_and_the_cli_line(app):
+    by_label(app.number_input, "GiB per Store service").set_value(384.0).run()
+    assert not errors(app)
+    assert {m.label: m.value for m in app.metric}["Pool capacity"] == "0.75 TiB"
+    assert any("--set 'pool.gib_per_service=384.0'" in c.value for c in app.code)
+
+
+def test_an_unknown_advanced_override_lists_the_allowed_fields(app):
+    by_label(app.text_area, "More overrides").set_value("pool.colour=1").run()
+    assert not app.exception
+    assert any("pool has no field 'colour'; allowed: mode, parts" in e for e in errors(app))
+
+
+def test_a_bad_toml_upload_names_the_file_and_keeps_the_scenario(app):
+    app.file_uploader[0].set_value(("bad.toml", b"name = [1,\n", "application/toml")).run()
+    assert not app.exception
+    assert any(e.startswith("upload bad.toml: not valid TOML") for e in errors(app)), errors(app)
+    assert "mi355x-1p1d" in app.subheader[0].value
+
+
+def test_an_invalid_upload_names_the_field(app):
+    text = to_toml(load_scenario("mi355x-1p1d")).replace("dcp = 4", "dcp = 3")
+    app.file_uploader[0].set_value(("dcp.toml", text.encode(), "application/toml")).run()
+    errs = errors(app)
+    assert any(e.startswith("upload dcp.toml") and "decode.dcp (3) must divide decode.tp (4)" in e for e in errs), errs
+
+
+def test_a_good_upload_becomes_the_base(app):
+    text = to_toml(load_scenario("h200-1p1d", ["name=\"mine\""]))
+    app.file_uploader[0].set_value(("mine.toml", text.encode(), "application/toml")).run()
+    assert not errors(app)
+    assert "mine" in app.subheader[0].value and "upload mine.toml" in app.caption[1].value
+
+
+def test_a_pasted_toml_goes_through_the_same_checks(app):
+    by_label(app.text_area, "Scenario TOML").set_value("[pool]\nmode = 1\n")
+    press(app, "Load pasted TOML")
+    assert any(e.startswith("upload pasted.toml: name: required field is missing") for e in errors(app)), errors(app)
+
+
+def test_run_page_sweeps_plots_and_offers_downloads(app):
+    app.switch_page("pages/run.py").run()
+    assert not app.exception
+    set_run(app)
+    press(app, "Run sweep")
+    assert not app.exception, app.exception
+    frame = app.dataframe[0].value
+    assert list(frame["sessions"]) == [8, 16]
+    assert (frame["requests"] > 0).all()
+    charts = app.get("vega_lite_chart")
+    assert len(charts) >= 6
+    labels = [b.label for b in app.get("download_button")]
+    assert "Download CSV" in labels and "Download JSON" in labels
+    assert any("kvpool sim run mi355x-1p1d.toml --sessions 8,16 --duration 120" in c.value for c in app.code)
+
+
+def test_run_results_come_back_from_the_cache(app):
+    app.switch_page("pages/run.py").run()
+    set_run(app, "8")
+    press(app, "Run sweep")
+    first = app.dataframe[0].value
+    t0 = time.perf_counter()
+    press(app, "Run sweep")
+    assert time.perf_counter() - t0 < 2.0
+    assert app.dataframe[0].value.equals(first)
+
+
+def test_run_page_bad_loads_and_duration_are_named(app):
+    app.switch_page("pages/run.py").run()
+    set_run(app, "8,x")
+    press(app, "Run sweep")
+    assert any("Sessions (AgentX lanes) '8,x': 'x' is not an integer" in e for e in errors(app)), errors(app)
+    set_run(app, "8", duration=0)
+    press(app, "Run sweep")
+    assert any("workload.duration_s: value 0.0" in e for e in errors(app)), errors(app)
+    assert not app.exception
+
+
+def test_run_page_refuses_an_invalid_scenario(app):
+    by_label(app.number_input, "Decode DCP").set_value(3).run()
+    app.switch_page("pages/run.py").run()
+    assert not app.exception
+    assert any("does not validate" in w.value for w in app.warning)
+    assert any("decode.dcp (3) must divide decode.tp (4)" in e for e in errors(app))
+
+
+def test_a_failing_workload_is_shown_not_raised(app, monkeypatch):
+    import kvpool.sim.run as run_mod
+
+    def boom(*_a, **_k):
+        raise ValueError("preset not finished")
+
+    monkeypatch.setattr(run_mod, "_synthetic", boom)
+    app.switch_page("pages/run.py").run()
+    set_run(app, "9", duration=61)
+    press(app, "Run sweep")
+    assert not app.exception
+    assert any("the simulator failed: ValueError: preset not finished" in e for e in errors(app)), errors(app)
+
+
+def test_compare_page_runs_two_scenarios_with_ratios(app):
+    app.switch_page("pages/compare.py").run()
+    assert not app.exception
+    by_label(app.multiselect, "Scenarios").set_value(["mi355x-1p1d", "h200-1p1d"])
+    set_run(app, "8")
+    press(app, "Run comparison")
+    assert not app.exception, app.exception
+    ratio = app.dataframe[0].value
+    assert list(ratio["scenario"]) == ["h200-1p1d / mi355x-1p1d"]
+    assert "throughput per GPU" in ratio.columns
+    assert len(app.get("vega_lite_chart")) >= 3
+
+
+def test_compare_page_needs_two_scenarios(app):
+    app.switch_page("pages/compare.py").run()
+    by_label(app.multiselect, "Scenarios").set_value(["mi355x-1p1d"])
+    set_run(app, "8")
+    press(app, "Run comparison")
+    assert any("pick at least two" in e for e in errors(app))
+    assert not app.exception
+
+
+def test_plan_page_says_the_search_has_not_landed(app):
+    app.switch_page("pages/plan.py").run()
+    assert not app.exception
+    assert any("capacity search has not landed yet" in w.value for w in app.warning)
+    assert not app.get("vega_lite_chart")
