@@ -26,6 +26,35 @@ import numpy as np
 ORDERS = ("lru", "lfu", "fifo")
 
 
+class IdList:
+    """An append-mostly list of integer ids in a numpy buffer (amortized O(1) appends)."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._buf = np.zeros(max(1, capacity), dtype=np.int64)
+        self.size = 0
+
+    def extend(self, ids: np.ndarray) -> None:
+        need = self.size + ids.size
+        if need > self._buf.size:
+            grown = np.zeros(max(need, 2 * self._buf.size), dtype=np.int64)
+            grown[: self.size] = self._buf[: self.size]
+            self._buf = grown
+        self._buf[self.size : need] = ids
+        self.size = need
+
+    def view(self) -> np.ndarray:
+        return self._buf[: self.size]
+
+    def keep(self, mask: np.ndarray) -> np.ndarray:
+        """Keep the entries where ``mask`` (over ``view()``) is true; returns the dropped ones."""
+        v = self.view()
+        dropped = v[~mask]
+        kept = v[mask]
+        self._buf[: kept.size] = kept
+        self.size = kept.size
+        return dropped
+
+
 @dataclass(frozen=True)
 class PutOutcome:
     """What a batched put did: objects stored (new ones), and what was evicted to make room."""
@@ -75,7 +104,7 @@ class GroupTable:
         self._inserted = np.zeros(n, dtype=np.int64)
         self._pins = np.zeros(n, dtype=np.int32)
         self._mark = np.zeros(n, dtype=np.int32)
-        self._resident = np.zeros(0, dtype=np.int64)  # groups holding objects (+ stale until a pass)
+        self._resident = IdList()  # groups holding objects (+ stale ones until the next pass)
         self._listed = np.zeros(n, dtype=bool)  # whether a group is in _resident
 
     @property
@@ -164,7 +193,7 @@ class GroupTable:
             n_fresh = int(fresh.sum())
             joining = stored[fresh & ~self._listed[stored]]
             self._listed[joining] = True
-            self._resident = np.concatenate([self._resident, joining])
+            self._resident.extend(joining)
             self._inserted[stored[fresh]] = self._seq + 1 + np.arange(n_fresh)
             self._seq += n_fresh
             self._count[stored[fresh]] = 0
@@ -215,9 +244,9 @@ class GroupTable:
         ratio = max(self.evict_ratio, used_ratio - self.high_watermark + self.evict_ratio)
         target = max(need_bytes, int(np.ceil(cap * ratio)))
         # candidates: the resident groups (stale entries dropped here), unpinned, not being written
-        alive = self.present[self._resident].any(axis=1)
-        self._listed[self._resident[~alive]] = False
-        res = self._resident = self._resident[alive]
+        alive = self.present[self._resident.view()].any(axis=1)
+        self._listed[self._resident.keep(alive)] = False
+        res = self._resident.view()
         ok = self._pins[res] == 0
         if protect.size:
             self._mark[protect] = 1

@@ -108,6 +108,17 @@ class HandoffPlan:
         step = self.max_write_bytes // self.record_bytes * self.record_bytes
         return -(-self.buffer_bytes(rank) // step)
 
+    def rank_plan(self) -> list[tuple[int, int]]:
+        """``(tokens, writes)`` of every rank in one pass (what a simulator needs per request)."""
+        step = self.max_write_bytes // self.record_bytes * self.record_bytes
+        per_token = self.layers * self.record_bytes
+        end = self.token_start + self.tokens
+        out = []
+        for r in range(self.ranks):
+            n = rank_token_count(end, r, self.ranks) - rank_token_count(self.token_start, r, self.ranks)
+            out.append((n, -(-n * per_token // step)))
+        return out
+
     def all_writes(self) -> list[Write]:
         """Every batched write, rank by rank."""
         return [w for r in range(self.ranks) for w in self.writes(r)]
@@ -115,4 +126,4 @@ class HandoffPlan:
     @property
     def batched_writes(self) -> int:
         """Number of batched writes over all ranks."""
-        return sum(self.rank_writes(r) for r in range(self.ranks))
+        return sum(w for _, w in self.rank_plan())

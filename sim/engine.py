@@ -305,12 +305,14 @@ class Simulation:
                                max_write_bytes=self.s.handoff.max_write_bytes)
             stage_bpt = spec.stage_bytes_per_token[stage]
             nbytes = rec.in_tokens * stage_bpt
+            ranks = plan.rank_plan()
+            writes = sum(w for _, w in ranks)
             rec.handoff_bytes += nbytes
-            rec.handoff_writes += plan.batched_writes
-            events.append(self.net.nic[p.rank_gpu(stage * self.s.prefill.tp)].transfer(nbytes, plan.batched_writes))
-            for r in range(dcp):
-                rank_bytes[r] += plan.rank_tokens(r) * stage_bpt
-                rank_writes[r] += plan.rank_writes(r)
+            rec.handoff_writes += writes
+            events.append(self.net.nic[p.rank_gpu(stage * self.s.prefill.tp)].transfer(nbytes, writes))
+            for r, (tokens, w) in enumerate(ranks):
+                rank_bytes[r] += tokens * stage_bpt
+                rank_writes[r] += w
         for r in range(dcp):
             events.append(self.net.nic[dec.gpus[r % len(dec.gpus)]].transfer(rank_bytes[r], rank_writes[r]))
         yield env.all_of(events)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvpool.policy.grouptable import IdList
+
 
 class GPUPrefixCache:
     def __init__(self, capacity_tokens: int | None, *, evict_fraction: float = 0.05, initial: int = 1 << 16) -> None:
@@ -29,7 +31,7 @@ class GPUPrefixCache:
         self._depth = np.zeros(initial, dtype=np.int32)
         self.blocks = 0
         self.evicted_blocks = 0
-        self._resident = np.zeros(0, dtype=np.int64)  # ids held (plus stale ones until the next evict)
+        self._resident = IdList()  # ids held (plus stale ones until the next evict)
         self._listed = np.zeros(initial, dtype=bool)  # whether an id is in _resident
 
     def _grow(self, max_id: int) -> None:
@@ -68,7 +70,7 @@ class GPUPrefixCache:
         if self.capacity_blocks is not None:
             joining = ids[new & ~self._listed[ids]]
             self._listed[joining] = True
-            self._resident = np.concatenate([self._resident, joining])
+            self._resident.extend(joining)
         self.held[ids] = True
         self._last[ids] = now
         self._depth[ids] = np.arange(ids.size, dtype=np.int32)
@@ -78,11 +80,10 @@ class GPUPrefixCache:
     def _evict(self, protect: np.ndarray) -> None:
         cap = self.capacity_blocks or 0
         target = self.blocks - cap + int(cap * self.evict_fraction)
-        alive = self.held[self._resident]
-        self._listed[self._resident[~alive]] = False
-        self._resident = self._resident[alive]  # drop stale entries
-        mark = np.zeros(self._resident.size, dtype=bool)
-        cand = self._resident
+        alive = self.held[self._resident.view()]
+        self._listed[self._resident.keep(alive)] = False  # drop stale entries
+        cand = self._resident.view()
+        mark = np.zeros(cand.size, dtype=bool)
         if protect.size:
             self.held[protect] = False  # temporarily: the blocks being inserted are never victims
             mark = ~self.held[cand]

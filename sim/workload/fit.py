@@ -29,6 +29,7 @@ from kvpool.sim.workload.synth import (
     SynthParams,
     generate_records,
     records_stats,
+    session_draws,
 )
 
 #: Probabilities at which empirical quantile tables are stored.
@@ -58,7 +59,7 @@ AGENTX_TARGETS = {
 AGENTX_OUT_MEAN = 1_374
 #: Pause quantiles of 062126: p50, p90, share over 300 s and 1800 s, p99.
 AGENTX_PAUSE_POINTS = ((0.5, 4.9), (0.9, 131.5), (0.955, 300.0), (0.986, 1800.0), (0.99, 3257.0))
-CALIBRATION_SESSIONS = 400
+CALIBRATION_SESSIONS = 710
 CALIBRATION_SEED = 12345
 
 
@@ -177,7 +178,7 @@ def params_from_features(f: dict, name: str = "kv-cache-tester") -> SynthParams:
 
 def light_stats(p: SynthParams, n: int = CALIBRATION_SESSIONS, seed: int = CALIBRATION_SEED) -> dict:
     """Calibration statistics of ``n`` generated sessions (common random numbers per seed)."""
-    return records_stats([generate_records(p, np.random.default_rng([seed, k])) for k in range(n)])
+    return records_stats([generate_records(p, np.random.default_rng([seed, k]), session_draws(seed, k)) for k in range(n)])
 
 
 def _knobbed(base: SynthParams, knobs: dict[str, float]) -> SynthParams:
@@ -226,6 +227,28 @@ def fit_kv_cache_tester(w: Workload) -> tuple[SynthParams, dict]:
     return p, real
 
 
+def calibrate_each(base: SynthParams, steps: list[tuple[str, str, float]], rounds: int = 2, n: int = 200) -> SynthParams:
+    """Coordinate descent: for each (knob, statistic, target), a bounded 1-D search
+    (``scipy.optimize.minimize_scalar``) of the knob's log-scale on the squared log error."""
+    p = base
+    for _ in range(rounds):
+        for knob, key, target in steps:
+
+            def loss(logk: float, knob=knob, key=key, target=target) -> float:
+                st = light_stats(_knobbed(p, {knob: float(np.exp(logk))}), n=n)
+                if key == "reuse_ceiling":
+                    return float(np.log((1 - st[key]) / (1 - target)) ** 2)
+                return float(np.log(st[key] / target) ** 2)
+
+            res = optimize.minimize_scalar(loss, bounds=(-2.5, 2.5), method="bounded", options={"xatol": 0.02})
+            p = _knobbed(p, {knob: float(np.exp(res.x))})
+    return p
+
+
+#: Share of inner subagent requests in 062126 (42,029 of 98,827).
+AGENTX_SUB_REQUEST_FRACTION = 42_029 / 98_827
+
+
 def fit_agentx(tester: SynthParams) -> SynthParams:
     """The ``agentx-062126`` preset from its published statistics and the tester's shapes."""
     t = AGENTX_TARGETS
@@ -244,16 +267,22 @@ def fit_agentx(tester: SynthParams) -> SynthParams:
         turns=lognormal_table(t["main_turns_per_session_p50"], sig_turns, lo=2.0, hi=3000.0),
         out_main=lognormal_table(t["output_tokens_main_p50"], sig_out, lo=1.0, hi=32_000.0),
         gap_main_s=gap,
+        big_context_p=1.0,  # 1M-token models: contexts reach ~990K (agentx-traces.md §1.6)
         sub_session_p=t["sessions_with_subagents_fraction"],
-        sub_groups=lognormal_table(1.6, 0.6, lo=1.0, hi=20.0),
+        sub_groups=lognormal_table(1.6, 1.0, lo=1.0, hi=60.0),
         sub_fanout_mean=2.5,
-        sub_requests=lognormal_table(t["subagent_requests_per_group_p50"], 0.9, lo=1.0, hi=400.0),
+        sub_requests=lognormal_table(t["subagent_requests_per_group_p50"], 1.1, lo=1.0, hi=600.0),
         out_sub=lognormal_table(400.0, 1.0, lo=1.0, hi=16_000.0),
+        sub_prefix_tokens=20_480,
     )
-    targets = {k: t[k] for k in ("input_tokens_main_p50", "input_tokens_main_p90", "input_tokens_sub_p50",
-                                 "new_tokens_p50", "reuse_ceiling", "input_tokens_all_p50")}  # fmt: skip
-    weights = {"input_tokens_main_p50": 3.0, "input_tokens_sub_p50": 3.0, "new_tokens_p50": 3.0, "input_tokens_all_p50": 0.5}
-    return calibrate(base, ["init_tokens", "add_tokens", "sub_init_tokens", "compact_tokens", "break_p_short"], targets, weights)
+    steps = [
+        ("add_tokens", "new_tokens_p50", t["new_tokens_p50"]),
+        ("init_tokens", "input_tokens_main_p50", t["input_tokens_main_p50"]),
+        ("sub_init_tokens", "input_tokens_sub_p50", t["input_tokens_sub_p50"]),
+        ("sub_groups", "subagent_request_fraction", AGENTX_SUB_REQUEST_FRACTION),
+        ("break_p_long", "reuse_ceiling", t["reuse_ceiling"]),
+    ]
+    return calibrate_each(base, steps)
 
 
 def write_presets(presets: dict[str, SynthParams], path: Path) -> None:
@@ -271,9 +300,16 @@ def main(argv: list[str] | None = None) -> None:
     from kvpool.sim.workload.load import load_workload
 
     argv = sys.argv[1:] if argv is None else argv
-    src = Path(argv[0]) if argv else Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "kv-cache-tester"
+    paths = [a for a in argv if not a.startswith("--")]
+    src = Path(paths[0]) if paths else Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "kv-cache-tester"
     w = load_workload(src)
-    tester, real = fit_kv_cache_tester(w)
+    if "--agentx-only" in argv:
+        from kvpool.sim.workload.stats import workload_stats
+        from kvpool.sim.workload.synth import preset_params
+
+        tester, real = preset_params("kv-cache-tester"), workload_stats(w)
+    else:
+        tester, real = fit_kv_cache_tester(w)
     agentx = fit_agentx(tester)
     write_presets({"kv-cache-tester": tester, "agentx-062126": agentx}, Path(__file__).with_name("presets.py"))
     for name, p, tgt in (("kv-cache-tester", tester, real), ("agentx-062126", agentx, AGENTX_TARGETS)):

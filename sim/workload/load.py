@@ -226,7 +226,7 @@ def load_workload(path: str | Path, *, skip_bad: bool = False, progress: Progres
 
 
 def write_weka_jsonl(sessions, out: str | Path) -> int:
-    """Write sessions as Weka traces, one per line (``.gz`` suffix: gzip). Returns the count."""
+    """Write sessions (or Weka documents) as traces, one per line (``.gz``: gzip). Returns the count."""
     from kvpool.sim.workload.weka import session_to_weka
 
     out = Path(out)
@@ -235,7 +235,8 @@ def write_weka_jsonl(sessions, out: str | Path) -> int:
     n = 0
     with opener(out, "wt") as fh:
         for s in sessions:
-            fh.write(json.dumps(session_to_weka(s), separators=(",", ":")))
+            doc = s if isinstance(s, dict) else session_to_weka(s)
+            fh.write(json.dumps(doc, separators=(",", ":")))
             fh.write("\n")
             n += 1
     return n

@@ -29,6 +29,10 @@ The session model (docs/traces.md, "Synthetic sessions"):
       share a ``sub_prefix_tokens`` prompt prefix. The next main turn waits for the children
       (join); children spawned by the last turn run in the background.
     * Server time ``api_base_s + api_per_100k_in_s * in/1e5 + api_per_1k_out_s * out/1e3``.
+    * Session-level draws (turns, first input, whether it has subagents, context limit) use
+      ``session_draws``: a low-discrepancy (R4) sequence over the session index, so any N
+      consecutive sessions follow the preset's distributions closely (far less seed-to-seed
+      spread of the request-weighted medians than independent draws).
 """
 
 from __future__ import annotations
@@ -170,15 +174,32 @@ def _grow(
     return nxt, keep
 
 
-def generate_records(p: SynthParams, rng: np.random.Generator) -> SessionRecords:
-    """One session's requests without block ids (see the module docstring)."""
-    n_turns = max(1, int(round(p.turns.sample(rng))))
+#: Additive recurrence of Roberts' R4 sequence (g solves g**5 = g + 1): consecutive session
+#: indices get well-spread session-level draws, so any N sessions match the preset closely.
+_R_G = 1.1673039782614187
+_R_ALPHA = np.array([1.0 / _R_G ** (j + 1) for j in range(4)])
+
+
+def session_draws(seed: int, index: int) -> np.ndarray:
+    """The four stratified uniforms of session ``index`` (turns, first input, subagents, context)."""
+    offset = np.random.default_rng([seed, 0x5E55]).random(4)
+    return (offset + index * _R_ALPHA) % 1.0
+
+
+def generate_records(p: SynthParams, rng: np.random.Generator, u: np.ndarray | None = None) -> SessionRecords:
+    """One session's requests without block ids (see the module docstring).
+
+    ``u``: the session's stratified uniforms (``session_draws``); drawn from ``rng`` if None.
+    """
+    if u is None:
+        u = rng.random(4)
+    n_turns = max(1, int(round(float(p.turns.ppf(u[0])))))
     outs = np.maximum(1, np.round(p.out_main.sample(rng, n_turns))).astype(int)
     adds = np.maximum(1, np.round(p.add_tokens.sample(rng, n_turns))).astype(int)
     gaps = p.gap_main_s.sample(rng, n_turns)
     # subagent spawn points first: joins push the next main turn later
     groups_at: dict[int, int] = {}
-    if n_turns > 1 and rng.random() < p.sub_session_p:
+    if n_turns > 1 and u[2] < p.sub_session_p:
         n_groups = max(1, int(round(p.sub_groups.sample(rng))))
         for a in rng.integers(0, n_turns, n_groups):
             groups_at[int(a)] = groups_at.get(int(a), 0) + 1
@@ -188,9 +209,10 @@ def generate_records(p: SynthParams, rng: np.random.Generator) -> SessionRecords
     t = 0.0
     join_t = 0.0
     limit = p.max_context_tokens
-    if rng.random() >= p.big_context_p:
-        limit = min(limit, int(p.context_limit_tokens.sample(rng)))
-    n_in = min(limit, max(BLOCK_TOKENS, int(p.init_tokens.sample(rng))))
+    if u[3] >= p.big_context_p:
+        v = (u[3] - p.big_context_p) / (1.0 - p.big_context_p)
+        limit = min(limit, int(float(p.context_limit_tokens.ppf(v))))
+    n_in = min(limit, max(BLOCK_TOKENS, int(float(p.init_tokens.ppf(u[1])))))
     keep = 0
     for k in range(n_turns):
         if k > 0:
@@ -298,7 +320,7 @@ def records_to_weka(rec: SessionRecords, trace_id: str, models: tuple[str, ...])
 def generate_session(p: SynthParams, *, seed: int, index: int) -> dict:
     """Session ``index`` of preset ``p`` under ``seed``, as a Weka trace document."""
     rng = _session_rng(seed, index, p.name)
-    rec = generate_records(p, rng)
+    rec = generate_records(p, rng, session_draws(seed, index))
     return records_to_weka(rec, f"synth-{p.name}-{seed}-{index:05d}", p.models)
 
 
@@ -333,9 +355,13 @@ def records_stats(recs: list[SessionRecords]) -> dict[str, float]:
     in_all, in_main, in_sub, out_main, new, gaps, turns, peak = [], [], [], [], [], [], [], []
     hit = tot = 0
     with_sub = 0
+    groups_per, reqs_per = [], []
     for rec in recs:
         turns.append(len(rec.main))
         with_sub += bool(rec.groups)
+        if rec.groups:
+            groups_per.append(sum(len(ch) for _a, _s, ch in rec.groups))
+            reqs_per.extend(len(c) for _a, _s, ch in rec.groups for c in ch)
         pk = 0
         for k, r in enumerate(rec.main):
             nb = r.in_tokens // BLOCK_TOKENS
@@ -379,6 +405,9 @@ def records_stats(recs: list[SessionRecords]) -> dict[str, float]:
         "pause_p90_s": float(np.percentile(g, 90)) if len(g) else float("nan"),
         "pause_over_300s_fraction": float(np.mean(g > 300)) if len(g) else float("nan"),
         "sessions_with_subagents_fraction": with_sub / len(recs),
+        "subagent_request_fraction": len(in_sub) / len(in_all),
+        "subagent_groups_per_session_p50": med(groups_per),
+        "subagent_requests_per_group_p50": med(reqs_per),
         "reuse_ceiling": hit / tot if tot else float("nan"),
     }
 

@@ -49,3 +49,9 @@ def test_rank_token_count_bounds():
 def test_write_cap_smaller_than_record_is_rejected():
     with pytest.raises(ValueError, match="smaller than one record"):
         HandoffPlan(tokens=16, layers=1, record_bytes=576, ranks=1, max_write_bytes=100)
+
+
+@given(st.integers(0, 5000), st.integers(0, 300), st.integers(1, 8), st.integers(1, 40), st.integers(1, 2048))
+def test_rank_plan_matches_per_rank_queries(tokens, start, ranks, layers, record):
+    plan = HandoffPlan(tokens=tokens, layers=layers, record_bytes=record, ranks=ranks, token_start=start)
+    assert plan.rank_plan() == [(plan.rank_tokens(r), plan.rank_writes(r)) for r in range(ranks)]
