@@ -231,9 +231,16 @@ class LocalPool:
         if sig == signal.SIGKILL:
             self.master.popen.wait(timeout=self.spec.stop_timeout_s)
 
-    def pause_master(self) -> None:
-        """SIGSTOP the master: it stays connected but never answers (a hung master)."""
+    def pause_master(self, timeout_s: float = 2.0) -> None:
+        """SIGSTOP the master and wait until every thread of it is stopped (a hung master)."""
         self.kill_master(signal.SIGSTOP)
+        if self.master is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while not _all_threads_stopped(self.master.pid):
+            if time.monotonic() > deadline:
+                raise PoolStartError(f"the master (pid {self.master.pid}) did not stop within {timeout_s} s")
+            time.sleep(0.01)
 
     def resume_master(self) -> None:
         self.kill_master(signal.SIGCONT)
@@ -287,6 +294,19 @@ class LocalPool:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in state T (stopped), from ``/proc/PID/task/*/stat``."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = []
+        for tid in tasks:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            states.append(stat[stat.rindex(")") + 2])
+    except (OSError, ValueError):
+        return False
+    return bool(states) and all(st in "Tt" for st in states)
 
 
 def _accepts(host: str, port: int) -> bool:

@@ -54,10 +54,17 @@ def port_open(port: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
-def test_pool_up_serves_status_and_stops_cleanly(tmp_path: Path, stop_signal: int) -> None:
+@pytest.mark.parametrize(
+    "stop_signal, outside_namespace",
+    [(signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["sigterm-in-namespace", "ctrl-c-looks-outside"],
+)
+def test_pool_up_serves_status_and_stops_cleanly(tmp_path: Path, stop_signal: int, outside_namespace: bool) -> None:
+    """``outside_namespace`` makes ``pool up`` believe eth0 exists: it must warn but work (its
+    processes still start inside this test's namespace)."""
     require_private_netns()
-    proc, banner = start_pool_up(tmp_path)
+    fake = "import socket; socket.if_nameindex = lambda: [(1, 'lo'), (2, 'eth0')]" if outside_namespace else ""
+    proc, banner = start_pool_up(tmp_path, prelude=fake)
     try:
         addr = PoolAddress.parse(banner["address"])
         assert addr.host == "127.0.0.1" and addr.metrics_port
@@ -81,24 +88,15 @@ def test_pool_up_serves_status_and_stops_cleanly(tmp_path: Path, stop_signal: in
     stdout, stderr = proc.communicate(timeout=5)
     assert rc == 0, stderr
     assert "kvpool pool: stopped" in stdout
-    assert "warning" not in stderr  # inside the namespace: nothing to warn about
+    if outside_namespace:
+        assert "warning: network interfaces other than lo are visible (eth0)" in stderr and "unshare -n" in stderr
+    else:
+        assert "warning" not in stderr
     assert not (tmp_path / "state.json").exists()
     assert not port_open(addr.rpc_port) and not port_open(addr.metrics_port or 0)
     for pid in service_pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-
-
-def test_pool_up_outside_a_private_namespace_warns_but_works(tmp_path: Path) -> None:
-    require_private_netns()  # the processes still start inside this test's namespace
-    fake = "import socket; socket.if_nameindex = lambda: [(1, 'lo'), (2, 'eth0')]"
-    proc, banner = start_pool_up(tmp_path, prelude=fake)
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=30)
-    _, stderr = proc.communicate(timeout=5)
-    assert rc == 0 and "address" in banner
-    assert "warning: network interfaces other than lo are visible (eth0)" in stderr
-    assert "unshare -n" in stderr
 
 
 @pytest.mark.parametrize(
@@ -114,11 +112,15 @@ def test_pool_up_outside_a_private_namespace_warns_but_works(tmp_path: Path) -> 
         (["pool", "status", "--state-file", "/nonexistent/state.json"], "no running pool recorded"),
     ],
 )
-def test_user_mistakes_are_one_line_errors(args: list[str], message: str) -> None:
-    out = subprocess.run([*KVPOOL, *args], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 2
-    assert out.stderr.startswith("error: ") and message in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr
+def test_user_mistakes_are_one_line_errors(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("error: ") and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_netns_problem_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

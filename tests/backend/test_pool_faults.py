@@ -27,6 +27,8 @@ OBJ = 512 * KIB
 #: A dead master costs ~4.3 s per call (reconnect attempts), a hung one MC_RPC_TIMEOUT_MS.
 DEAD_MASTER_BOUND_S = 8.0
 HUNG_MASTER_BOUND_S = TEST_RPC_TIMEOUT_MS / 1000 + 3.0
+#: Reads from a dead store service fail after the transport's reconnect attempts (~1 s measured).
+DEAD_SERVICE_BOUND_S = 3.0
 
 pytestmark = pytest.mark.slow
 
@@ -85,7 +87,7 @@ def test_killed_store_services_read_as_misses_and_their_keys_vanish(local_pool_f
     assert pool.exists(keys) == [True] * n
     dst[:] = 0
     statuses, took_s = timed(pool.get, keys, rd, offsets, [OBJ] * n)
-    assert took_s < 1.0  # connection refused: fails at once
+    assert took_s < DEAD_SERVICE_BOUND_S  # connection refused: fails after a few quick reconnects
     # lost objects fail; with a short lease the slow batch may also fail live keys (-707): misses too
     check(statuses, {Status.OK, Status.FAILED, Status.MISSING})
     assert Status.FAILED in statuses
@@ -114,7 +116,7 @@ def test_killed_store_services_read_as_misses_and_their_keys_vanish(local_pool_f
     stop.set()
     thread.join(timeout=10)
     assert not thread.is_alive() and not errors
-    assert durations_s and max(durations_s) < 2.0, max(durations_s)
+    assert durations_s and max(durations_s) < DEAD_SERVICE_BOUND_S, max(durations_s)
 
     # 3. after the master drops the dead services' keys: the survivor's objects load, the rest miss
     def settled() -> bool:
@@ -158,8 +160,9 @@ def test_killed_master_gives_no_answer_then_recovers_empty_after_restart(local_p
     dst[:] = 0
     assert pool.get(keys, rd, offsets, [OBJ] * 8) == [Status.OK] * 8
     assert np.array_equal(dst, src)
-    stats = pool.stats()
-    assert stats is not None and stats.key_count == 8 and stats.capacity_bytes == 2 * 32 * MIB
+    # both services re-mount (one may still be on its way when the first put lands)
+    wait_for(lambda: getattr(pool.stats(), "capacity_bytes", 0) == 2 * 32 * MIB, 15.0, "both services re-mounting")
+    assert getattr(pool.stats(), "key_count", None) == 8
 
 
 def test_hung_master_times_out_within_the_rpc_timeout_and_recovers(local_pool_factory, mooncake_client_factory) -> None:
