@@ -17,15 +17,15 @@ All addresses are word offsets from one anchor pointer (the first cache), so one
 number of caches; per-cache bases and strides sit in a small int64 table cached across calls.
 With ``validate=False`` nothing synchronizes, so the ops can be captured in a CUDA graph.
 
-Measured on one H200 (bench/kernels.py, 2026-11-29, cold L2). The ratio is against a device copy of
-the same bytes:
-    pack 64 x 256-token chunks of a 20-layer GLM-5.3 stage: 1.87 TB/s, ratio 0.90
-    unpack of the same: 1.78 TB/s, ratio 0.86
-    128K-token save: 1.99 TB/s; restore: 1.89 TB/s (0.96 and 0.91 of the best copy)
-    8,192-token gather to 4 ranks: 1.81 TB/s, ratio 0.90
-    scatter of one rank's 23.6 MB: 1.46 TB/s, ratio 0.81
-    scatter of one 8 MiB landed write: ratio 1.06
-    one 3.2 MB chunk: ratio 0.73 (launch-latency bound)
+Measured on one H200 (bench/kernels.py, 2026-11-29, cold L2). The ratio is against a device copy
+of the same bytes, over the last two runs:
+    pack 64 x 256-token chunks of a 20-layer GLM-5.3 stage: 1.87-1.90 TB/s, ratio 0.90-0.91
+    unpack of the same: 1.78-1.81 TB/s, ratio 0.86
+    128K-token save: 1.99 TB/s; restore: 1.88 TB/s (0.95 and 0.90 of the best copy)
+    8,192-token gather to 4 ranks: 1.75-1.81 TB/s, ratio 0.86-0.90
+    scatter of one rank's 23.6 MB: 1.46-1.48 TB/s, ratio 0.81-0.82
+    scatter of one 8 MiB landed write: ratio 1.05
+    one 3.2 MB chunk: ratio 0.73-0.84 (launch-latency bound)
 
 Triton is imported only inside ``_kernel``; importing this module needs torch alone.
 """
