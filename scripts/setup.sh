@@ -9,8 +9,9 @@ say() { printf '[setup] %s\n' "$*" >&2; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
 # 1. Debian packages: the libraries Mooncake's binaries link against (even without RDMA hardware)
-#    and iproute2, which the test command uses to bring up loopback in its network namespace.
-DEB_PKGS=(libibverbs1 librdmacm1 libnuma1 iproute2)
+#    and iproute2, which the test command uses to bring up loopback in its network namespace;
+#    chromium (+ driver) for the dashboard's end-to-end browser test (Playwright drives it).
+DEB_PKGS=(libibverbs1 librdmacm1 libnuma1 iproute2 chromium chromium-driver)
 missing=()
 for p in "${DEB_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ "${#missing[@]}" -gt 0 ]; then

@@ -10,6 +10,16 @@ from kvpool.sim.run import load_key
 LAST = "run_last"  # (run scenario TOML, loads, traces, workers, edited scenario TOML): what the page shows
 
 
+_PERCENT = ("share_gpu", "share_pool", "share_computed", "reuse", "decode_kv_occupancy_p50")
+_COLUMNS = {
+    **{k: st.column_config.NumberColumn(format="percent") for k in _PERCENT},
+    **{k: st.column_config.NumberColumn(format="%.3f") for k in ("ttft_p50_s", "ttft_p90_s", "restore_stage_s_p50",
+                                                                    "restore_spread_s_mean")},
+    **{k: st.column_config.NumberColumn(format="localized") for k in ("throughput_tok_s", "throughput_per_gpu_tok_s",
+                                                                      "bytes_moved", "prompt_tokens", "output_tokens")},
+}
+
+
 def _charts(rows: list[dict], toml_text: str) -> None:
     key = results.load_name(rows)
     summary = results.summary_frame(rows)
@@ -87,7 +97,7 @@ def render() -> None:
     st.subheader(f"{run_name}: {len(rows)} load(s), {rows[0]['duration_s']:g} s each")
     if source_toml != cur.toml:
         st.caption("These results are of an earlier version of the scenario; press Run sweep to update.")
-    st.dataframe(results.summary_frame(rows), hide_index=True, width="stretch")
+    st.dataframe(results.summary_frame(rows), hide_index=True, width="stretch", column_config=_COLUMNS)
     ui.downloads(rows, run_name, "run")
     st.caption("The same numbers from the command line (with the scenario TOML downloaded from the Scenario page):")
     st.code(st.session_state.get("run_cli", ""), language="bash")

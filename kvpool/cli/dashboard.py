@@ -33,6 +33,7 @@ def streamlit_command(port: int) -> list[str]:
         "--browser.gatherUsageStats", "false",
         "--server.fileWatcherType", "none",
         "--global.developmentMode", "false",
+        "--client.toolbarMode", "viewer",
     ]
 
 

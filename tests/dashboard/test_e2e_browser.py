@@ -1,0 +1,106 @@
+"""End to end: ``kvpool dashboard`` on a free 127.0.0.1 port, driven by headless Chromium (Playwright).
+
+Loads a scenario (a TOML upload), runs a small sweep on the Run page and waits for the plots; the
+screenshot stays in the test's tmp_path. Uses Debian's /usr/bin/chromium (never ``playwright install``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import SMALL_DURATION_S, SMALL_LOADS, SMALL_SYNTHETIC
+
+from kvpool.scenario import load_scenario, to_toml
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+KVPOOL = str(Path(sys.executable).with_name("kvpool"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvpool dashboard exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"{url} did not become healthy in {timeout_s:.0f} s")
+
+
+@pytest.fixture
+def dashboard(tmp_path):
+    port = _free_port()
+    log = (tmp_path / "dashboard.log").open("w")
+    proc = subprocess.Popen([KVPOOL, "dashboard", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (scripts/setup.sh installs it)")
+def test_load_a_scenario_run_a_sweep_and_see_the_plots(dashboard, tmp_path):
+    playwright = pytest.importorskip("playwright.sync_api")
+    scenario = tmp_path / "e2e.toml"
+    scenario.write_text(to_toml(load_scenario("mi355x-1p1d", ['name="e2e-1p1d"'])))
+
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(dashboard)
+            page.get_by_text("Editing mi355x-1p1d").wait_for()
+
+            page.locator("input[type='file']").set_input_files(str(scenario))
+            page.get_by_text("Editing e2e-1p1d").wait_for()
+
+            page.get_by_role("link", name="Run").click()
+            page.get_by_role("heading", name="Run").wait_for()
+            for label, value in [("Sessions (AgentX lanes), comma-separated", SMALL_LOADS),
+                                 ("Seconds per load", str(SMALL_DURATION_S)),
+                                 ("Synthetic sessions", str(SMALL_SYNTHETIC))]:
+                box = page.get_by_label(label, exact=True)
+                box.fill(value)
+                box.press("Tab")
+            page.get_by_role("button", name="Run sweep").click()
+
+            page.get_by_text("e2e-1p1d: 2 load(s)").wait_for(timeout=120_000)
+            chart = page.locator("[data-testid='stVegaLiteChart']").first
+            chart.wait_for()
+            page.locator("[data-testid='stVegaLiteChart'] canvas, [data-testid='stVegaLiteChart'] svg").first.wait_for()
+            assert page.locator("[data-testid='stException']").count() == 0
+            shot = tmp_path / "run-page.png"
+            page.screenshot(path=str(shot), full_page=True)
+            assert shot.stat().st_size > 10_000
+        finally:
+            browser.close()
