@@ -205,6 +205,8 @@ class MooncakePool:
         self._check_open()
         self._buffers.check(buffer)
         check_batch(keys, offsets_bytes, sizes_bytes, buffer)
+        if not keys:
+            return []
         codes = self._store.batch_get_into(
             list(keys), [buffer.address + off for off in offsets_bytes], list(sizes_bytes)
         )

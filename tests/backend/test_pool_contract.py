@@ -286,3 +286,27 @@ def test_chunk_held_by_only_some_stages_stops_the_hit(pool: Pool, keyspace: str)
     hit = compute_hits(6 * 256 + 10, 0, present)
     assert hit.pool_prefix_chunks == 3 and hit.pool_tokens == 3 * 256
     assert hit.stranded_objects == 3 * 3  # stages 0, 1, 3 hold chunks 3..5 that nobody can use
+
+
+def test_every_pool_satisfies_the_protocol_and_empty_batches_are_no_ops(pool: Pool) -> None:
+    assert isinstance(pool, Pool)
+    ref = pool.register_buffer(np.zeros(KIB, np.uint8))
+    assert pool.put([], [], ref, [], []) == []
+    assert pool.get([], ref, [], []) == []
+    assert pool.exists([]) == [] and pool.remove([]) == []
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "fifo"])
+def test_embedded_pool_takes_every_registered_eviction_policy(eviction: str) -> None:
+    pool = EmbeddedPool(4 * MIB, eviction)
+    src = random_bytes(MIB, 14)
+    ref = pool.register_buffer(src)
+    for i in range(12):  # 12 MiB through a 4 MiB pool
+        assert pool.put([f"k{i}"], [f"g{i}"], ref, [0], [MIB]) == [OK]
+    stats = pool.stats()
+    assert stats is not None and stats.used_bytes <= 4 * MIB and stats.evicted_key_count >= 8
+    assert pool.exists(["k11"]) == [True]
+    with pytest.raises(ValueError, match="allowed"):
+        EmbeddedPool(MIB, "random")
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        EmbeddedPool(0)
