@@ -99,6 +99,23 @@ def test_pool_up_serves_status_and_stops_cleanly(tmp_path: Path, stop_signal: in
             os.kill(pid, 0)
 
 
+def test_pool_up_stops_everything_and_fails_when_a_service_dies(tmp_path: Path) -> None:
+    require_private_netns()
+    proc, banner = start_pool_up(tmp_path)
+    addr = PoolAddress.parse(banner["address"])
+    victim = json.loads((tmp_path / "pool" / "service0.ready.json").read_text())["pid"]
+    os.kill(victim, signal.SIGKILL)
+    try:
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _, stderr = proc.communicate(timeout=5)
+    assert rc == 2 and "error: pool process(es) exited unexpectedly: service0" in stderr
+    assert not port_open(addr.rpc_port)  # the master was stopped too
+    assert not (tmp_path / "state.json").exists()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
