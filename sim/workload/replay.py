@@ -371,18 +371,22 @@ class AgentXReplay:
         ready: list[Dispatch] = []
         end = math.inf if self.profile_start_s is None else self.profile_start_s + self.duration_s
         nxt = math.inf
+        live = False
         for play in self._plays:
-            if play is None:
+            if play is None or not play.pending:
                 continue
-            for j, due in sorted(play.pending.items(), key=lambda kv: (kv[1], kv[0])):
+            due_now = []
+            for j, due in play.pending.items():
                 if due >= end:
                     continue
+                live = True
                 if due <= now_s + _EPS_S:
-                    del play.pending[j]
-                    ready.append(self._dispatch(play, j, due))
-                else:
-                    nxt = min(nxt, due)
-        live = any(p is not None and any(d < end for d in p.pending.values()) for p in self._plays)
+                    due_now.append((due, j))
+                elif due < nxt:
+                    nxt = due
+            for due, j in sorted(due_now):
+                del play.pending[j]
+                ready.append(self._dispatch(play, j, due))
         done = not self._inflight and not live and (self.profile_start_s is not None or not self._held)
         return Wake(tuple(ready), None if nxt == math.inf else nxt, done)
 
