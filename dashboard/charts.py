@@ -17,6 +17,14 @@ HEIGHT = 260
 SOURCE_COLORS = {"GPU prefix cache": "#55a868", "KV pool (Store)": "#dd8452", "computed": "#c44e52"}
 
 
+_LEGEND = alt.Legend(orient="right", title=None)
+
+
+def _loads(frame: pd.DataFrame) -> list[str]:
+    """The load labels in the order the frame lists them (load order), not alphabetically."""
+    return list(dict.fromkeys(frame["load"]))
+
+
 def _x(key: str) -> alt.X:
     return alt.X(f"{key}:O", title=key, axis=alt.Axis(labelAngle=0))
 
@@ -46,7 +54,7 @@ def token_sources(summary: pd.DataFrame, key: str) -> alt.Chart:
             _x(key),
             alt.Y("share:Q", title="share", axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1])),
             alt.Color("source:N", scale=alt.Scale(domain=order, range=list(SOURCE_COLORS.values())),
-                      legend=alt.Legend(orient="bottom", title=None)),
+                      legend=_LEGEND),
             alt.Order("order:Q"),
             tooltip=[key, "source", alt.Tooltip("share:Q", format=".1%")],
         )
@@ -62,7 +70,7 @@ def ttft(summary: pd.DataFrame, key: str) -> alt.Chart:
         alt.Chart(long, title="Time to first token")
         .mark_line(point=True)
         .encode(_x(key), alt.Y("ttft_s:Q", title="TTFT (s)"),
-                alt.Color("percentile:N", legend=alt.Legend(orient="bottom", title=None)),
+                alt.Color("percentile:N", legend=_LEGEND),
                 alt.StrokeDash("percentile:N", legend=None),
                 tooltip=[key, "percentile", alt.Tooltip("ttft_s:Q", format=".2f")])
         .properties(height=HEIGHT)
@@ -87,7 +95,7 @@ def _over_time(frame: pd.DataFrame, y: str, title: str, y_title: str, fmt: str |
         alt.Chart(frame, title=title)
         .mark_line()
         .encode(alt.X("t_s:Q", title="simulated time (s)"), alt.Y(f"{y}:Q", title=y_title, axis=axis),
-                alt.Color("load:N", legend=alt.Legend(orient="bottom", title=None)),
+                alt.Color("load:N", legend=_LEGEND, sort=_loads(frame)),
                 tooltip=["load", alt.Tooltip("t_s:Q", format=".0f"), alt.Tooltip(f"{y}:Q", format=fmt or ",")])
         .properties(height=HEIGHT)
     )
@@ -116,8 +124,8 @@ def restore_latency(restore: pd.DataFrame) -> alt.Chart:
         alt.Chart(f, title="Restore latency per stage (CDF)")
         .mark_line(interpolate="step-after")
         .encode(alt.X("restore_stage_s:Q", title="restore time per stage (s)"),
-                alt.Y("fraction:Q", title="fraction of loads", axis=alt.Axis(format="%")),
-                alt.Color("load:N", legend=alt.Legend(orient="bottom", title=None)),
+                alt.Y("fraction:Q", title="fraction of restores", axis=alt.Axis(format="%")),
+                alt.Color("load:N", legend=_LEGEND, sort=_loads(restore)),
                 tooltip=["load", alt.Tooltip("restore_stage_s:Q", format=".3f"), alt.Tooltip("fraction:Q", format=".0%")])
         .properties(height=HEIGHT)
     )
@@ -129,7 +137,7 @@ def compare_metric(frame: pd.DataFrame, key: str, metric: str, title: str, fmt: 
         alt.Chart(frame, title=title)
         .mark_bar()
         .encode(_x(key), alt.Y(f"{metric}:Q", title=title), alt.XOffset("scenario:N"),
-                alt.Color("scenario:N", legend=alt.Legend(orient="bottom", title=None, columns=1)),
+                alt.Color("scenario:N", legend=_LEGEND),
                 tooltip=["scenario", key, alt.Tooltip(f"{metric}:Q", format=fmt)])
         .properties(height=HEIGHT)
     )
