@@ -94,6 +94,7 @@ class Simulation:
                      if s.gate.enabled else None)
         self._gate_waiters: deque[tuple[object, simpy.Event]] = deque()
         self.records: list[RequestRecord] = []
+        self._session_max_block: dict[str, int] = {}
         self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus
 
     # -- time series -----------------------------------------------------------------------
@@ -213,7 +214,7 @@ class Simulation:
         session = d.session
         bt = session.block_tokens
         blocks = d.block_ids()
-        gblocks = self.keys.global_blocks(blocks, d.scope, int(session.blocks.tail.max()) if session.blocks.tail.size else 0)
+        gblocks = self.keys.global_blocks(blocks, d.scope, self._max_block_id(session))
         full_blocks = min(gblocks.size, req.in_tokens // bt)
         gpu_hit = p.cache.hit_blocks(gblocks[:full_blocks], env.now) * bt
         gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
@@ -239,6 +240,14 @@ class Simulation:
             new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids
             if new.size:
                 env.process(self._save(rec, p, new))
+
+    def _max_block_id(self, session) -> int:
+        """The largest block id a session uses (bounds its id range in the GPU cache), memoized."""
+        got = self._session_max_block.get(session.id)
+        if got is None:
+            tail = session.blocks.tail
+            got = self._session_max_block[session.id] = int(tail.max()) if tail.size else 0
+        return got
 
     def _rank_links(self, p: PrefillInstance, rank: int, nbytes: int, writes: int) -> list[simpy.Event]:
         """Transfers between the pool and prefill rank ``rank``: its own NIC carries every byte; in a
