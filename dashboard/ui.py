@@ -38,7 +38,7 @@ def kept(widget: Callable[..., Any], key: str, default: Any, **kwargs: Any) -> A
 
 def show_errors(lines: Sequence[str], title: str = "") -> None:
     """One ``st.error`` per problem line (each names its field)."""
-    if title:
+    if title and lines:
         st.markdown(f"**{title}**")
     for line in lines:
         st.error(line, icon=":material/error:")

@@ -172,3 +172,39 @@ def test_plan_page_says_the_search_has_not_landed(app):
     assert not app.exception
     assert any("capacity search has not landed yet" in w.value for w in app.warning)
     assert not app.get("vega_lite_chart")
+
+
+def test_decode_occupancy_over_time_is_simulated_on_request(app):
+    app.switch_page("pages/run.py").run()
+    set_run(app, "8")
+    press(app, "Run sweep")
+    before = len(app.get("vega_lite_chart"))
+    press(app, "Simulate decode KV occupancy over time")
+    assert not app.exception
+    assert len(app.get("vega_lite_chart")) == before + 1
+
+
+def test_reset_edits_returns_to_the_base(app):
+    by_label(app.number_input, "GiB per Store service").set_value(384.0).run()
+    press(app, "Reset edits")
+    assert not app.code
+    assert by_label(app.number_input, "GiB per Store service").value == 768.0
+    assert {m.label: m.value for m in app.metric}["Pool capacity"] == "1.50 TiB"
+
+
+def test_edits_survive_a_visit_to_another_page(app):
+    by_label(app.number_input, "GiB per Store service").set_value(384.0).run()
+    app.switch_page("pages/plan.py").run()
+    assert any(m.value == "0.75 TiB" for m in app.metric)
+    app.switch_page("pages/scenario.py").run()
+    assert by_label(app.number_input, "GiB per Store service").value == 384.0
+
+
+def test_compare_can_use_the_edited_scenario(app):
+    by_label(app.number_input, "GiB per Store service").set_value(384.0).run()
+    app.switch_page("pages/compare.py").run()
+    by_label(app.multiselect, "Scenarios").set_value(["mi355x-1p1d", "edited: mi355x-1p1d"])
+    set_run(app, "8")
+    press(app, "Run comparison")
+    assert not app.exception, app.exception
+    assert list(app.dataframe[0].value["scenario"]) == ["edited: mi355x-1p1d / mi355x-1p1d"]
