@@ -99,9 +99,13 @@ def scenario_for_run(toml_text: str, label: str, settings: RunSettings) -> tuple
     import tomllib
 
     try:
-        return knobs.edited(tomllib.loads(toml_text), settings.overrides(), label), []
+        s = knobs.edited(tomllib.loads(toml_text), settings.overrides(), label)
     except ScenarioError as e:
         return None, knobs.error_lines(e)
+    if s.workload.traces and not os.path.exists(s.workload.traces):
+        return None, [f"{label}: workload.traces: value {s.workload.traces!r}: no such file or directory "
+                      "(give a trace file or directory, or leave it empty for the synthetic preset)"]
+    return s, []
 
 
 def downloads(rows: Sequence[dict], scenario_name: str, prefix: str) -> None:

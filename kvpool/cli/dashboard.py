@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -49,9 +48,6 @@ def dashboard(
     except ImportError:
         raise UserError("the dashboard needs Streamlit: pip install 'kvpool[dashboard]'") from None
     typer.echo(f"kvpool dashboard: http://{ADDRESS}:{port} (Ctrl-C stops it)", err=True)
-    env = {**os.environ, "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"}
-    try:
-        rc = subprocess.call(streamlit_command(port), env=env)
-    except KeyboardInterrupt:
-        rc = 0
-    raise typer.Exit(rc)
+    cmd = streamlit_command(port)
+    # Become the Streamlit server (no child left behind when this process is signalled).
+    os.execve(cmd[0], cmd, {**os.environ, "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"})

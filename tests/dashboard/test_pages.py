@@ -208,3 +208,12 @@ def test_compare_can_use_the_edited_scenario(app):
     press(app, "Run comparison")
     assert not app.exception, app.exception
     assert list(app.dataframe[0].value["scenario"]) == ["edited: mi355x-1p1d / mi355x-1p1d"]
+
+
+def test_a_missing_trace_path_is_named_before_running(app):
+    by_label(app.text_input, "Trace file or directory").set_value("/nonexistent/traces").run()
+    assert not errors(app)  # any path is a valid scenario field...
+    app.switch_page("pages/run.py").run()
+    set_run(app, "8")
+    press(app, "Run sweep")
+    assert any("workload.traces: value '/nonexistent/traces': no such file or directory" in e for e in errors(app))
