@@ -8,7 +8,8 @@ state and sees no SimPy. ``AnalyticalCost`` is the default, parameterized by the
                    / (GPUs of the instance x dense peak x MFU)        [pipeline stages overlap]
     decode step    fixed + per-seq x batch + context bytes read / (HBM bandwidth x efficiency x ranks)
     transfer       bytes / bandwidth share + writes / message rate  (the links add the sharing)
-    unpack/pack    bytes / unpack rate (GPU copy kernels)
+    pack/gather    bytes / GPU copy rate (the Triton kernels)
+    pool load      bytes / load-worker rate (Mooncake get into the registered buffer + unpack)
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ class CostModel(Protocol):
         """Posting cost of ``writes`` separate writes on one NIC."""
 
     def unpack_s(self, nbytes: int) -> float:
-        """GPU time to unpack (or pack, gather, scatter) ``nbytes``."""
+        """GPU time to pack (or gather, scatter) ``nbytes``."""
+
+    def pool_load_s(self, nbytes: int) -> float:
+        """A load worker's time to read ``nbytes`` of pool objects and unpack them into paged KV."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class AnalyticalCost:
     decode_bytes_s: float
     writes_per_s: float
     unpack_bytes_s: float
+    pool_load_bytes_s: float
 
     @classmethod
     def from_scenario(cls, s: Scenario) -> AnalyticalCost:
@@ -62,6 +67,7 @@ class AnalyticalCost:
             decode_bytes_s=g.hbm_tb_s * 1e12 * c.hbm_efficiency * s.decode.dcp,
             writes_per_s=g.nic_writes_per_s,
             unpack_bytes_s=c.unpack_gb_s * 1e9,
+            pool_load_bytes_s=c.pool_load_gb_s * 1e9,
         )
 
     def prefill_step_s(self, tokens_and_context: list[tuple[int, int]]) -> float:
@@ -82,3 +88,6 @@ class AnalyticalCost:
 
     def unpack_s(self, nbytes: int) -> float:
         return nbytes / self.unpack_bytes_s
+
+    def pool_load_s(self, nbytes: int) -> float:
+        return nbytes / self.pool_load_bytes_s

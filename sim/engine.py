@@ -277,7 +277,7 @@ class Simulation:
                 starts[rank] = env.now
                 nbytes = chunks * self.rank_bytes[rank]
                 yield env.all_of(self._rank_links(p, rank, nbytes, chunks))
-                yield env.timeout(self.cost.unpack_s(nbytes))
+                yield env.timeout(self.cost.pool_load_s(nbytes))
                 ends[rank] = env.now
             rec.restore_bytes += nbytes
 

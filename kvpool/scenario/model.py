@@ -194,7 +194,7 @@ class WorkloadConfig(_Section):
 class CostConfig(_Section):
     """Parameters of the analytical cost model (``kvpool.sim.cost``); sources in docs/cost-model.md."""
 
-    prefill_mfu: float = Field(default=0.12, gt=0, le=1, description="achieved fraction of dense peak in prefill")
+    prefill_mfu: float = Field(default=0.15, gt=0, le=1, description="achieved fraction of dense peak in prefill")
     attention_flops_per_token: float = Field(
         default=2.2e10, ge=0, description="context-independent attention FLOPs per prefilled token (sparse MLA, top-2048)"
     )
@@ -203,12 +203,15 @@ class CostConfig(_Section):
     )
     prefill_step_overhead_s: float = Field(default=0.004, ge=0, description="fixed cost of one prefill step, s")
     decode_step_fixed_s: float = Field(default=0.018, ge=0, description="fixed cost of one decode step, s")
-    decode_step_per_seq_s: float = Field(default=0.0002, ge=0, description="decode step cost per running sequence, s")
+    decode_step_per_seq_s: float = Field(default=0.0005, ge=0, description="decode step cost per running sequence, s")
     decode_kv_read_bytes_per_token: float = Field(
         default=2800.0, ge=0, description="KV bytes a decode step reads per context token (DSA indexer keys)"
     )
     hbm_efficiency: float = Field(default=0.5, gt=0, le=1, description="achieved fraction of HBM bandwidth")
-    unpack_gb_s: float = Field(default=1000.0, gt=0, description="GPU unpack/pack/gather/scatter rate, GB/s")
+    unpack_gb_s: float = Field(default=1000.0, gt=0, description="GPU pack/gather/scatter copy rate, GB/s")
+    pool_load_gb_s: float = Field(
+        default=10.0, gt=0, description="one load worker's pool read + unpack rate, GB/s (after the NIC transfer)"
+    )
     load_workers_per_stage: int = Field(default=1, gt=0, description="concurrent pool loads per prefill stage")
 
 
