@@ -136,21 +136,26 @@ def compare_metric(frame: pd.DataFrame, key: str, metric: str, title: str, fmt: 
     return (
         alt.Chart(frame, title=title)
         .mark_bar()
-        .encode(_x(key), alt.Y(f"{metric}:Q", title=title), alt.XOffset("scenario:N"),
-                alt.Color("scenario:N", legend=_LEGEND),
+        .encode(_x(key), alt.Y(f"{metric}:Q", title=title),
+                alt.XOffset("scenario:N", sort=list(dict.fromkeys(frame["scenario"]))),
+                alt.Color("scenario:N", legend=_LEGEND, sort=list(dict.fromkeys(frame["scenario"]))),
                 tooltip=["scenario", key, alt.Tooltip(f"{metric}:Q", format=fmt)])
         .properties(height=HEIGHT)
     )
 
 
 def ratios(ratio: pd.DataFrame, key: str) -> alt.Chart:
-    """Each ratio metric per load (1.0 = the baseline), one line per compared pair."""
+    """Each ratio metric (rows) per compared pair and load (bars); the dashed rule is 1 = the baseline."""
     long = ratio.melt(id_vars=["scenario", key], var_name="metric", value_name="ratio")
-    base = alt.Chart(long, title="Ratio to the baseline").encode(
-        alt.X("metric:N", title=None, axis=alt.Axis(labelAngle=-20)),
-        alt.Y("ratio:Q", title="ratio (1 = baseline)"),
+    long["arm"] = long["scenario"] + " @ " + long[key].map(lambda v: f"{v:g}") + f" {key}"
+    metrics = list(dict.fromkeys(long["metric"]))
+    arms = list(dict.fromkeys(long["arm"]))
+    bars = alt.Chart(long).mark_bar().encode(
+        alt.Y("metric:N", title=None, sort=metrics, axis=alt.Axis(labelLimit=220)),
+        alt.X("ratio:Q", title="ratio (1 = baseline)"),
+        alt.YOffset("arm:N", sort=arms),
+        alt.Color("arm:N", sort=arms, legend=alt.Legend(orient="top", title=None, columns=1, labelLimit=400)),
+        tooltip=["scenario", key, "metric", alt.Tooltip("ratio:Q", format=".3f")],
     )
-    bars = base.mark_bar().encode(alt.XOffset(f"{key}:O"), alt.Color(f"{key}:O", title=key),
-                                  tooltip=["scenario", key, "metric", alt.Tooltip("ratio:Q", format=".3f")])
-    rule = alt.Chart(pd.DataFrame({"y": [1.0]})).mark_rule(color="black", strokeDash=[4, 4]).encode(y="y:Q")
-    return (bars + rule).properties(height=HEIGHT)
+    rule = alt.Chart(pd.DataFrame({"x": [1.0]})).mark_rule(color="black", strokeDash=[4, 4]).encode(x="x:Q")
+    return (bars + rule).properties(title="Ratio to the baseline", height=max(HEIGHT, 22 * len(metrics) * len(arms) + 60))
