@@ -12,7 +12,7 @@ from typing import Any
 
 import streamlit as st
 
-from kvpool.dashboard import knobs, results
+from kvpool.dashboard import knobs
 from kvpool.scenario import Scenario, ScenarioError
 
 # Defaults of the Run and Compare pages: short runs, so a four-load sweep takes seconds, not minutes.
@@ -110,6 +110,8 @@ def scenario_for_run(toml_text: str, label: str, settings: RunSettings) -> tuple
 
 def downloads(rows: Sequence[dict], scenario_name: str, prefix: str) -> None:
     """CSV and JSON of the results: the keys and values of ``kvpool sim run``'s files."""
+    from kvpool.dashboard import results  # pandas: only the pages with results pay for it
+
     name = results.stem(scenario_name, rows)
     c1, c2, _ = st.columns([1, 1, 3])
     c1.download_button("Download CSV", results.to_csv(rows), file_name=f"{name}.csv", mime="text/csv",

@@ -225,3 +225,15 @@ def test_a_missing_trace_path_is_named_before_running(app):
     set_run(app, "8")
     press(app, "Run sweep")
     assert any("workload.traces: value '/nonexistent/traces': no such file or directory" in e for e in errors(app))
+
+
+def test_a_replay_scenario_sweeps_requests_per_second(app):
+    by_label(app.selectbox, "Built-in scenario").set_value("mi350x-6p2d-tp4-replay-shared").run()
+    app.switch_page("pages/run.py").run()
+    by_label(app.text_input, "Requests per second").set_value("0.2")
+    by_label(app.number_input, "Seconds per load").set_value(60.0)
+    by_label(app.number_input, "Synthetic sessions").set_value(10)
+    press(app, "Run sweep")
+    assert not app.exception and not errors(app)
+    assert list(app.dataframe[0].value["rps"]) == [0.2]
+    assert any("--rps 0.2 --duration 60" in c.value for c in app.code)
