@@ -1,0 +1,135 @@
+"""Side-channel messages of the prefill -> decode handoff, and the handoff's errors.
+
+Every message is a frozen dataclass sent as one JSON object over pyzmq (``encode``/``decode``);
+``"t"`` names the class. Who sends what, in order:
+
+    prefill stage -> decode rank   ``Attach``   once per connection: "I am stage s"
+    decode rank  -> prefill stage  ``Landing``  reply: how to reach the landing pool, the slots
+                                                (credits) granted to that stage, slot size, epoch
+    decode rank  -> prefill stage  ``Want``     per request: pages are ready, send; carries the nonce
+    prefill stage -> decode rank   ``Ready``    per write: slot ``slot`` holds bytes
+                                                ``offset_bytes .. +nbytes`` of the rank buffer
+    prefill stage -> decode rank   ``Done``     per request: the stage sent ``writes`` writes
+    decode rank  -> prefill stage  ``Credit``   slots free again (after scatter, or quarantine end)
+    prefill stage -> decode rank   ``Abort``    the stage's part failed; ``quarantined`` slots may
+                                                hold (or still receive) bytes of a failed write
+    decode rank  -> prefill stage  ``Fail``     the decode rank gave the request up
+
+Requests are named by ``request_id`` (a string chosen by the caller) and ``nonce`` (chosen by the
+decode rank in ``Want``); a message whose nonce is not the current one is stale and is dropped
+(its slot is credited back).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+
+class HandoffError(RuntimeError):
+    """A handoff failed; ``request_id`` names the request (may be empty for setup errors)."""
+
+    def __init__(self, message: str, request_id: str = "") -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class CreditTimeout(HandoffError):
+    """No credit (free landing slot) came back within the bounded wait."""
+
+
+class PeerLost(HandoffError):
+    """The side channel to a peer disconnected, or the peer stopped answering."""
+
+
+class TransferFailed(HandoffError):
+    """A transport write returned an error; its slot is quarantined."""
+
+
+@dataclass(frozen=True)
+class Attach:
+    stage: int
+    stage_name: str
+
+
+@dataclass(frozen=True)
+class Landing:
+    rank: int
+    epoch: int
+    descriptor: dict
+    slot_bytes: int
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Want:
+    request_id: str
+    nonce: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    request_id: str
+    nonce: int
+    stage: int
+    slot: int
+    offset_bytes: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Done:
+    request_id: str
+    nonce: int
+    stage: int
+    writes: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Credit:
+    slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    nonce: int
+    stage: int
+    reason: str
+    quarantined: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Fail:
+    request_id: str
+    nonce: int
+    rank: int
+    reason: str
+
+
+MESSAGES = {cls.__name__: cls for cls in (Attach, Landing, Want, Ready, Done, Credit, Abort, Fail)}
+_TUPLE_FIELDS = {name: [f.name for f in fields(cls) if "tuple" in str(f.type)] for name, cls in MESSAGES.items()}
+
+
+def encode(msg: Any) -> bytes:
+    """One message as UTF-8 JSON bytes."""
+    name = type(msg).__name__
+    if name not in MESSAGES:
+        raise TypeError(f"not a handoff message: {msg!r}")
+    return json.dumps({"t": name, **asdict(msg)}, separators=(",", ":")).encode()
+
+
+def decode(data: bytes) -> Any:
+    """Inverse of ``encode``; ``ValueError`` for anything that is not a known message."""
+    try:
+        obj = json.loads(data)
+        name = obj.pop("t")
+        cls = MESSAGES[name]
+        for f in _TUPLE_FIELDS[name]:
+            obj[f] = tuple(obj[f])
+        return cls(**obj)
+    except (KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"bad handoff message {data[:80]!r}: {exc}") from exc

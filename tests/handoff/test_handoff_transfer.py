@@ -1,0 +1,76 @@
+"""The handoff between real processes on loopback: bit-exact KV, exact write counts, metrics."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from handoff_workers import Geom, call, expected_rank_kv
+
+from kvpool.backend.handoff import HandoffResult, StageReport, request_metrics
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _check_request(g: Geom, decodes, reports, results, seed: int) -> None:
+    plan = g.plan()
+    assert all(isinstance(r, StageReport) for r in reports), reports
+    assert all(isinstance(r, HandoffResult) for r in results), results
+    for rep in reports:
+        assert rep.handoff_writes == plan.batched_writes
+        assert rep.handoff_bytes == plan.total_bytes
+    for r, (conn, res) in enumerate(zip(decodes, results)):
+        assert res.handoff_writes == g.stages * len(plan.writes(r))
+        assert res.handoff_bytes == g.stages * plan.buffer_bytes(r)
+        assert sorted(res.stage_s) == list(range(g.stages))
+        got = call(conn, ("kv", seed, {"tokens": g.tokens, "token_start": g.token_start}))
+        assert got.equal(expected_rank_kv(g, r, seed)), f"rank {r} KV differs (seed {seed})"
+
+
+def test_kv_bit_exact_and_exact_write_count(shared_mooncake, run_request):
+    """Every decode rank holds exactly its tokens of every stage's layers; each stage sent exactly
+    the plan's writes; back-to-back requests reuse credited slots; metrics use the sim's names."""
+    g, decodes, prefills = shared_mooncake
+    for i, seed in enumerate((0, 1)):
+        reports, results = run_request(decodes, prefills, f"req-{i}", seed)
+        _check_request(g, decodes, reports, results, seed)
+        m = request_metrics(reports, results)
+        assert m["handoff_bytes"] == g.stages * g.plan().total_bytes
+        assert m["handoff_writes"] == g.stages * g.plan().batched_writes
+        assert m["handoff_s"] > 0 and set(m["handoff_stage_s"]) == {0, 1}
+    for conn in prefills:  # every slot came back: each stage holds all of its credits again
+        assert call(conn, ("credits", "a")) == [g.slots // g.stages] * g.ranks
+
+
+def test_odd_start_tokens_and_write_size(shared_mooncake, run_request):
+    """A request starting at token 37 with 517 tokens, writes of 10 records (cut mid-layer)."""
+    g, decodes, prefills = shared_mooncake
+    over = {"tokens": 517, "token_start": 37, "max_write_bytes": 10 * 576}
+    reports, results = run_request(decodes, prefills, "odd", 3, **over)
+    _check_request(replace(g, **over), decodes, reports, results, 3)
+
+
+def test_inflight_writes_to_one_peer_are_bounded(shared_mooncake, run_request):
+    """With plenty of credits, never more than max_inflight writes are outstanding per rank."""
+    g, decodes, prefills = shared_mooncake
+    reports, results = run_request(decodes, prefills, "bounded", 2, max_inflight=2)
+    _check_request(g, decodes, reports, results, 2)
+    assert all(rep.peak_inflight == 2 for rep in reports), reports
+
+
+def test_ipc_transport_four_ranks(cluster, run_request):
+    """Same-host IPC transport (shared memory on the CPU), one stage to 4 ranks, 3 slots per rank."""
+    g = Geom(tokens=701, stages=1, ranks=4, slots=3)
+    decodes = cluster.decodes(g, "ipc")
+    prefills = cluster.prefills(g, "ipc", [ep for _, _, ep in decodes])
+    dconns = [c for _, c, _ in decodes]
+    reports, results = run_request(dconns, [c for _, c, _ in prefills], "ipc", 5)
+    _check_request(g, dconns, reports, results, 5)
+
+
+def test_inflight_bound_validated():
+    from kvpool.backend.handoff import LocalTransport, PrefillStage
+
+    with pytest.raises(ValueError, match="max_inflight_per_peer"):
+        PrefillStage(0, LocalTransport(), staging_bytes=16, max_inflight_per_peer=1025)
