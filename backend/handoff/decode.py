@@ -173,14 +173,14 @@ class DecodeRank:
     def error(self, request_id: str) -> str:
         return self._reqs[request_id].error
 
-    def poll(self, timeout_s: float = 0.0) -> int:
-        """Handle what has arrived (waiting up to ``timeout_s`` for the first message); returns the
-        number of messages handled."""
+    def poll(self, timeout_s: float = 0.0, max_messages: int = 256) -> int:
+        """Handle what has arrived, at most ``max_messages`` (waiting up to ``timeout_s`` for the
+        first); returns the number of messages handled."""
         handled = 0
         self._finish_events()
         self._release_quarantine()
         if self._sock.poll(int(max(0.0, timeout_s) * 1000), zmq.POLLIN):
-            while True:
+            while handled < max_messages:
                 try:
                     ident, payload = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:

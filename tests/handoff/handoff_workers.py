@@ -154,7 +154,7 @@ def decode_main(conn, rank: int, g: Geom, kind: str, opts: dict) -> None:
                 except HandoffError as exc:
                     conn.send(("error", f"{type(exc).__name__}: {exc}"))
             if not stalled:
-                dr.poll(0.005)
+                dr.poll(0.005, max_messages=1 if stall_after is not None or die_after is not None else 256)
     except (EOFError, BrokenPipeError):
         pass
     dr.close()
