@@ -43,6 +43,7 @@ AGENTX_TARGETS = {
     "input_tokens_main_p50": 254_080,
     "input_tokens_main_p90": 651_008,
     "input_tokens_sub_p50": 64_000,
+    "input_tokens_sub_p90": 196_326,
     "new_tokens_p50": 1_664,
     "main_turns_per_session_p50": 65,
     "main_turns_per_session_p90": 330,
@@ -269,9 +270,10 @@ def fit_agentx(tester: SynthParams) -> SynthParams:
         gap_main_s=gap,
         big_context_p=1.0,  # 1M-token models: contexts reach ~990K (agentx-traces.md §1.6)
         sub_session_p=t["sessions_with_subagents_fraction"],
-        sub_groups=lognormal_table(1.6, 1.0, lo=1.0, hi=60.0),
+        # median 4 subagents per session with subagents, mean 1697 / 175 = 9.7 (exp(s^2/2) = 2.43)
+        sub_groups=lognormal_table(t["subagent_groups_per_session_p50"], 1.33, lo=1.0, hi=200.0),
         sub_fanout_mean=2.5,
-        sub_requests=lognormal_table(t["subagent_requests_per_group_p50"], 1.1, lo=1.0, hi=600.0),
+        sub_requests=lognormal_table(t["subagent_requests_per_group_p50"], 0.8, lo=1.0, hi=300.0),
         out_sub=lognormal_table(400.0, 1.0, lo=1.0, hi=16_000.0),
         sub_prefix_tokens=20_480,
     )
@@ -279,10 +281,10 @@ def fit_agentx(tester: SynthParams) -> SynthParams:
         ("add_tokens", "new_tokens_p50", t["new_tokens_p50"]),
         ("init_tokens", "input_tokens_main_p50", t["input_tokens_main_p50"]),
         ("sub_init_tokens", "input_tokens_sub_p50", t["input_tokens_sub_p50"]),
-        ("sub_groups", "subagent_request_fraction", AGENTX_SUB_REQUEST_FRACTION),
+        ("sub_add_tokens", "input_tokens_sub_p90", t["input_tokens_sub_p90"]),
         ("break_p_long", "reuse_ceiling", t["reuse_ceiling"]),
     ]
-    return calibrate_each(base, steps)
+    return calibrate_each(base, steps, rounds=2)
 
 
 def write_presets(presets: dict[str, SynthParams], path: Path) -> None:

@@ -23,8 +23,8 @@ The session model (docs/traces.md, "Synthetic sessions"):
       so does a prompt that would pass the session's context limit: ``max_context_tokens``
       with probability ``big_context_p`` (1M-token models), else ``context_limit_tokens``.
     * Subagents: a session has them with probability ``sub_session_p``; it gets ``sub_groups``
-      spawn points on random main turns, each spawning ``1 + Geometric`` parallel children
-      (mean ``sub_fanout_mean``). A child runs ``sub_requests`` requests growing like the main
+      subagents (threads), spawned from random main turns in parallel fan-outs of
+      ``Geometric`` size (mean ``sub_fanout_mean``). A child runs ``sub_requests`` requests growing like the main
       thread (``sub_init_tokens``, ``sub_add_tokens``, ``gap_sub_s``); all children of a session
       share a ``sub_prefix_tokens`` prompt prefix. The next main turn waits for the children
       (join); children spawned by the last turn run in the background.
@@ -198,11 +198,13 @@ def generate_records(p: SynthParams, rng: np.random.Generator, u: np.ndarray | N
     adds = np.maximum(1, np.round(p.add_tokens.sample(rng, n_turns))).astype(int)
     gaps = p.gap_main_s.sample(rng, n_turns)
     # subagent spawn points first: joins push the next main turn later
-    groups_at: dict[int, int] = {}
+    groups_at: dict[int, list[int]] = {}  # main turn -> sizes of the fan-outs it spawns
     if n_turns > 1 and u[2] < p.sub_session_p:
-        n_groups = max(1, int(round(p.sub_groups.sample(rng))))
-        for a in rng.integers(0, n_turns, n_groups):
-            groups_at[int(a)] = groups_at.get(int(a), 0) + 1
+        left = max(1, int(round(p.sub_groups.sample(rng))))
+        while left > 0:
+            fan = min(left, int(rng.geometric(1.0 / max(1.0, p.sub_fanout_mean))))
+            groups_at.setdefault(int(rng.integers(0, n_turns)), []).append(fan)
+            left -= fan
     sub_prefix = int(p.sub_prefix_tokens)
     main: list[Rec] = []
     groups: list[tuple[int, float, list[list[Rec]]]] = []
@@ -226,10 +228,9 @@ def generate_records(p: SynthParams, rng: np.random.Generator, u: np.ndarray | N
         main.append(Rec(0, round(t, 3), int(n_in), int(outs[k]), api, keep // BLOCK_TOKENS, round(gap, 3)))
         t = main[-1].t_s + api
         join_t = 0.0
-        for _ in range(groups_at.get(k, 0)):
+        for fan in groups_at.get(k, []):
             spawn = round(t + float(rng.uniform(0.05, 1.0)), 3)
             children = []
-            fan = 1 + int(rng.geometric(1.0 / max(1.0, p.sub_fanout_mean))) - 1
             for _c in range(fan):
                 children.append(_child(p, spawn, sub_prefix, rng))
             groups.append((k, spawn, children))
@@ -396,6 +397,7 @@ def records_stats(recs: list[SessionRecords]) -> dict[str, float]:
         "input_tokens_main_p50": med(in_main),
         "input_tokens_main_p90": float(np.percentile(in_main, 90)),
         "input_tokens_sub_p50": med(in_sub),
+        "input_tokens_sub_p90": float(np.percentile(in_sub, 90)) if in_sub else float("nan"),
         "output_tokens_main_p50": med(out_main),
         "new_tokens_p50": med(new),
         "main_turns_per_session_p50": med(turns),
