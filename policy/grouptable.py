@@ -156,11 +156,17 @@ class GroupTable:
     def pin(self, gids: Sequence[int] | np.ndarray) -> None:
         """Protect groups from eviction (loads in flight); nests."""
         ids = self._ids(gids)
-        np.add.at(self._pins, ids, 1)
+        if self._has_duplicates(ids):
+            np.add.at(self._pins, ids, 1)
+        else:
+            self._pins[ids] += 1
 
     def unpin(self, gids: Sequence[int] | np.ndarray) -> None:
         ids = self._ids(gids)
-        np.subtract.at(self._pins, ids, 1)
+        if self._has_duplicates(ids):
+            np.subtract.at(self._pins, ids, 1)
+        else:
+            self._pins[ids] -= 1
         self._pins[ids] = np.maximum(self._pins[ids], 0)
 
     # -- writes ------------------------------------------------------------------------------
@@ -174,7 +180,7 @@ class GroupTable:
         """
         ids = self._ids(gids)
         slots = np.atleast_1d(np.asarray(slot, dtype=np.int64))
-        if ids.size > 1 and self._has_duplicates(ids):
+        if self._has_duplicates(ids):
             ids = ids[np.sort(np.unique(ids, return_index=True)[1])]
         missing = ~self.present[np.ix_(ids, slots)]  # [group, slot]
         need_row = missing @ self.slot_bytes[slots]  # bytes each group still needs
@@ -209,10 +215,14 @@ class GroupTable:
         return PutOutcome(n_stored, n_new - n_stored, int(gone.size), freed, gone)
 
     def _has_duplicates(self, ids: np.ndarray) -> bool:
-        """O(n) duplicate check with a scratch counter (ids are already in range)."""
+        """O(n) duplicate check with a scratch array (ids are already in range): with a repeated
+        id, a later position overwrites an earlier one's mark."""
+        if ids.size < 2:
+            return False
         mark = self._mark
-        np.add.at(mark, ids, 1)
-        dup = bool((mark[ids] > 1).any())
+        pos = np.arange(1, ids.size + 1, dtype=mark.dtype)
+        mark[ids] = pos
+        dup = bool((mark[ids] != pos).any())
         mark[ids] = 0
         return dup
 

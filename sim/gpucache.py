@@ -83,14 +83,16 @@ class GPUPrefixCache:
         alive = self.held[self._resident.view()]
         self._listed[self._resident.keep(alive)] = False  # drop stale entries
         cand = self._resident.view()
-        mark = np.zeros(cand.size, dtype=bool)
-        if protect.size:
-            self.held[protect] = False  # temporarily: the blocks being inserted are never victims
-            mark = ~self.held[cand]
-            self.held[protect] = True
-        cand = cand[~mark]
-        if not cand.size:
-            return
+        # The blocks being inserted were used just now, so LRU reaches them last; exclude them
+        # only when the pass would otherwise take them.
+        now = self._last[protect[0]]
+        is_older = self._last[cand] < now
+        if target < int(is_older.sum()):
+            cand = cand[is_older]
+        else:
+            keep = np.zeros(len(self.held), dtype=bool)
+            keep[protect] = True
+            cand = cand[~keep[cand]]
         k = max(0, min(target, cand.size))
         if k == 0:
             return
