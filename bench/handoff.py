@@ -1,0 +1,491 @@
+#!/usr/bin/env python3
+"""The prefill -> decode handoff: large writes against per-token writes, and against the limit.
+
+(a) default, loopback TCP between two processes (run inside a private network namespace:
+    ``unshare -n sh -c 'ip link set lo up; exec .venv/bin/python bench/handoff.py'``):
+    the seed's example, 8,192 tokens x one 20-layer stage x 576 B to 4 decode ranks (94,371,840 B),
+      * ``large``: the handoff itself (``PrefillStage.send`` -> 4 ``DecodeRank``s over Mooncake
+        Transfer Engine TCP): gather, 12 writes of <= 8 MiB, READY/credit per write, scatter.
+        ``transfer_*`` counts the writes only (first submit to last completion, sender side);
+        ``end_to_end_*`` from the send command to every rank ready (gather + writes + scatter).
+      * ``per_token``: the same bytes as 163,840 writes of 576 B, one per token per layer, straight
+        from the prefill pages into the ranks' buffers through the same engine, in batches of
+        ``--batch`` (<= 1024 in flight to the one peer); ``--naive-writes`` runs a subset, scaled.
+      * ``large_writes_only``: the same 12 writes alone (staging -> the ranks' buffers through the
+        engine, all in flight, no gather/scatter/side channel): the like-for-like comparison.
+      * ``socket``: a plain TCP socket sending the same bytes (the loopback limit), same run.
+(b) ``--gpu`` on a 2-GPU machine: prefill stage on cuda:0, 4 decode ranks on cuda:1, in two
+    processes, ``IpcTransport`` (CUDA IPC, copies over NVLink/PCIe): ``--requests`` handoffs back to
+    back; GB/s of gather + transfer + scatter against torch's own cuda:0 -> cuda:1 copy of the same
+    bytes in the same run (goal >= 0.8); the last request's decode KV is checked bit-exact.
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+def _import_kvpool() -> None:
+    """Use the installed kvpool, or map this source tree's folders into ``kvpool`` (device machine)."""
+    try:
+        import kvpool.backend.handoff  # noqa: F401
+    except ModuleNotFoundError:
+        root = Path(__file__).resolve().parents[1]
+        sys.path.insert(0, str(root))
+        import kvpool
+
+        shim = Path(tempfile.mkdtemp(prefix="kvpool-shim-"))
+        for sub in ("policy", "backend", "kernels"):
+            (shim / sub).symlink_to(root / sub)
+        kvpool.__path__.append(str(shim))
+
+
+_import_kvpool()
+
+import torch  # noqa: E402
+
+from kvpool.backend.handoff import DecodeRank, PrefillStage, StagePart, make_transport  # noqa: E402
+from kvpool.kernels import gather_dcp, scatter_dcp  # noqa: E402
+from kvpool.policy.layout import MIB, HandoffPlan  # noqa: E402
+
+PAGE = 16
+TOKENS, LAYERS, RECORD, RANKS = 8192, 20, 576, 4
+SEED_PLAN = HandoffPlan(TOKENS, LAYERS, RECORD, RANKS)
+
+
+def prefill_kv(plan: HandoffPlan, device: str):
+    gen = torch.Generator().manual_seed(0)
+    pages = -(-plan.tokens // PAGE)
+    caches = [torch.randint(0, 256, (pages, PAGE, plan.record_bytes), dtype=torch.uint8, generator=gen).to(device)
+              for _ in range(plan.layers)]
+    table = torch.randperm(pages, generator=gen).to(torch.int32).to(device)
+    return caches, table
+
+
+def decode_kv(plan: HandoffPlan, rank: int, device: str):
+    pages = -(-plan.rank_tokens(rank) // PAGE)
+    gen = torch.Generator().manual_seed(10 + rank)
+    caches = [torch.zeros(pages, PAGE, plan.record_bytes, dtype=torch.uint8, device=device) for _ in range(plan.layers)]
+    return caches, torch.randperm(pages, generator=gen).to(torch.int64).to(device)
+
+
+def _answer(conn, fn) -> None:
+    try:
+        conn.send(("ok", fn()))
+    except Exception as exc:  # noqa: BLE001 - report any worker failure to the parent, then go on
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def _call(conn, *cmd, timeout_s: float = 300.0):
+    conn.send(cmd)
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"worker did not answer {cmd[0]!r} within {timeout_s} s")
+    kind, value = conn.recv()
+    if kind != "ok":
+        raise RuntimeError(value)
+    return value
+
+
+# ---- decode process ----------------------------------------------------------------------------
+
+def decode_proc(conn, kind: str, device: str, slots: int) -> None:
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    transport = make_transport(kind)
+    plan = SEED_PLAN
+    kv = [decode_kv(plan, r, device) for r in range(RANKS)]
+    ranks = [DecodeRank(r, kv[r][0], transport, stages=1, slots=slots, validate=False) for r in range(RANKS)]
+    naive = transport.allocate(plan.total_bytes, "cpu") if device == "cpu" else None
+    naive_desc = transport.expose(naive) if naive is not None else None
+    conn.send(("ok", [dr.endpoint for dr in ranks]))
+    ends: dict[str, float] = {}
+    pending: set[str] = set()
+    while True:
+        for dr in ranks:
+            dr.poll(0)
+        for rid in list(pending):
+            if all(dr.status(rid) != "pending" for dr in ranks):
+                pending.discard(rid)
+                ends[rid] = time.monotonic()
+        if not conn.poll(0 if pending else 0.0005):
+            continue
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            conn.send(("ok", None))
+            break
+        if cmd[0] == "expect":
+            for rid in cmd[1]:
+                for r, dr in enumerate(ranks):
+                    dr.expect(rid, kv[r][1], {0: StagePart(plan, 0)})
+                pending.add(rid)
+            conn.send(("ok", None))
+        elif cmd[0] == "wait":
+            def wait(rids=cmd[1]):
+                deadline = time.monotonic() + 120
+                while any(r in pending for r in rids):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("requests not ready within 120 s")
+                    for dr in ranks:
+                        dr.poll(0.0002)
+                    for rid in list(pending):
+                        if all(dr.status(rid) != "pending" for dr in ranks):
+                            pending.discard(rid)
+                            ends[rid] = time.monotonic()
+                bad = [(rid, dr.error(rid)) for rid in rids for dr in ranks if dr.status(rid) != "ready"]
+                if bad:
+                    raise RuntimeError(f"failed: {bad[:2]}")
+                res = {rid: [dr.wait(rid, 1) for dr in ranks] for rid in rids}
+                for rid in rids:
+                    for dr in ranks:
+                        dr.forget(rid)
+                return {"end_s": max(ends[r] for r in rids), "results": res}
+            _answer(conn, wait)
+        elif cmd[0] == "naive_desc":
+            conn.send(("ok", naive_desc))
+        elif cmd[0] == "kv":
+            conn.send(("ok", [torch.stack([c[kv[r][1]].cpu() for c in kv[r][0]]) for r in range(RANKS)]))
+        elif cmd[0] == "socket":
+            _answer(conn, lambda: _socket_server(cmd[1], cmd[2]))
+    for dr in ranks:
+        dr.close()
+    os._exit(0)
+
+
+def _socket_server(nbytes: int, reps: int) -> int:
+    """Start a thread that receives ``reps`` blobs of ``nbytes`` on 127.0.0.1 and acks each."""
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    srv.settimeout(60)
+
+    def run() -> None:
+        conn, _ = srv.accept()
+        conn.settimeout(60)
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+        for _ in range(reps):
+            got = 0
+            while got < nbytes:
+                n = conn.recv_into(view[got:], nbytes - got)
+                if n == 0:
+                    return
+                got += n
+            conn.sendall(b"k")
+        conn.close()
+        srv.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return srv.getsockname()[1]
+
+
+# ---- prefill process ---------------------------------------------------------------------------
+
+def prefill_proc(conn, kind: str, device: str, endpoints: list[str]) -> None:
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    transport = make_transport(kind)
+    plan = SEED_PLAN
+    caches, table = prefill_kv(plan, device)
+    stage = PrefillStage(0, transport, staging_bytes=plan.total_bytes, device=device, validate=False,
+                         credit_timeout_s=30.0)
+    target = stage.connect(endpoints)
+    conn.send(("ok", None))
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            conn.send(("ok", None))
+            break
+        if cmd[0] == "send":
+            def send(rids=cmd[1]):
+                t0 = time.monotonic()
+                reps = [stage.send(rid, target, caches, table, plan, timeout_s=120) for rid in rids]
+                return {"start_s": t0, "reports": reps}
+            _answer(conn, send)
+        elif cmd[0] == "large_raw":
+            _answer(conn, lambda: _large_raw(transport, stage.staging, plan, cmd[1], cmd[2]))
+        elif cmd[0] == "naive":
+            _answer(conn, lambda: _naive(transport, caches, table, plan, cmd[1], cmd[2], cmd[3]))
+        elif cmd[0] == "socket":
+            _answer(conn, lambda: _socket_send(cmd[1], stage.staging.narrow(0, 0, plan.total_bytes), cmd[2]))
+        elif cmd[0] == "device_copy":
+            _answer(conn, lambda: _device_copy(plan.total_bytes, cmd[1], cmd[2]))
+        elif cmd[0] == "kernels":
+            _answer(conn, lambda: _kernel_rates(caches, table, plan, cmd[1]))
+    stage.close()
+    os._exit(0)
+
+
+def _naive(transport, caches, table, plan: HandoffPlan, desc: dict, writes: int, batch: int) -> dict:
+    """One 576 B write per (token, layer) from its page into its place in the rank's buffer."""
+    peer = transport.open(desc)
+    rank_base = [sum(plan.buffer_bytes(q) for q in range(r)) for r in range(plan.ranks)]
+    page_bytes = PAGE * plan.record_bytes
+    srcs, dsts = [], []
+    for layer in range(plan.layers):
+        for r in range(plan.ranks):
+            n_r = plan.rank_tokens(r)
+            for j, p in enumerate(plan.rank_positions(r)):
+                srcs.append((layer, int(table[p // PAGE]) * page_bytes + (p % PAGE) * plan.record_bytes))
+                dsts.append(rank_base[r] + (layer * n_r + j) * plan.record_bytes)
+    flat = [c.view(-1) for c in caches]
+    order = list(range(len(srcs)))[:writes]
+    t0 = time.monotonic()
+    done = 0
+    for layer in range(plan.layers):
+        idx = [i for i in order if srcs[i][0] == layer]
+        for k in range(0, len(idx), batch):
+            chunk = idx[k:k + batch]
+            h = transport.submit_many(peer, flat[layer], [srcs[i][1] for i in chunk], [dsts[i] for i in chunk],
+                                      [plan.record_bytes] * len(chunk))
+            if transport.poll(h) != 1:
+                raise RuntimeError("a per-token batch failed")
+            done += len(chunk)
+    dt = time.monotonic() - t0
+    return {"writes": done, "bytes": done * plan.record_bytes, "s": dt}
+
+
+def _large_raw(transport, staging: torch.Tensor, plan: HandoffPlan, desc: dict, reps: int) -> dict:
+    """The plan's writes alone (no gather, no scatter, no side channel): staging -> the same places
+    in the peer's buffer, all submitted at once, polled until done; best of ``reps``."""
+    peer = transport.open(desc)
+    writes = [(sum(plan.buffer_bytes(q) for q in range(w.rank)) + w.offset_bytes, w.nbytes) for w in plan.all_writes()]
+    times = []
+    for _ in range(reps):
+        t0 = time.monotonic()
+        handles = [transport.submit(peer, staging, off, off, n) for off, n in writes]
+        while True:
+            states = [transport.poll(h) for h in handles]
+            if -1 in states:
+                raise RuntimeError("a large write failed")
+            if all(st == 1 for st in states):
+                break
+            time.sleep(0.0002)
+        times.append(time.monotonic() - t0)
+    return {"writes": len(writes), "s": min(times)}
+
+
+def _socket_send(port: int, staging: torch.Tensor, reps: int) -> dict:
+    data = memoryview(staging.numpy()) if staging.device.type == "cpu" else memoryview(staging.cpu().numpy())
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    times = []
+    for _ in range(reps):
+        t0 = time.monotonic()
+        s.sendall(data)
+        if s.recv(1) != b"k":
+            raise RuntimeError("socket receiver did not ack")
+        times.append(time.monotonic() - t0)
+    s.close()
+    return {"bytes": staging.numel(), "s": min(times)}
+
+
+def _device_copy(nbytes: int, reps: int, dst_device: str) -> dict:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_device)
+    dst.copy_(src)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize(dst_device)
+    t0 = time.monotonic()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize(dst_device)
+    dt = time.monotonic() - t0
+    return {"bytes": nbytes * reps, "s": dt, "gbps": nbytes * reps / dt / 1e9}
+
+
+def _kernel_rates(caches, table, plan: HandoffPlan, reps: int) -> dict:
+    out = torch.empty(plan.total_bytes, dtype=torch.uint8, device=caches[0].device)
+    gather_dcp(caches, table, plan, out=out, validate=False)
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    for _ in range(reps):
+        gather_dcp(caches, table, plan, out=out, validate=False)
+    torch.cuda.synchronize()
+    g = (time.monotonic() - t0) / reps
+    dcaches, dtable = decode_kv(plan, 0, str(caches[0].device))
+    view = out.narrow(0, 0, plan.buffer_bytes(0))
+    scatter_dcp(view, dcaches, dtable, plan, 0, validate=False)
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    for _ in range(reps):
+        scatter_dcp(view, dcaches, dtable, plan, 0, validate=False)
+    torch.cuda.synchronize()
+    s = (time.monotonic() - t0) / reps
+    return {"gather_gbps": plan.total_bytes / g / 1e9, "scatter_rank_buffer_gbps": plan.buffer_bytes(0) / s / 1e9}
+
+
+# ---- driver ------------------------------------------------------------------------------------
+
+def _start(ctx, target, *args):
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=target, args=(child, *args), daemon=True)
+    p.start()
+    if not parent.poll(180):
+        raise TimeoutError(f"{target.__name__} did not start")
+    kind, value = parent.recv()
+    if kind != "ok":
+        raise RuntimeError(value)
+    return p, parent, value
+
+
+def run_tcp(args) -> dict:
+    plan = SEED_PLAN
+    ctx = mp.get_context("spawn")
+    dp, d, endpoints = _start(ctx, decode_proc, "mooncake", "cpu", args.slots)
+    pp, p, _ = _start(ctx, prefill_proc, "mooncake", "cpu", endpoints)
+    try:
+        large = []
+        for i in range(args.reps):
+            rid = f"r{i}"
+            _call(d, "expect", [rid])
+            t0 = time.monotonic()
+            sent = _call(p, "send", [rid])
+            waited = _call(d, "wait", [rid])
+            rep = sent["reports"][0]
+            large.append({"transfer_s": rep.transfer_s, "gather_s": rep.gather_s, "writes": rep.handoff_writes,
+                          "end_to_end_s": waited["end_s"] - t0, "stage_s": rep.handoff_s})
+        best = min(large, key=lambda x: x["transfer_s"])
+        raw = _call(p, "large_raw", _call(d, "naive_desc"), args.reps)
+        n_naive = min(args.naive_writes or plan.naive_writes, plan.naive_writes)
+        naive = _call(p, "naive", _call(d, "naive_desc"), n_naive, args.batch, timeout_s=900)
+        port = _call(d, "socket", plan.total_bytes, 3)
+        sock = _call(p, "socket", port, 3)
+    finally:
+        for conn in (p, d):
+            try:
+                _call(conn, "stop", timeout_s=30)
+            except (TimeoutError, RuntimeError, OSError, EOFError):
+                pass
+        for proc in (pp, dp):
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    gb = plan.total_bytes / 1e9
+    naive_scaled_s = naive["s"] * plan.naive_writes / naive["writes"]
+    out = {
+        "mode": "loopback_tcp_mooncake",
+        "plan": {"tokens": TOKENS, "layers": LAYERS, "record_bytes": RECORD, "ranks": RANKS,
+                 "bytes": plan.total_bytes, "batched_writes": plan.batched_writes, "naive_writes": plan.naive_writes},
+        "load_avg_1min": os.getloadavg()[0],
+        "large_writes_only": {
+            "writes": raw["writes"], "s": raw["s"], "writes_per_s": raw["writes"] / raw["s"],
+            "gbps": gb / raw["s"],
+        },
+        "large": {
+            "writes": best["writes"],
+            "transfer_s": best["transfer_s"],
+            "writes_per_s": best["writes"] / best["transfer_s"],
+            "transfer_gbps": gb / best["transfer_s"],
+            "gather_s": best["gather_s"],
+            "end_to_end_s": best["end_to_end_s"],
+            "end_to_end_gbps": gb / best["end_to_end_s"],
+            "reps": large,
+        },
+        "per_token": {
+            "writes_measured": naive["writes"],
+            "measured_s": naive["s"],
+            "scaled_to_all": naive["writes"] < plan.naive_writes,
+            "s": naive_scaled_s,
+            "writes_per_s": naive["writes"] / naive["s"],
+            "gbps": naive["bytes"] / naive["s"] / 1e9,
+            "batch": args.batch,
+        },
+        "socket": {"s": sock["s"], "gbps": gb / sock["s"]},
+    }
+    out["ratios"] = {
+        "per_token_vs_large_writes_time": naive_scaled_s / raw["s"],
+        "large_writes_only_vs_socket": out["large_writes_only"]["gbps"] / out["socket"]["gbps"],
+        "per_token_vs_large_time_in_handoff": naive_scaled_s / best["transfer_s"],
+        "large_transfer_vs_socket": out["large"]["transfer_gbps"] / out["socket"]["gbps"],
+        "large_end_to_end_vs_socket": out["large"]["end_to_end_gbps"] / out["socket"]["gbps"],
+        "per_token_vs_socket": out["per_token"]["gbps"] / out["socket"]["gbps"],
+    }
+    return out
+
+
+def run_gpu(args) -> dict:
+    plan = SEED_PLAN
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("--gpu needs 2 GPUs")
+    ctx = mp.get_context("spawn")
+    dp, d, endpoints = _start(ctx, decode_proc, "ipc", "cuda:1", args.slots)
+    pp, p, _ = _start(ctx, prefill_proc, "ipc", "cuda:0", endpoints)
+    try:
+        runs = []
+        for rnd in range(args.reps):
+            rids = [f"g{rnd}-{i}" for i in range(args.requests)]
+            _call(d, "expect", rids)
+            sent = _call(p, "send", rids)
+            waited = _call(d, "wait", rids)
+            total_s = waited["end_s"] - sent["start_s"]
+            runs.append({"requests": len(rids), "s": total_s,
+                         "gbps": len(rids) * plan.total_bytes / total_s / 1e9,
+                         "transfer_s_per_request": sum(r.transfer_s for r in sent["reports"]) / len(rids),
+                         "writes_per_request": sent["reports"][0].handoff_writes})
+        copy = _call(p, "device_copy", args.requests * 2, "cuda:1")
+        kern = _call(p, "kernels", 20)
+        got = _call(d, "kv")
+    finally:
+        for conn in (p, d):
+            try:
+                _call(conn, "stop", timeout_s=30)
+            except (TimeoutError, RuntimeError, OSError, EOFError):
+                pass
+        for proc in (pp, dp):
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    # expected decode KV, by plain indexing of the same seeded prefill pages
+    caches, table = prefill_kv(plan, "cpu")
+    exact = True
+    for r in range(RANKS):
+        _, dtable = decode_kv(plan, r, "cpu")
+        pos = torch.tensor(list(plan.rank_positions(r)))
+        want = torch.stack([c[table[pos // PAGE].long(), pos % PAGE] for c in caches])   # [L, n_r, rec]
+        have = got[r].reshape(plan.layers, -1, plan.record_bytes)[:, : pos.numel()]          # pages in table order
+        exact &= bool(have.equal(want))
+    best = max(runs, key=lambda x: x["gbps"])
+    return {
+        "mode": "gpu_ipc",
+        "device": torch.cuda.get_device_name(0),
+        "plan": {"tokens": TOKENS, "layers": LAYERS, "record_bytes": RECORD, "ranks": RANKS,
+                 "bytes": plan.total_bytes, "batched_writes": plan.batched_writes},
+        "handoff": best,
+        "runs": runs,
+        "device_copy": copy,
+        "kernels": kern,
+        "ratio_vs_device_copy": best["gbps"] / copy["gbps"],
+        "goal_ratio": 0.8,
+        "bit_exact": exact,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gpu", action="store_true", help="2-GPU mode: cuda:0 -> cuda:1 over CUDA IPC")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--slots", type=int, default=8, help="landing slots per decode rank (8 MiB each)")
+    ap.add_argument("--batch", type=int, default=1000, help="per-token writes per engine batch (<= 1024)")
+    ap.add_argument("--naive-writes", type=int, default=0, help="run only this many per-token writes, scaled")
+    ap.add_argument("--requests", type=int, default=16, help="--gpu: requests back to back per round")
+    args = ap.parse_args()
+    print(json.dumps(run_gpu(args) if args.gpu else run_tcp(args), indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
