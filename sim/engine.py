@@ -33,6 +33,7 @@ from kvpool.sim.cost import AnalyticalCost, CostModel
 from kvpool.sim.gpucache import GPUPrefixCache
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
+from kvpool.sim.links import FairLink
 from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.pool import SimPool
 
@@ -95,6 +96,8 @@ class Simulation:
         self._gate_waiters: deque[tuple[object, simpy.Event]] = deque()
         self.records: list[RequestRecord] = []
         self._session_max_block: dict[str, int] = {}
+        ssd = s.pool.ssd
+        self.ssd_links = [FairLink(env, ssd.read_gb_s_per_server * 1e9, name=f"ssd{i}") for i in range(s.cluster.servers)]
         self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus
 
     # -- time series -----------------------------------------------------------------------
@@ -219,6 +222,10 @@ class Simulation:
         gpu_hit = p.cache.hit_blocks(gblocks[:full_blocks], env.now) * bt
         gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
         present = self.pool.lookup(p.server, p.ranks, gids, env.now) if self.pool is not None and gids.size else None
+        on_ssd = self.pool.ssd_lookup(p.server, gids, env.now) if present is not None else None
+        if on_ssd is not None:  # a chunk on the SSD tier counts for every stage
+            in_dram = np.logical_and.reduce(present)
+            present = [x | on_ssd for x in present]
         hits = compute_hits(req.in_tokens, gpu_hit, present, chunk_tokens=self.chunk_tokens,
                             page_tokens=self.s.model.page_tokens, min_load_tokens=self.s.pool.min_load_tokens)
         rec.gpu_tokens = hits.gpu_tokens
@@ -227,6 +234,12 @@ class Simulation:
         rec.prefill_start_s = env.now
         if hits.pool_tokens:
             load_ids = gids[hits.load_first_chunk:hits.load_end_chunk]
+            ssd_ids = load_ids[~in_dram[hits.load_first_chunk:hits.load_end_chunk]] if on_ssd is not None else load_ids[:0]
+            if ssd_ids.size:  # read from SSD first, then the chunks travel like DRAM ones
+                rec.ssd_tokens = min(hits.pool_tokens, ssd_ids.size * self.chunk_tokens)
+                rec.pool_tokens -= rec.ssd_tokens
+                yield self.ssd_links[p.server].transfer(int(ssd_ids.size) * sum(self.rank_bytes), int(ssd_ids.size))
+                self.pool.save(p.server, p.ranks, ssd_ids, env.now)  # promoted back to DRAM
             self.pool.pin(p.server, p.ranks, load_ids)
             try:
                 yield from self._restore(rec, p, load_ids.size)

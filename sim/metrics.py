@@ -56,7 +56,7 @@ class RequestRecord:
 #: Keys of one load's summary (``kvpool sim run --json``), documented in docs/metrics.md.
 SUMMARY_KEYS = (
     "sessions", "rps", "duration_s", "gpus", "requests", "rejected", "throughput_tok_s", "throughput_per_gpu_tok_s",
-    "ttft_p50_s", "ttft_p90_s", "share_gpu", "share_pool", "share_computed", "reuse",
+    "ttft_p50_s", "ttft_p90_s", "share_gpu", "share_pool", "share_ssd", "share_computed", "reuse",
     "gen_speed_per_user_tok_s_p50", "decode_kv_occupancy_p50", "restore_stage_s_p50",
     "restore_spread_s_mean", "bytes_moved", "wall_s",
 )
@@ -122,6 +122,7 @@ def summarize(records: Sequence[RequestRecord], *, gpus: int, occupancy: tuple[l
         "ttft_p90_s": _pct([r.ttft_s for r in kept], 90),
         "share_gpu": share(gpu),
         "share_pool": share(pool),
+        "share_ssd": share(sum(r.ssd_tokens for r in kept)),
         "share_computed": share(comp),
         "reuse": share(gpu + pool),
         "gen_speed_per_user_tok_s_p50": _pct(speeds, 50),

@@ -148,3 +148,16 @@ def test_weighted_median_of_a_step_function():
     # 0.1 for 1 s, 0.9 for 3 s, 0.5 for 1 s -> the median time-weighted value is 0.9
     assert weighted_median([0.0, 1.0, 4.0], [0.1, 0.9, 0.5], 5.0) == 0.9
     assert weighted_median([0.0, 4.0], [0.2, 0.7], 5.0) == 0.2
+
+
+def test_ssd_tier_catches_what_dram_evicts():
+    w = small_workload(n=8)
+    small = ["prefill.gpu_mem_utilization=0.36", "pool.gib_per_service=0.4"]
+    ssd = small + ["pool.ssd.enabled=true", "pool.ssd.gib_per_server=64"]
+    dram_only = summarize(Simulation(load_scenario(SCENARIO, small), every_request(w, len(w))).run(), gpus=8)
+    recs = Simulation(load_scenario(SCENARIO, ssd), every_request(w, len(w))).run()
+    with_ssd = summarize(recs, gpus=8)
+    assert with_ssd["share_ssd"] > 0 and dram_only["share_ssd"] == 0
+    assert with_ssd["reuse"] > dram_only["reuse"]
+    for r in recs:
+        assert r.gpu_tokens + r.pool_tokens + r.ssd_tokens + r.computed_tokens == r.in_tokens
