@@ -26,6 +26,8 @@ Contract:
       chunks are saved. At most one save per request and ``max_inflight_saves`` overall are in
       flight; beyond that ``plan_save`` returns ``None`` and the caller tries again next step.
     * Time is passed in (``now`` seconds, monotonic); the defaults read ``clock``.
+
+The plan and report types live in ``kvpool.backend.connector_data`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvpool.backend.connector_data import (
+    LoadOutcome,
+    LoadPlan,
+    SavePlan,
+    StageObjects,
+    StageReport,
+    aggregate_load,
+)
 from kvpool.policy.chunks import ChunkNaming, chain_seed, digests_from_tokens
 from kvpool.policy.hits import HitResult, compute_hits
 from kvpool.policy.kvspec import KVSpec
@@ -112,103 +122,6 @@ class Lookup:
     at_s: float
     keys_checked: int = 0
     exist_calls: int = 0
-
-
-@dataclass(frozen=True)
-class StageObjects:
-    """One stage's objects of a plan: keys of consecutive chunks, each exactly ``object_bytes``."""
-
-    stage: int
-    keys: tuple[str, ...]
-    object_bytes: int
-
-
-@dataclass(frozen=True)
-class LoadPlan:
-    """Scheduler -> workers: load chunks ``[first_chunk, end_chunk)`` of every stage.
-
-    Attributes:
-        request_id: the request.
-        first_chunk: first chunk to load (a chunk boundary at or after the GPU hit).
-        end_chunk: one past the last chunk.
-        stages: per stage, the keys to read and their exact size.
-        pool_tokens: tokens the load provides.
-        rechecked: whether the lookup was re-run before planning.
-    """
-
-    request_id: str
-    first_chunk: int
-    end_chunk: int
-    stages: tuple[StageObjects, ...]
-    pool_tokens: int
-    rechecked: bool
-
-    @property
-    def chunks(self) -> int:
-        return self.end_chunk - self.first_chunk
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(len(s.keys) * s.object_bytes for s in self.stages)
-
-
-@dataclass(frozen=True)
-class SavePlan:
-    """Scheduler -> workers: save chunks ``[first_chunk, end_chunk)``; ``group_ids[i]`` is chunk ``first + i``'s group."""
-
-    request_id: str
-    first_chunk: int
-    end_chunk: int
-    group_ids: tuple[str, ...]
-    stages: tuple[StageObjects, ...]
-
-    @property
-    def chunks(self) -> int:
-        return self.end_chunk - self.first_chunk
-
-
-@dataclass(frozen=True)
-class StageReport:
-    """Worker -> scheduler: one stage finished its part of a load.
-
-    Attributes:
-        request_id: the request.
-        stage: the pipeline stage.
-        ok: every object was read with its exact size and unpacked.
-        started_s: when the stage started its load (monotonic seconds).
-        finished_s: when it finished (or failed).
-        bytes_loaded: bytes read from the pool.
-    """
-
-    request_id: str
-    stage: int
-    ok: bool
-    started_s: float
-    finished_s: float
-    bytes_loaded: int = 0
-
-
-@dataclass(frozen=True)
-class LoadOutcome:
-    """A load once every stage reported: ready (``ok``) or failed (the request recomputes).
-
-    Attributes:
-        request_id: the request.
-        ok: all stages loaded.
-        pool_tokens: tokens loaded (0 when failed).
-        stage_load_s: per stage, finish - start.
-        first_to_last_s: last stage's finish - first stage's start (the seed's restore wait).
-        bytes_loaded: over all stages.
-        failed_stages: stages that reported failure.
-    """
-
-    request_id: str
-    ok: bool
-    pool_tokens: int
-    stage_load_s: tuple[float, ...]
-    first_to_last_s: float
-    bytes_loaded: int
-    failed_stages: tuple[int, ...]
 
 
 @dataclass
@@ -348,18 +261,10 @@ class ConnectorScheduler:
             return None
         plan, reports = req.load, [req.reports[s] for s in range(self.naming.stages)]
         req.load, req.reports = None, {}
-        failed = tuple(r.stage for r in reports if not r.ok)
-        if failed:  # the recomputed chunks must be saved again
+        outcome = aggregate_load(plan, reports)
+        if not outcome.ok:  # the recomputed chunks must be saved again
             req.save_floor_chunks = min(req.save_floor_chunks, plan.first_chunk)
-        return LoadOutcome(
-            request_id=plan.request_id,
-            ok=not failed,
-            pool_tokens=0 if failed else plan.pool_tokens,
-            stage_load_s=tuple(r.finished_s - r.started_s for r in reports),
-            first_to_last_s=max(r.finished_s for r in reports) - min(r.started_s for r in reports),
-            bytes_loaded=sum(r.bytes_loaded for r in reports),
-            failed_stages=failed,
-        )
+        return outcome
 
     # -- save ------------------------------------------------------------------------------
     def plan_save(self, request_id: str, digests: Sequence[bytes], computed_tokens: int) -> SavePlan | None:
@@ -398,3 +303,16 @@ class ConnectorScheduler:
     @property
     def inflight_saves(self) -> int:
         return sum(1 for r in self._requests.values() if r.save_in_flight)
+
+
+__all__ = [
+    "ConnectorScheduler",
+    "ExistenceOracle",
+    "LoadOutcome",
+    "LoadPlan",
+    "Lookup",
+    "SavePlan",
+    "SchedulerConfig",
+    "StageObjects",
+    "StageReport",
+]

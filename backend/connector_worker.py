@@ -1,0 +1,402 @@
+"""The store connector's worker side: one per pipeline stage (one GPU), owning registered buffers.
+
+Primitives, by caller:
+    The engine, once per stage:
+        ``ConnectorWorker(pool, spec, stage, caches, WorkerConfig(...))`` then ``start()``:
+        allocates ONE host arena (pinned when the caches are on a GPU), cut into a load region and a
+        save region of chunk-sized slots (``KVSpec.chunk_object_bytes`` rounded up to 4 KiB), and
+        registers it with the pool once. ``close()`` waits for saves, unregisters, frees.
+    The engine, per request (from the scheduler's plans):
+        ``load(plan, block_ids) -> StageReport``           synchronous, on the caller's thread
+        ``submit_load(plan, block_ids) -> Future[StageReport]``  on this stage's load thread
+        ``submit_save(plan, block_ids) -> Future[StageSaveReport]`` asynchronous, bounded in flight
+
+Contract:
+    * **Load** reads this stage's objects of ``plan`` into the load region and unpacks them with
+      ``kernels.unpack`` into the pages of ``block_ids`` (the request's block table; chunk ``c``
+      covers entries ``c*P .. c*P+P-1``, ``P = chunk_tokens / page_tokens``). A plan with more
+      chunks than the region has slots is loaded in rounds of at most that many chunks; the
+      region never grows. Every object must have exactly this stage's object size: the plan's
+      size is checked against this stage's format, and the pool checks each object (``WRONG_SIZE``).
+      Any non-``OK`` read fails the stage at once (no unpack of that round); the report says why.
+      All-or-nothing across stages is the scheduler's job (``report_stage``): a failed stage may
+      have written some pages, which the request recomputes anyway.
+    * **Wrong-size objects** (another layout under this key) are removed from the pool when
+      ``remove_wrong_size`` is set, so the recomputed chunk can be saved again (first writer wins
+      would otherwise keep the bad object forever).
+    * **Bounded time.** Every pool call is bounded by the pool (its RPC timeout); a load or save
+      checks its deadline (``load_timeout_s`` / ``save_timeout_s`` from its start) before every
+      round, so it ends within the timeout plus one pool call.
+    * **Save** packs the plan's chunks (``kernels.pack``) into save slots and writes them with
+      their chunk's group id (``pool.put``), in windows of at most the save region's slots, on one
+      save thread. At most ``max_inflight_saves`` saves are queued or running per stage; a save
+      beyond that is not started and reports ``"dropped"`` (the scheduler plans it again). The
+      caller must keep the pages of a save unchanged until its future resolves. A put the pool
+      refuses (``FULL`` after its bounded retries, ``NO_ANSWER``, ...) ends the save with the
+      chunks stored so far; nothing is retried here beyond the pool's own retries.
+    * On a GPU, objects go host -> device through a device window of ``device_window_bytes``
+      (pinned host arena, one stream, synchronized before the host slots are reused); on the
+      CPU, unpack and pack work on the registered slots directly.
+
+Only this module (of the connector) imports torch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvpool import kernels
+from kvpool.backend.connector_data import LoadPlan, SavePlan, StageReport, StageSaveReport
+from kvpool.backend.pool.api import BufferRef, Pool, Status
+from kvpool.kernels.format import ChunkFormat
+from kvpool.policy.kvspec import KVSpec
+
+MIB = 1 << 20
+SLOT_ALIGN_BYTES = 4096
+
+_REASON = {
+    Status.MISSING: "missing",
+    Status.WRONG_SIZE: "wrong_size",
+    Status.FULL: "full",
+    Status.NO_ANSWER: "no_answer",
+    Status.FAILED: "failed",
+}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Per-stage worker settings (defaults like the seed's engine).
+
+    Attributes:
+        load_buffer_bytes: registered load region (ATOM ``load_pool_mib``: 1 GiB), cut into slots.
+        save_buffer_bytes: registered save region (ATOM ``save_pool_mib``: 256 MiB).
+        chunk_tokens: tokens per chunk object (a multiple of the page size).
+        max_inflight_saves: saves queued or running on this stage; more are dropped.
+        load_timeout_s: a load gives up (``"timeout"``) once this has passed, checked per round.
+        save_timeout_s: the same for a save, checked per window.
+        device_window_bytes: device staging for host -> device copies (GPU caches only).
+        remove_wrong_size: remove an object whose size is wrong, so it can be saved again.
+        validate: let the kernels check block ids against the caches (one host sync per call).
+        kernel_backend: ``"auto"`` (Triton on a GPU, torch on the CPU), ``"torch"`` or ``"triton"``.
+    """
+
+    load_buffer_bytes: int = 1024 * MIB
+    save_buffer_bytes: int = 256 * MIB
+    chunk_tokens: int = 256
+    max_inflight_saves: int = 8
+    load_timeout_s: float = 30.0
+    save_timeout_s: float = 60.0
+    device_window_bytes: int = 256 * MIB
+    remove_wrong_size: bool = True
+    validate: bool = True
+    kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.load_buffer_bytes <= 0 or self.save_buffer_bytes <= 0:
+            raise ValueError("load_buffer_bytes and save_buffer_bytes must be > 0")
+        if self.chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be > 0, got {self.chunk_tokens}")
+        if self.max_inflight_saves < 1:
+            raise ValueError(f"max_inflight_saves must be >= 1, got {self.max_inflight_saves}")
+        if self.load_timeout_s <= 0 or self.save_timeout_s <= 0:
+            raise ValueError("load_timeout_s and save_timeout_s must be > 0")
+        if self.device_window_bytes <= 0:
+            raise ValueError("device_window_bytes must be > 0")
+        if self.kernel_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
+
+
+def slot_bytes_for(object_bytes: int) -> int:
+    """A slot's stride: the object size rounded up to 4 KiB."""
+    return -(-object_bytes // SLOT_ALIGN_BYTES) * SLOT_ALIGN_BYTES
+
+
+class ConnectorWorker:
+    """One pipeline stage's side of the store connector. See the module docstring.
+
+    Args:
+        pool: the KV pool (``EmbeddedPool``, ``MooncakePool``, ...).
+        spec: KV geometry; this stage's object size is ``spec.chunk_object_bytes(stage, chunk_tokens)``.
+        stage: the pipeline stage this worker serves.
+        caches: the stage's paged caches in format order (``ChunkFormat.from_spec``), one tensor
+            ``[num_blocks, page_tokens, record]`` each, all on one device.
+        config: buffer sizes, bounds, timeouts.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        pool: Pool,
+        spec: KVSpec,
+        stage: int,
+        caches: list[torch.Tensor],
+        config: WorkerConfig = WorkerConfig(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.fmt = ChunkFormat.from_spec(spec, stage, config.chunk_tokens)
+        if len(caches) != len(self.fmt.segments):
+            raise ValueError(f"stage {stage} has {len(self.fmt.segments)} caches in its format, got {len(caches)}")
+        for i, (c, seg) in enumerate(zip(caches, self.fmt.segments)):
+            rb = c.shape[-1] * c.element_size() if c.dim() == 3 else -1
+            if rb != seg.record_bytes or c.shape[1] != spec.page_tokens:
+                raise ValueError(
+                    f"cache {i} of stage {stage} must be [blocks, {spec.page_tokens}, {seg.record_bytes} B], "
+                    f"got shape {tuple(c.shape)} of {c.dtype}"
+                )
+        if len({c.device for c in caches}) != 1:
+            raise ValueError("all caches of a stage must be on one device")
+        self.pool = pool
+        self.spec = spec
+        self.stage = stage
+        self.caches = list(caches)
+        self.config = config
+        self.clock = clock
+        self.device = caches[0].device
+        self.object_bytes = self.fmt.object_bytes
+        self.slot_bytes = slot_bytes_for(self.object_bytes)
+        self.load_slots = config.load_buffer_bytes // self.slot_bytes
+        self.save_slots = config.save_buffer_bytes // self.slot_bytes
+        if self.load_slots < 1 or self.save_slots < 1:
+            raise ValueError(
+                f"a {self.slot_bytes}-byte slot does not fit the load ({config.load_buffer_bytes} B) "
+                f"or save ({config.save_buffer_bytes} B) buffer"
+            )
+        self.pages_per_chunk = config.chunk_tokens // spec.page_tokens
+        self._arena: torch.Tensor | None = None
+        self._ref: BufferRef | None = None
+        self._staging: torch.Tensor | None = None  # device window of loads (GPU caches only)
+        self._save_staging: torch.Tensor | None = None  # and of saves (their own: they run concurrently)
+        self._load_exec: ThreadPoolExecutor | None = None
+        self._save_exec: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._inflight_saves = 0
+        self.counters = {"loads": 0, "loads_failed": 0, "saves": 0, "saves_dropped": 0, "wrong_size_removed": 0}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def save_offset_bytes(self) -> int:
+        return self.load_slots * self.slot_bytes
+
+    def start(self) -> ConnectorWorker:
+        """Allocate the arena (load region, then save region) and register it with the pool once."""
+        if self._arena is not None:
+            return self
+        total = (self.load_slots + self.save_slots) * self.slot_bytes
+        pin = self.device.type == "cuda"
+        self._arena = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        self._ref = self.pool.register_buffer(self._arena)
+        if self.device.type != "cpu":
+            window = max(1, self.config.device_window_bytes // self.slot_bytes)
+            self._staging = torch.empty((min(self.load_slots, window), self.slot_bytes), dtype=torch.uint8, device=self.device)
+            self._save_staging = torch.empty((min(self.save_slots, window), self.slot_bytes), dtype=torch.uint8, device=self.device)
+        self._load_exec = ThreadPoolExecutor(1, thread_name_prefix=f"kvpool-load-s{self.stage}")
+        self._save_exec = ThreadPoolExecutor(1, thread_name_prefix=f"kvpool-save-s{self.stage}")
+        return self
+
+    def close(self) -> None:
+        """Wait for queued loads and saves, unregister the arena and free it. Idempotent."""
+        for ex in (self._load_exec, self._save_exec):
+            if ex is not None:
+                ex.shutdown(wait=True)
+        self._load_exec = self._save_exec = None
+        if self._ref is not None:
+            try:
+                self.pool.unregister_buffer(self._ref)
+            except ValueError:
+                pass  # the pool was closed first
+            self._ref = None
+        self._arena = self._staging = self._save_staging = None
+
+    def __enter__(self) -> ConnectorWorker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _require_started(self) -> tuple[torch.Tensor, BufferRef]:
+        if self._arena is None or self._ref is None:
+            raise RuntimeError("the worker is not started (call start())")
+        return self._arena, self._ref
+
+    def _slots(self, first_offset: int, n: int) -> torch.Tensor:
+        """``[n, object_bytes]`` view of ``n`` slots from ``first_offset`` (row stride = slot)."""
+        arena, _ = self._require_started()
+        return arena.as_strided((n, self.object_bytes), (self.slot_bytes, 1), first_offset)
+
+    def _table(self, block_ids: torch.Tensor, first_chunk: int, n: int) -> torch.Tensor:
+        flat = block_ids.reshape(-1)
+        p = self.pages_per_chunk
+        return flat[first_chunk * p : (first_chunk + n) * p]
+
+    # -- load --------------------------------------------------------------------------------
+    def submit_load(
+        self, plan: LoadPlan, block_ids: torch.Tensor, on_round: Callable[[int, int], None] | None = None
+    ) -> Future[StageReport]:
+        """``load`` on this stage's load thread (one load at a time per stage, as ATOM's default)."""
+        self._require_started()
+        assert self._load_exec is not None
+        return self._load_exec.submit(self.load, plan, block_ids, on_round)
+
+    def load(
+        self, plan: LoadPlan, block_ids: torch.Tensor, on_round: Callable[[int, int], None] | None = None
+    ) -> StageReport:
+        """Read this stage's objects of ``plan`` and unpack them into ``block_ids``' pages.
+
+        ``on_round(chunks_done, chunks_total)`` is called after each round (progress, profiling).
+        """
+        _, ref = self._require_started()
+        t0 = self.clock()
+        deadline = t0 + self.config.load_timeout_s
+        objs = plan.stages[self.stage]
+        n = len(objs.keys)
+        done = rounds = 0
+
+        def report(ok: bool, reason: str = "") -> StageReport:
+            with self._lock:
+                self.counters["loads"] += 1
+                self.counters["loads_failed"] += not ok
+            return StageReport(plan.request_id, self.stage, ok, t0, self.clock(), done * self.object_bytes, reason, rounds)
+
+        if objs.stage != self.stage:
+            raise ValueError(f"plan entry {self.stage} is for stage {objs.stage}")
+        if objs.object_bytes != self.object_bytes:
+            return report(False, "size_mismatch")
+        if n != plan.chunks:
+            raise ValueError(f"stage {self.stage} has {n} keys for a {plan.chunks}-chunk plan")
+        try:
+            while done < n:
+                if self.clock() > deadline:
+                    return report(False, "timeout")
+                m = min(self.load_slots, n - done)
+                keys = objs.keys[done : done + m]
+                offsets = [k * self.slot_bytes for k in range(m)]
+                statuses = self.pool.get(keys, ref, offsets, [self.object_bytes] * m)
+                rounds += 1
+                bad = [(k, st) for k, st in zip(keys, statuses) if st != Status.OK]
+                if bad:
+                    self._remove_wrong_size([k for k, st in bad if st == Status.WRONG_SIZE])
+                    return report(False, _REASON.get(bad[0][1], "failed"))
+                self._unpack(m, self._table(block_ids, plan.first_chunk + done, m))
+                done += m
+                if on_round is not None:
+                    on_round(done, n)
+        except (ValueError, IndexError, TypeError, RuntimeError) as e:  # bad table, kernel refusal
+            return report(False, f"error: {e}")
+        return report(True)
+
+    def _remove_wrong_size(self, keys: list[str]) -> None:
+        if keys and self.config.remove_wrong_size:
+            self.pool.remove(keys)
+            with self._lock:
+                self.counters["wrong_size_removed"] += len(keys)
+
+    def _unpack(self, m: int, table: torch.Tensor) -> None:
+        cfg, ct = self.config, self.config.chunk_tokens
+        if self.device.type == "cpu":
+            kernels.unpack(self._slots(0, m), self.caches, table, m, ct, self.fmt, cfg.validate, cfg.kernel_backend)
+            return
+        arena, _ = self._require_started()
+        staging = self._staging
+        assert staging is not None
+        w, p = staging.shape[0], self.pages_per_chunk
+        for j in range(0, m, w):
+            k = min(w, m - j)
+            staging[:k].copy_(arena[j * self.slot_bytes : (j + k) * self.slot_bytes].view(k, self.slot_bytes), non_blocking=True)
+            objects = staging[:k, : self.object_bytes]
+            kernels.unpack(objects, self.caches, table[j * p : (j + k) * p], k, ct, self.fmt, cfg.validate, cfg.kernel_backend)
+        torch.cuda.current_stream(self.device).synchronize()  # the host slots are reused next round
+
+    # -- save --------------------------------------------------------------------------------
+    @property
+    def inflight_saves(self) -> int:
+        with self._lock:
+            return self._inflight_saves
+
+    def submit_save(self, plan: SavePlan, block_ids: torch.Tensor) -> Future[StageSaveReport]:
+        """Pack and put ``plan``'s chunks asynchronously; beyond the in-flight bound: ``"dropped"``."""
+        self._require_started()
+        assert self._save_exec is not None
+        with self._lock:
+            if self._inflight_saves >= self.config.max_inflight_saves:
+                self.counters["saves_dropped"] += 1
+                now = self.clock()
+                done: Future[StageSaveReport] = Future()
+                done.set_result(StageSaveReport(plan.request_id, self.stage, 0, plan.chunks, now, now, 0, "dropped"))
+                return done
+            self._inflight_saves += 1
+
+        def run() -> StageSaveReport:
+            try:
+                return self.save(plan, block_ids)
+            finally:
+                with self._lock:
+                    self._inflight_saves -= 1
+
+        return self._save_exec.submit(run)
+
+    def save(self, plan: SavePlan, block_ids: torch.Tensor) -> StageSaveReport:
+        """Pack and put ``plan``'s chunks now, on the caller's thread (``submit_save`` runs this)."""
+        _, ref = self._require_started()
+        t0 = self.clock()
+        deadline = t0 + self.config.save_timeout_s
+        objs = plan.stages[self.stage]
+        n = len(objs.keys)
+        stored = 0
+
+        def report(reason: str = "") -> StageSaveReport:
+            with self._lock:
+                self.counters["saves"] += 1
+            return StageSaveReport(
+                plan.request_id, self.stage, stored, n, t0, self.clock(), stored * self.object_bytes, reason
+            )
+
+        if objs.object_bytes != self.object_bytes:
+            return report("size_mismatch")
+        if len(plan.group_ids) != n or n != plan.chunks:
+            raise ValueError(f"save plan of {plan.chunks} chunks has {n} keys and {len(plan.group_ids)} groups")
+        base = self.save_offset_bytes
+        done = 0
+        try:
+            while done < n:
+                if self.clock() > deadline:
+                    return report("timeout")
+                m = min(self.save_slots, n - done)
+                self._pack(base, m, self._table(block_ids, plan.first_chunk + done, m))
+                statuses = self.pool.put(
+                    objs.keys[done : done + m],
+                    plan.group_ids[done : done + m],
+                    ref,
+                    [base + k * self.slot_bytes for k in range(m)],
+                    [self.object_bytes] * m,
+                )
+                stored += sum(st == Status.OK for st in statuses)
+                done += m
+                bad = [st for st in statuses if st != Status.OK]
+                if bad:
+                    return report(_REASON.get(bad[0], "failed"))
+        except (ValueError, IndexError, TypeError, RuntimeError) as e:
+            return report(f"error: {e}")
+        return report()
+
+    def _pack(self, base: int, m: int, table: torch.Tensor) -> None:
+        cfg, ct = self.config, self.config.chunk_tokens
+        if self.device.type == "cpu":
+            kernels.pack(self.caches, table, m, ct, self._slots(base, m), self.fmt, cfg.validate, cfg.kernel_backend)
+            return
+        staging = self._save_staging
+        assert staging is not None
+        w, p = staging.shape[0], self.pages_per_chunk
+        arena, _ = self._require_started()
+        for j in range(0, m, w):
+            k = min(w, m - j)
+            kernels.pack(self.caches, table[j * p : (j + k) * p], k, ct, staging[:k, : self.object_bytes], self.fmt, cfg.validate, cfg.kernel_backend)
+            lo = base + j * self.slot_bytes
+            arena[lo : lo + k * self.slot_bytes].view(k, self.slot_bytes).copy_(staging[:k], non_blocking=True)
+            torch.cuda.current_stream(self.device).synchronize()  # staging reused; host bytes complete
