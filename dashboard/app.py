@@ -22,6 +22,9 @@ def main() -> None:
     with st.sidebar:
         st.caption("kvpool: a shared KV pool for agentic LLM serving. The simulator behind these pages is "
                    "the one `kvpool sim run` uses.")
+    from kvpool.dashboard.ui import warm_imports
+
+    warm_imports()
     nav.run()
 
 

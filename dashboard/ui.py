@@ -22,6 +22,33 @@ DEFAULT_LOADS = {"sessions": "56,72,96,112", "rps": "0.6,0.8,1.0,1.2"}
 LOAD_LABELS = {"sessions": "Sessions (AgentX lanes), comma-separated", "rps": "Requests per second, comma-separated"}
 
 
+WARM_MODULES = ("pandas", "altair", "kvpool.sim.run", "kvpool.sim.engine", "kvpool.cli.sim",
+                "kvpool.dashboard.results", "kvpool.dashboard.charts")
+
+
+def warm_imports() -> None:
+    """Import what the Run and Compare pages need in a background thread, once per server process.
+
+    The first page a browser opens then does not wait for pandas, Altair and the simulator
+    (about 2 s on the 2-core development machine), and neither does the first visit to Run.
+    """
+    import importlib
+    import sys
+    import threading
+
+    if all(m in sys.modules for m in WARM_MODULES):
+        return
+
+    def warm() -> None:
+        try:
+            for name in WARM_MODULES:
+                importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - the page that needs the module reports the failure itself
+            return
+
+    threading.Thread(target=warm, name="kvpool-dashboard-warm-imports", daemon=True).start()
+
+
 def kept(widget: Callable[..., Any], key: str, default: Any, **kwargs: Any) -> Any:
     """Draw ``widget`` under ``key`` and keep its value when the user visits another page.
 
