@@ -67,13 +67,14 @@ def dashboard(tmp_path):
         log.close()
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (scripts/setup.sh installs it)")
 def test_load_a_scenario_run_a_sweep_and_see_the_plots(dashboard, tmp_path):
-    playwright = pytest.importorskip("playwright.sync_api")
+    from playwright.sync_api import sync_playwright
+
+    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: scripts/setup.sh installs Debian's chromium"
     scenario = tmp_path / "e2e.toml"
     scenario.write_text(to_toml(load_scenario("mi355x-1p1d", ['name="e2e-1p1d"'])))
 
-    with playwright.sync_playwright() as p:
+    with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
