@@ -92,6 +92,7 @@ class StageReport:
         reason: why it failed (empty when ``ok``): ``"missing"``, ``"wrong_size"``, ``"failed"``,
             ``"no_answer"``, ``"timeout"``, ``"size_mismatch"`` (plan vs this stage's format), ...
         rounds: pool reads the stage needed (a request larger than the load buffer takes several).
+        get_s, unpack_s: seconds in pool reads and in unpacking (ATOM's get_ms / unpack_ms).
     """
 
     request_id: str
@@ -102,6 +103,8 @@ class StageReport:
     bytes_loaded: int = 0
     reason: str = ""
     rounds: int = 0
+    get_s: float = 0.0
+    unpack_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,7 @@ class StageSaveReport:
         bytes_saved: bytes written to the pool (stored objects only).
         reason: why not everything was stored (empty when all were): ``"full"``, ``"no_answer"``,
             ``"failed"``, ``"dropped"`` (no room in flight), ``"timeout"``, ``"error"``.
+        pack_s, put_s: seconds in packing and in pool writes (ATOM's pack_ms / put_ms).
     """
 
     request_id: str
@@ -166,6 +170,8 @@ class StageSaveReport:
     finished_s: float
     bytes_saved: int = 0
     reason: str = ""
+    pack_s: float = 0.0
+    put_s: float = 0.0
 
     @property
     def ok(self) -> bool:

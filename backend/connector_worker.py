@@ -257,12 +257,15 @@ class ConnectorWorker:
         objs = plan.stages[self.stage]
         n = len(objs.keys)
         done = rounds = 0
+        get_s = unpack_s = 0.0
 
         def report(ok: bool, reason: str = "") -> StageReport:
             with self._lock:
                 self.counters["loads"] += 1
                 self.counters["loads_failed"] += not ok
-            return StageReport(plan.request_id, self.stage, ok, t0, self.clock(), done * self.object_bytes, reason, rounds)
+            return StageReport(
+                plan.request_id, self.stage, ok, t0, self.clock(), done * self.object_bytes, reason, rounds, get_s, unpack_s
+            )
 
         if objs.stage != self.stage:
             raise ValueError(f"plan entry {self.stage} is for stage {objs.stage}")
@@ -277,13 +280,17 @@ class ConnectorWorker:
                 m = min(self.load_slots, n - done)
                 keys = objs.keys[done : done + m]
                 offsets = [k * self.slot_bytes for k in range(m)]
+                t1 = self.clock()
                 statuses = self.pool.get(keys, ref, offsets, [self.object_bytes] * m)
+                t2 = self.clock()
+                get_s += t2 - t1
                 rounds += 1
                 bad = [(k, st) for k, st in zip(keys, statuses) if st != Status.OK]
                 if bad:
                     self._remove_wrong_size([k for k, st in bad if st == Status.WRONG_SIZE])
                     return report(False, _REASON.get(bad[0][1], "failed"))
                 self._unpack(m, self._table(block_ids, plan.first_chunk + done, m))
+                unpack_s += self.clock() - t2
                 done += m
                 if on_round is not None:
                     on_round(done, n)
@@ -349,12 +356,13 @@ class ConnectorWorker:
         objs = plan.stages[self.stage]
         n = len(objs.keys)
         stored = 0
+        pack_s = put_s = 0.0
 
         def report(reason: str = "") -> StageSaveReport:
             with self._lock:
                 self.counters["saves"] += 1
             return StageSaveReport(
-                plan.request_id, self.stage, stored, n, t0, self.clock(), stored * self.object_bytes, reason
+                plan.request_id, self.stage, stored, n, t0, self.clock(), stored * self.object_bytes, reason, pack_s, put_s
             )
 
         if objs.object_bytes != self.object_bytes:
@@ -368,7 +376,10 @@ class ConnectorWorker:
                 if self.clock() > deadline:
                     return report("timeout")
                 m = min(self.save_slots, n - done)
+                t1 = self.clock()
                 self._pack(base, m, self._table(block_ids, plan.first_chunk + done, m))
+                t2 = self.clock()
+                pack_s += t2 - t1
                 statuses = self.pool.put(
                     objs.keys[done : done + m],
                     plan.group_ids[done : done + m],
@@ -376,6 +387,7 @@ class ConnectorWorker:
                     [base + k * self.slot_bytes for k in range(m)],
                     [self.object_bytes] * m,
                 )
+                put_s += self.clock() - t2
                 stored += sum(st == Status.OK for st in statuses)
                 done += m
                 bad = [st for st in statuses if st != Status.OK]
