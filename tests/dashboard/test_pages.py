@@ -237,3 +237,12 @@ def test_a_replay_scenario_sweeps_requests_per_second(app):
     assert not app.exception and not errors(app)
     assert list(app.dataframe[0].value["rps"]) == [0.2]
     assert any("--rps 0.2 --duration 60" in c.value for c in app.code)
+
+
+def test_compare_refuses_mixed_load_kinds(app):
+    app.switch_page("pages/compare.py").run()
+    by_label(app.multiselect, "Scenarios").set_value(["mi355x-1p1d", "mi350x-6p2d-tp4-replay-shared"])
+    set_run(app, "8")
+    press(app, "Run comparison")
+    assert not app.exception
+    assert any("must share a load kind" in e and "mi350x-6p2d-tp4-replay-shared (rps)" in e for e in errors(app)), errors(app)
