@@ -102,15 +102,19 @@ def _call(conn, *cmd, timeout_s: float = 300.0):
 
 # ---- decode process ----------------------------------------------------------------------------
 
+def _transport(kind: str):
+    return make_transport(kind, **({"copy_on": os.environ.get("KVPOOL_IPC_COPY_ON", "src")} if kind == "ipc" else {}))
+
+
 def decode_proc(conn, kind: str, device: str, slots: int) -> None:
     if device != "cpu":
         torch.cuda.set_device(device)
-    transport = make_transport(kind)
+    transport = _transport(kind)
     plan = SEED_PLAN
     kv = [decode_kv(plan, r, device) for r in range(RANKS)]
     ranks = [DecodeRank(r, kv[r][0], transport, stages=1, slots=slots, validate=False) for r in range(RANKS)]
-    naive = transport.allocate(plan.total_bytes, "cpu") if device == "cpu" else None
-    naive_desc = transport.expose(naive) if naive is not None else None
+    naive = transport.allocate(plan.total_bytes, device)
+    naive_desc = transport.expose(naive)
     conn.send(("ok", [dr.endpoint for dr in ranks]))
     ends: dict[str, float] = {}
     pending: set[str] = set()
@@ -198,7 +202,7 @@ def _socket_server(nbytes: int, reps: int) -> int:
 def prefill_proc(conn, kind: str, device: str, endpoints: list[str]) -> None:
     if device != "cpu":
         torch.cuda.set_device(device)
-    transport = make_transport(kind)
+    transport = _transport(kind)
     plan = SEED_PLAN
     caches, table = prefill_kv(plan, device)
     stage = PrefillStage(0, transport, staging_bytes=plan.total_bytes, device=device, validate=False,
@@ -274,7 +278,7 @@ def _large_raw(transport, staging: torch.Tensor, plan: HandoffPlan, desc: dict, 
                 raise RuntimeError("a large write failed")
             if all(st == 1 for st in states):
                 break
-            time.sleep(0.0002)
+            time.sleep(0 if staging.is_cuda else 0.0002)
         times.append(time.monotonic() - t0)
     return {"writes": len(writes), "s": min(times)}
 
@@ -437,6 +441,7 @@ def run_gpu(args) -> dict:
                          "gbps": len(rids) * plan.total_bytes / total_s / 1e9,
                          "transfer_s_per_request": sum(r.transfer_s for r in sent["reports"]) / len(rids),
                          "writes_per_request": sent["reports"][0].handoff_writes})
+        raw = _call(p, "large_raw", _call(d, "naive_desc"), 5)
         copy = _call(p, "device_copy", args.requests * 2, "cuda:1")
         kern = _call(p, "kernels", 20)
         got = _call(d, "kv")
@@ -465,8 +470,10 @@ def run_gpu(args) -> dict:
         "device": torch.cuda.get_device_name(0),
         "plan": {"tokens": TOKENS, "layers": LAYERS, "record_bytes": RECORD, "ranks": RANKS,
                  "bytes": plan.total_bytes, "batched_writes": plan.batched_writes},
+        "copy_on": os.environ.get("KVPOOL_IPC_COPY_ON", "src"),
         "handoff": best,
         "runs": runs,
+        "writes_only": {"writes": raw["writes"], "s": raw["s"], "gbps": plan.total_bytes / raw["s"] / 1e9},
         "device_copy": copy,
         "kernels": kern,
         "ratio_vs_device_copy": best["gbps"] / copy["gbps"],

@@ -144,7 +144,12 @@ class IpcTransport:
 
     name = "ipc"
 
-    def __init__(self) -> None:
+    def __init__(self, copy_on: str = "src") -> None:
+        """``copy_on``: issue GPU copies on a stream of the source (``"src"``) or destination
+        (``"dst"``) device."""
+        if copy_on not in ("src", "dst"):
+            raise ValueError(f"copy_on must be 'src' or 'dst', got {copy_on!r}")
+        self.copy_on = copy_on
         self._shms: list[Any] = []       # our shared-memory segments (unlinked at close)
         self._opened: list[Any] = []     # peers' segments we attached
         self._streams: dict[int, torch.cuda.Stream] = {}
@@ -202,12 +207,14 @@ class IpcTransport:
         if not (src.is_cuda or peer.target.is_cuda):
             dst.copy_(s)
             return WriteHandle(None, DONE)
-        dev = src.device if src.is_cuda else peer.target.device
+        use_src = src.is_cuda and (self.copy_on == "src" or not peer.target.is_cuda)
+        dev = src.device if use_src else peer.target.device
         stream = self._streams.get(dev.index)
         if stream is None:
             stream = self._streams[dev.index] = torch.cuda.Stream(device=dev)
-        stream.wait_stream(torch.cuda.current_stream(dev))  # the gather that filled ``src``
-        with torch.cuda.stream(stream):
+        if src.is_cuda:
+            stream.wait_stream(torch.cuda.current_stream(src.device))  # the gather that filled ``src``
+        with torch.cuda.device(dev), torch.cuda.stream(stream):
             dst.copy_(s, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
