@@ -96,7 +96,7 @@ def run_settings(prefix: str, key: str, default_loads: str | None = None) -> tup
     from kvpool.cli.sim import parse_loads
 
     c1, c2, c3, c4 = st.columns([3, 1.2, 1.2, 1])
-    text = kept(c1.text_input, f"{prefix}_loads", default_loads or DEFAULT_LOADS[key], label=LOAD_LABELS[key],
+    text = kept(c1.text_input, f"{prefix}_loads_{key}", default_loads or DEFAULT_LOADS[key], label=LOAD_LABELS[key],
                 help="The loads of the sweep: AgentX lanes (sessions) or production-replay requests per second.")
     duration = kept(c2.number_input, f"{prefix}_duration", DEFAULT_DURATION_S, label="Seconds per load",
                     step=60.0, help="workload.duration_s for this run (the measured window). The built-in "

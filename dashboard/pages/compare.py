@@ -38,6 +38,9 @@ def render() -> None:
     cur = state.current()
     options = _choices(cur)
     default = [c for c in DEFAULT_PAIR if c in options]
+    for k in ("compare_pick", "keep:compare_pick"):  # drop picks that are no longer offered
+        if k in st.session_state:
+            st.session_state[k] = [c for c in st.session_state[k] if c in options]
     with st.form("compare_form"):
         picked = ui.kept(st.multiselect, "compare_pick", default, label="Scenarios (the first is the baseline)",
                          options=options, help="Built-in scenarios, and the one being edited on the Scenario page.")

@@ -246,3 +246,24 @@ def test_compare_refuses_mixed_load_kinds(app):
     press(app, "Run comparison")
     assert not app.exception
     assert any("must share a load kind" in e and "mi350x-6p2d-tp4-replay-shared (rps)" in e for e in errors(app)), errors(app)
+
+
+def test_run_loads_follow_the_scenario_load_kind(app):
+    app.switch_page("pages/run.py").run()
+    assert by_label(app.text_input, "Sessions").value == "56,72,96,112"
+    app.switch_page("pages/scenario.py").run()
+    by_label(app.selectbox, "Built-in scenario").set_value("mi350x-6p2d-tp4-replay-split").run()
+    app.switch_page("pages/run.py").run()
+    assert by_label(app.text_input, "Requests per second").value == "0.6,0.8,1.0,1.2"
+
+
+def test_compare_drops_an_edited_pick_that_no_longer_validates(app):
+    app.switch_page("pages/compare.py").run()
+    by_label(app.multiselect, "Scenarios").set_value(["mi355x-1p1d", "edited: mi355x-1p1d"])
+    set_run(app, "8")
+    press(app, "Run comparison")
+    app.switch_page("pages/scenario.py").run()
+    by_label(app.number_input, "Decode DCP").set_value(3).run()
+    app.switch_page("pages/compare.py").run()
+    assert not app.exception
+    assert by_label(app.multiselect, "Scenarios").value == ["mi355x-1p1d"]
