@@ -126,7 +126,7 @@ class RefModel:
         self.ln_f = torch.ones(d, device=self.device)
         self.lm_head = w(d, c.vocab)
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, ROPE_DIM, 2, dtype=torch.float64) / ROPE_DIM))
-        self._inv_freq = inv
+        self._inv_freq = inv.to(self.device)
 
     # -- geometry ----------------------------------------------------------------------------
     def kv_spec(self, model: str = "refmodel-mla") -> KVSpec:
@@ -151,7 +151,7 @@ class RefModel:
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Rotate the last dim (pairs of halves) of ``x`` [n, ..., 64] by positions ``pos`` [n]."""
         ang = pos.to(torch.float64)[:, None] * self._inv_freq[None, :]
-        cos, sin = ang.cos().float().to(x.device), ang.sin().float().to(x.device)
+        cos, sin = ang.cos().float(), ang.sin().float()
         while cos.dim() < x.dim():
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         x1, x2 = x[..., : ROPE_DIM // 2], x[..., ROPE_DIM // 2 :]

@@ -26,10 +26,11 @@ REF_CONFIG = RefConfig(stage_layers=(2, 1, 1))
 NUM_BLOCKS = 200  # 3,200 tokens of pages per stage
 
 
-@functools.lru_cache(maxsize=1)
-def model() -> RefModel:
-    torch.set_num_threads(1)  # 2 loaded cores: one thread is ~5x faster here, and the same in every path
-    return RefModel(REF_CONFIG)
+@functools.lru_cache(maxsize=2)
+def model(device: str = "cpu") -> RefModel:
+    if device == "cpu":
+        torch.set_num_threads(1)  # 2 loaded cores: one thread is ~5x faster here, and the same in every path
+    return RefModel(REF_CONFIG, device=device)
 
 
 def prompt(n: int, seed: int, prefix: list[int] | None = None) -> list[int]:
@@ -56,8 +57,10 @@ class Engine:
         worker_config: WorkerConfig | None = None,
         sched_config: SchedulerConfig | None = None,
         metrics: ConnectorMetrics | None = None,
+        device: str = "cpu",
     ) -> None:
-        self.model = model()
+        self.device = device
+        self.model = model(device)
         self.spec = self.model.kv_spec()
         self.caches = self.model.new_caches(NUM_BLOCKS)
         ns = namespace_for(self.spec, CHUNK, extra={"test": keyspace})
@@ -74,7 +77,7 @@ class Engine:
         self._serial += 1
         g = torch.Generator().manual_seed(1000 + self._serial)
         pages = -(-n_tokens // REF_CONFIG.page_tokens)
-        return torch.randperm(NUM_BLOCKS, generator=g)[:pages].to(torch.int32)
+        return torch.randperm(NUM_BLOCKS, generator=g)[:pages].to(torch.int32).to(self.device)
 
     def serve(self, request_id: str, tokens: list[int], save: bool = True, on_round=None) -> Served:
         table = self.new_table(len(tokens))
@@ -88,17 +91,17 @@ class Engine:
 
 
 @functools.lru_cache(maxsize=8)
-def _reference(tokens: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    m = model()
+def _reference(tokens: tuple[int, ...], device: str = "cpu") -> tuple[torch.Tensor, list[torch.Tensor]]:
+    m = model(device)
     caches = m.new_caches(-(-len(tokens) // REF_CONFIG.page_tokens))
-    table = torch.arange(caches[0][0].shape[0], dtype=torch.int32)
+    table = torch.arange(caches[0][0].shape[0], dtype=torch.int32, device=device)
     logits = m.prefill(list(tokens), caches, table, 0)
     return logits, [t.clone() for t in gather_tokens(caches, table, len(tokens))]
 
 
 def assert_matches_reference(engine: Engine, served: Served, tokens: list[int]) -> None:
     """Bit-identical KV records of every layer and identical next-token logits to a full recompute."""
-    ref_logits, ref_kv = _reference(tuple(tokens))
+    ref_logits, ref_kv = _reference(tuple(tokens), engine.device)
     got = gather_tokens(engine.caches, served.table, len(tokens))
     assert len(got) == len(ref_kv)
     for i, (a, b) in enumerate(zip(got, ref_kv)):
@@ -123,7 +126,7 @@ def prime(engine: Engine, request_id: str, tokens: list[int]) -> SaveOutcome | N
     get the reference KV (as if prefill had just written them), then every stage packs and puts."""
     table = engine.new_table(len(tokens))
     engine.conn.restore(request_id, tokens, table)
-    scatter_tokens(engine.caches, table, _reference(tuple(tokens))[1])
+    scatter_tokens(engine.caches, table, _reference(tuple(tokens), engine.device)[1])
     out = engine.conn.save(request_id, table, len(tokens))
     engine.conn.finish(request_id)
     return out

@@ -185,3 +185,19 @@ def test_prometheus_endpoint_serves_on_loopback() -> None:
         server.server_close()
         thread.join(5)
     assert torch.get_num_threads() >= 1
+
+
+@pytest.mark.gpu
+def test_gpu_restore_gives_bit_identical_kv_and_logits(pool: Pool, keyspace: str) -> None:
+    """The same check on the GPU: pinned host slots, device windows, Triton unpack/pack."""
+    e = Engine(pool, keyspace, device="cuda")
+    try:
+        assert prime(e, "p", TOKENS).stored
+        served = e.serve("r", TOKENS)
+        assert served.metrics.pool_tokens == 6 * CHUNK and not served.metrics.restore_failed
+        assert_matches_reference(e, served, TOKENS)
+        recomputed = e.serve("first-gpu", prompt(3 * CHUNK + 5, seed=3))  # the compute path on the GPU too
+        assert recomputed.metrics.pool_tokens == 0
+        assert_matches_reference(e, recomputed, prompt(3 * CHUNK + 5, seed=3))
+    finally:
+        e.close()
