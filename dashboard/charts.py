@@ -14,7 +14,8 @@ import altair as alt
 import pandas as pd
 
 HEIGHT = 260
-SOURCE_COLORS = {"GPU prefix cache": "#55a868", "KV pool (Store)": "#dd8452", "computed": "#c44e52"}
+SOURCE_COLORS = {"GPU prefix cache": "#55a868", "KV pool (Store)": "#dd8452", "SSD tier": "#937860",
+                 "computed": "#c44e52"}
 
 
 _LEGEND = alt.Legend(orient="right", title=None)
@@ -41,11 +42,16 @@ def throughput(summary: pd.DataFrame, key: str) -> alt.Chart:
 
 
 def token_sources(summary: pd.DataFrame, key: str) -> alt.Chart:
-    """Where prompt tokens came from, stacked shares per load: GPU cache, pool, computed."""
-    long = summary[[key, "share_gpu", "share_pool", "share_computed"]].rename(columns={
-        "share_gpu": "GPU prefix cache", "share_pool": "KV pool (Store)", "share_computed": "computed"})
-    long = long.melt(id_vars=[key], var_name="source", value_name="share")
-    order = list(SOURCE_COLORS)
+    """Where prompt tokens came from, stacked shares per load: GPU cache, pool (and its SSD part), computed."""
+    f = summary[[key]].copy()
+    f["GPU prefix cache"] = summary["share_gpu"]
+    ssd = summary["share_ssd"] if "share_ssd" in summary else pd.Series(0.0, index=summary.index)
+    f["KV pool (Store)"] = summary["share_pool"] - ssd.fillna(0.0)  # share_ssd is the SSD part of share_pool
+    if (ssd.fillna(0.0) > 0).any():
+        f["SSD tier"] = ssd
+    f["computed"] = summary["share_computed"]
+    long = f.melt(id_vars=[key], var_name="source", value_name="share")
+    order = [c for c in SOURCE_COLORS if c in f.columns]
     long["order"] = long["source"].map(order.index)
     return (
         alt.Chart(long, title="Token sources (share of prompt tokens)")
@@ -53,7 +59,7 @@ def token_sources(summary: pd.DataFrame, key: str) -> alt.Chart:
         .encode(
             _x(key),
             alt.Y("share:Q", title="share", axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1])),
-            alt.Color("source:N", scale=alt.Scale(domain=order, range=list(SOURCE_COLORS.values())),
+            alt.Color("source:N", scale=alt.Scale(domain=order, range=[SOURCE_COLORS[c] for c in order]),
                       legend=_LEGEND),
             alt.Order("order:Q"),
             tooltip=[key, "source", alt.Tooltip("share:Q", format=".1%")],
