@@ -117,10 +117,12 @@ def run_point(s: Scenario, load: float, traces: str | None = None) -> dict:
         "cpu_s": cpu,
         "sim_s_per_wall_s": sim.env.now / wall if wall > 0 else 0.0,
         "pool_evicted_groups": sim.pool.evicted_groups if sim.pool is not None else 0,
-        "timeline": {
+        "timeline": {  # at most ~400 samples per series (every k-th point)
             "pool_t": tl.pool_t[::max(1, len(tl.pool_t) // 400)],
             "pool_used": tl.pool_used[::max(1, len(tl.pool_used) // 400)],
             "pool_evicted": tl.pool_evicted[::max(1, len(tl.pool_evicted) // 400)],
+            "decode_t": tl.decode_t[::max(1, len(tl.decode_t) // 400)],
+            "decode_occ": tl.decode_occ[::max(1, len(tl.decode_occ) // 400)],
         },
         "restore_stage_s": sorted(x for r in records if r.measured and r.pool_tokens for x in r.restore_stage_s)[::4],
     }
