@@ -7,6 +7,7 @@ paged cache; decode rank ``r`` holds every ``R``-th token of all layers in its o
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import replace
@@ -28,6 +29,7 @@ class Geom:
     max_write_bytes: int = 64 * 1024
     slots: int = 8
     token_start: int = 0
+    model: bool = False       # KV from backend.refmodel's prefill (bf16 latents, 1,152 B records)
 
     @property
     def total_layers(self) -> int:
@@ -48,7 +50,31 @@ class Geom:
         return -(-(-(-(self.token_start + self.tokens) // self.ranks)) // PAGE)
 
 
+def ref_model(g: Geom):
+    from kvpool.backend.refmodel import RefConfig, RefModel
+
+    return RefModel(RefConfig(stage_layers=(g.layers,) * g.stages, seed=0))
+
+
+def model_tokens(g: Geom, seed: int = 0) -> torch.Tensor:
+    """The prompt (``g.tokens`` tokens) and, last, the next token decode will run."""
+    gen = torch.Generator().manual_seed(500 + seed)
+    return torch.randint(0, ref_model(g).config.vocab, (g.tokens + 1,), generator=gen)
+
+
+@functools.lru_cache(maxsize=4)
+def _model_caches(g: Geom, seed: int) -> list[list[torch.Tensor]]:
+    """Every stage's paged KV after the reference model's prefill of the prompt (computed once)."""
+    model = ref_model(g)
+    assert g.record_bytes == model.config.record_bytes and g.token_start == 0
+    caches = model.new_caches(g.prefill_pages + 5)
+    model.prefill(model_tokens(g, seed)[: g.tokens], caches, prefill_table(g, seed))
+    return caches
+
+
 def prefill_caches(g: Geom, stage: int, seed: int = 0, device="cpu") -> list[torch.Tensor]:
+    if g.model:
+        return [c.to(device) for c in _model_caches(g, seed)[stage]]
     gen = torch.Generator().manual_seed(1000 * seed + stage)
     nb = g.prefill_pages + 5
     return [torch.randint(0, 256, (nb, PAGE, g.record_bytes), dtype=torch.uint8, generator=gen).to(device)
@@ -78,8 +104,9 @@ def expected_rank_kv(g: Geom, rank: int, seed: int = 0) -> torch.Tensor:
     for s in range(g.stages):
         caches = prefill_caches(g, s, seed)
         for c in caches:
-            out.append(torch.stack([c[table[p // PAGE], p % PAGE] for p in positions])
-                       if positions else torch.empty(0, g.record_bytes, dtype=torch.uint8))
+            rows = (torch.stack([c[table[p // PAGE], p % PAGE] for p in positions]) if positions
+                    else torch.empty(0, c.shape[-1], dtype=c.dtype))
+            out.append(rows.view(torch.uint8))
     return torch.stack(out)
 
 
