@@ -289,10 +289,11 @@ def fit_agentx(tester: SynthParams) -> SynthParams:
 
 
 def refine_agentx(p: SynthParams) -> SynthParams:
-    """A last pass on the two most sensitive medians with the full calibration set (710)."""
+    """A last pass on the most sensitive medians with the full calibration set (710)."""
     t = AGENTX_TARGETS
     steps = [
         ("add_tokens", "new_tokens_p50", t["new_tokens_p50"]),
+        ("init_tokens", "input_tokens_main_p50", t["input_tokens_main_p50"]),
         ("sub_init_tokens", "input_tokens_sub_p50", t["input_tokens_sub_p50"]),
     ]
     return calibrate_each(p, steps, rounds=1, n=CALIBRATION_SESSIONS)
