@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import time
 from dataclasses import replace
 import traceback
@@ -150,10 +151,14 @@ def decode_main(conn, rank: int, g: Geom, kind: str, opts: dict) -> None:
     conn.send(("ok", dr.endpoint))
     stall_after = opts.get("stall_after_writes")
     die_after = opts.get("die_after_writes")
+    freeze_after = opts.get("freeze_after_writes")
     try:
         while True:
             if die_after is not None and dr.landed_writes >= die_after:
                 os._exit(9)
+            if freeze_after is not None and dr.landed_writes >= freeze_after:
+                freeze_after = None
+                os.kill(os.getpid(), signal.SIGSTOP)  # hung: alive, answers nothing (the test resumes it)
             stalled = stall_after is not None and dr.landed_writes >= stall_after
             if conn.poll(0 if not stalled else 0.05):
                 cmd = conn.recv()
@@ -181,7 +186,8 @@ def decode_main(conn, rank: int, g: Geom, kind: str, opts: dict) -> None:
                 except HandoffError as exc:
                     conn.send(("error", f"{type(exc).__name__}: {exc}"))
             if not stalled:
-                dr.poll(0.005, max_messages=1 if stall_after is not None or die_after is not None else 256)
+                one = stall_after is not None or die_after is not None or freeze_after is not None
+                dr.poll(0.005, max_messages=1 if one else 256)
     except (EOFError, BrokenPipeError):
         pass
     dr.close()

@@ -3,6 +3,8 @@ come back, a failed write (quarantine). Every wait is bounded; each test states 
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
@@ -49,6 +51,21 @@ def test_decode_killed_mid_handoff_fails_fast_then_retries_elsewhere(cluster):
     assert isinstance(rep, StageReport) and rep.handoff_writes == G.plan().batched_writes, rep
     assert isinstance(call(b, ("wait", "r1", 20)), HandoffResult)
     assert call(b, ("kv", 0, {})).equal(expected_rank_kv(G, 0, 0))
+
+
+def test_hung_decode_rank_is_declared_lost_by_heartbeat(cluster):
+    """Decode SIGSTOPs itself after 3 landed writes (alive, but its engine and side channel are
+    frozen; an engine write to it would only fail after MC_TRANSFER_TIMEOUT, 30 s): the ZMQ
+    heartbeat declares it lost after peer_timeout_s, well before the credit timeout."""
+    proc, d, ep = _decode(cluster, G, freeze_after_writes=3)
+    _, p, _ = _prefill(cluster, G, [ep], credit_timeout_s=20.0, peer_timeout_s=1.0)
+    call(d, ("expect", "r1", 0, {}))
+    try:
+        rep = _send(p, "r1")
+        assert isinstance(rep, dict) and rep["error"] == "PeerLost", rep
+        assert rep["after_s"] < 6.0, rep
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
 
 
 def test_credits_that_never_come_back_fail_after_the_bounded_wait(cluster):
