@@ -107,3 +107,90 @@ def test_request_metrics_use_the_simulator_names():
     assert got["handoff_bytes"] == 200 and got["handoff_writes"] == 6
     assert got["handoff_s"] == pytest.approx(0.2)
     assert got["handoff_stage_s"] == {0: 0.05, 1: pytest.approx(0.2)}
+
+
+class FakeStage:
+    """A raw DEALER speaking the stage side of the protocol, driven in the test's thread."""
+
+    def __init__(self, endpoint: str, stage: int = 0) -> None:
+        import zmq
+
+        self.zmq = zmq
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sock.send(m.encode(m.Attach(stage, "fake")))
+
+    def send(self, msg) -> None:
+        self.sock.send(m.encode(msg))
+
+    def recv(self, dr: DecodeRank, kind: type, timeout_s: float = 3.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dr.poll(0.01)
+            try:
+                msg = m.decode(self.sock.recv(self.zmq.NOBLOCK))
+            except self.zmq.Again:
+                continue
+            if isinstance(msg, kind):
+                return msg
+        raise AssertionError(f"no {kind.__name__} within {timeout_s} s")
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def _protocol_setup():
+    dr = _rank(slots=4, slot_bytes=4096, stages=2)
+    fake = FakeStage(dr.endpoint)
+    landing = fake.recv(dr, m.Landing)
+    plan = HandoffPlan(40, 2, 64, 2, 4096)
+    nonce = dr.expect("r", torch.arange(4), {0: StagePart(plan, 0)})
+    want = fake.recv(dr, m.Want)
+    return dr, fake, landing, plan, nonce, want
+
+
+def test_stale_ready_is_dropped_and_its_slot_credited_back():
+    """A READY with another nonce (an earlier attempt) is never scattered; its slot comes back."""
+    dr, fake, landing, plan, nonce, want = _protocol_setup()
+    try:
+        assert landing.slots == (0, 1) and want.nonce == nonce
+        w = plan.writes(0)[0]
+        fake.send(m.Ready("r", nonce + 1, 0, 1, w.offset_bytes, w.nbytes))
+        assert fake.recv(dr, m.Credit).slots == (1,)
+        assert dr.dropped_readies == 1 and dr.landed_writes == 0 and dr.status("r") == "pending"
+    finally:
+        fake.close()
+        dr.close()
+
+
+def test_ready_outside_the_plan_fails_the_request_and_tells_the_stage():
+    dr, fake, landing, plan, nonce, want = _protocol_setup()
+    try:
+        fake.send(m.Ready("r", nonce, 0, 0, 64, 128))   # no such write in the plan
+        assert fake.recv(dr, m.Credit).slots == (0,)
+        fail = fake.recv(dr, m.Fail)
+        assert fail.request_id == "r" and "not in the plan" in fail.reason
+        assert dr.status("r") == "failed"
+    finally:
+        fake.close()
+        dr.close()
+
+
+def test_abort_quarantines_slots_then_credits_them_back():
+    dr, fake, landing, plan, nonce, want = _protocol_setup()
+    dr.quarantine_s = 0.3
+    try:
+        fake.send(m.Abort("r", nonce, 0, "write failed", (1,)))
+        deadline = time.monotonic() + 2
+        while dr.status("r") == "pending" and time.monotonic() < deadline:
+            dr.poll(0.01)
+        assert dr.status("r") == "failed" and dr.quarantined_slots == [1]
+        w = plan.writes(0)[0]
+        fake.send(m.Ready("r2", nonce, 0, 1, w.offset_bytes, w.nbytes))   # a quarantined slot: ignored
+        t0 = time.monotonic()
+        assert fake.recv(dr, m.Credit).slots == (1,)                          # only after quarantine_s
+        assert time.monotonic() - t0 > 0.1 and dr.quarantined_slots == []
+    finally:
+        fake.close()
+        dr.close()
