@@ -13,8 +13,10 @@ cross process boundaries instead, carrying the same ``connector_data`` messages.
 Per request (``StageAlignedConnector``):
     ``restore(request_id, token_ids, block_ids, gpu_hit_tokens) -> RequestMetrics``
         lookup (one batched exists), plan (recheck if stale), every stage loads in parallel on
-        its load thread, the scheduler aggregates (all-or-nothing). The returned record says how
-        many tokens to compute: ``gpu_tokens + pool_tokens`` are in the pages, the rest is computed.
+        its load thread, the scheduler aggregates (all-or-nothing).
+    ``compute_ranges(request_id) -> [(start, end), ...]``  what prefill computes: the tokens
+        between the GPU hit and the loaded chunks' first boundary, then everything after them
+        (all of ``[gpu_hit, prompt)`` when nothing was loaded).
     ``save(request_id, block_ids, computed_tokens) -> SaveOutcome | None``
         after prefill: every stage packs and puts its new full chunks asynchronously (bounded);
         ``wait=True`` waits for all stages and tells the scheduler.
@@ -159,6 +161,7 @@ class StageAlignedConnector:
         self.load_wait_s = load_wait_s
         self._records: dict[str, RequestMetrics] = {}
         self._digests: dict[str, list[bytes]] = {}
+        self._loaded: dict[str, tuple[int, int]] = {}  # request -> tokens [lo, hi) the pool provided
         self.last_lookup: Lookup | None = None
         self.last_load: LoadOutcome | None = None
         self.last_reports: list[StageReport] = []
@@ -186,6 +189,7 @@ class StageAlignedConnector:
         rec.lookup_answered = look.answered
         rec.gpu_tokens, rec.pool_tokens, rec.computed_tokens = look.hit.gpu_tokens, 0, n - look.hit.gpu_tokens
         self.last_load, self.last_reports = None, []
+        self._loaded.pop(request_id, None)
         plan = sched.plan_load(look)
         if plan is None:
             return rec
@@ -210,14 +214,27 @@ class StageAlignedConnector:
         if outcome.ok:
             rec.pool_tokens = outcome.pool_tokens
             rec.computed_tokens = n - rec.gpu_tokens - rec.pool_tokens
+            chunk = sched.config.chunk_tokens
+            self._loaded[request_id] = (plan.first_chunk * chunk, plan.end_chunk * chunk)
         else:
             rec.restore_failed = True
         return rec
 
-    def start_tokens(self, request_id: str) -> int:
-        """Where prefill starts computing: the GPU hit plus what the pool loaded."""
+    def compute_ranges(self, request_id: str) -> list[tuple[int, int]]:
+        """Token ranges ``[start, end)`` prefill must compute, in order, after ``restore``.
+
+        Without a load: ``[gpu_hit, prompt)``. With a load of chunks ``[first, end)``: the tokens
+        between the GPU hit and the load's first chunk boundary (ATOM's "unaligned handoff"),
+        then ``[end * chunk_tokens, prompt)``. The last range always ends at the prompt's end.
+        """
         rec = self.record(request_id)
-        return rec.gpu_tokens + rec.pool_tokens
+        n = rec.prompt_tokens
+        gpu = rec.gpu_tokens
+        span = self._loaded.get(request_id)
+        if span is None:
+            return [(gpu, n)]
+        lo, hi = span
+        return ([(gpu, lo)] if gpu < lo else []) + [(hi, n)]
 
     def submit_save(self, request_id: str, block_ids: torch.Tensor, computed_tokens: int) -> tuple[SavePlan, list[Future[StageSaveReport]]] | None:
         """Start saving the request's new full chunks on every stage; ``None`` if nothing to save now."""
@@ -249,6 +266,7 @@ class StageAlignedConnector:
         """Export the request's record and forget it (call after its last save completed)."""
         rec = self._records.pop(request_id, RequestMetrics(request_id))
         self._digests.pop(request_id, None)
+        self._loaded.pop(request_id, None)
         self.scheduler.finish(request_id)
         if self.metrics is not None:
             self.metrics.observe(rec)

@@ -79,10 +79,19 @@ class Engine:
         pages = -(-n_tokens // REF_CONFIG.page_tokens)
         return torch.randperm(NUM_BLOCKS, generator=g)[:pages].to(torch.int32).to(self.device)
 
-    def serve(self, request_id: str, tokens: list[int], save: bool = True, on_round=None) -> Served:
+    def serve(
+        self, request_id: str, tokens: list[int], save: bool = True, on_round=None, gpu_hit_tokens: int = 0
+    ) -> Served:
+        """One prefill; ``gpu_hit_tokens`` > 0 first writes the reference KV of that prefix into the
+        pages (a GPU prefix-cache hit)."""
         table = self.new_table(len(tokens))
-        self.conn.restore(request_id, tokens, table, on_round=on_round)
-        logits = self.model.prefill(tokens, self.caches, table, self.conn.start_tokens(request_id))
+        if gpu_hit_tokens:
+            scatter_tokens(self.caches, table, [r[:gpu_hit_tokens] for r in _reference(tuple(tokens), self.device)[1]])
+        self.conn.restore(request_id, tokens, table, gpu_hit_tokens=gpu_hit_tokens, on_round=on_round)
+        logits = None
+        for start, end in self.conn.compute_ranges(request_id):
+            logits = self.model.prefill(tokens[:end], self.caches, table, start)
+        assert logits is not None
         out = self.conn.save(request_id, table, len(tokens)) if save else None
         return Served(logits, self.conn.finish(request_id), table, out)
 

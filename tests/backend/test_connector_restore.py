@@ -78,6 +78,23 @@ def test_a_longer_turn_restores_the_history_and_computes_only_the_new_tokens(key
         e.close()
 
 
+def test_a_gpu_hit_below_the_pool_hit_loads_from_the_next_chunk_boundary(keyspace: str) -> None:
+    """GPU holds 300 tokens (288 in whole pages): tokens 288..511 are computed, chunks 2..5 loaded
+    into the right pages (the block table read from chunk 2 on), 1536.. computed."""
+    pool = EmbeddedPool(64 << 20)
+    e = Engine(pool, keyspace)
+    try:
+        assert prime(e, "p", TOKENS).stored
+        served = e.serve("r", TOKENS, save=False, gpu_hit_tokens=300)
+        m = served.metrics
+        assert (m.gpu_tokens, m.pool_tokens, m.computed_tokens) == (288, 4 * CHUNK, 224 + 71)
+        assert e.conn.last_load is not None and e.conn.last_load.ok
+        assert m.restore_bytes == 4 * sum(e.spec.chunk_object_bytes(s, CHUNK) for s in range(3))
+        assert_matches_reference(e, served, TOKENS)
+    finally:
+        e.close()
+
+
 def test_a_request_larger_than_the_load_buffer_loads_in_rounds(keyspace: str) -> None:
     pool = EmbeddedPool(64 << 20)
     probe = Engine(pool, keyspace)
