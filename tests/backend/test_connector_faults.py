@@ -171,3 +171,62 @@ def test_a_full_pool_evicts_groups_whole_and_partial_groups_never_hit(pool_kind:
     finally:
         for e in engines:
             e.close()
+
+
+def test_master_hung_mid_load_fails_within_the_rpc_timeout_and_the_request_recomputes(
+    local_pool_factory, mooncake_client_factory, keyspace: str
+) -> None:
+    local = local_pool_factory(fault_spec(services=1))
+    pool = mooncake_client_factory(local.address)
+    slot = slot_bytes_for(589_824)
+    cfg = WorkerConfig(load_buffer_bytes=slot, save_buffer_bytes=4 * slot, load_timeout_s=5, save_timeout_s=5)
+    e = Engine(pool, keyspace, worker_config=cfg)
+    try:
+        assert prime(e, "p", TOKENS).stored
+        paused = threading.Event()
+
+        def pause_after_first_round(stage: int, done: int, total: int) -> None:
+            if stage == 0 and done == 1 and not paused.is_set():
+                paused.set()
+                local.pause_master()
+
+        t0 = time.monotonic()
+        served = e.serve("r", TOKENS, on_round=pause_after_first_round)  # load fails; the save gets no answer
+        elapsed = time.monotonic() - t0
+        assert paused.is_set() and served.metrics.restore_failed
+        assert "no_answer" in {r.reason for r in e.conn.last_reports}
+        assert served.save is not None and not served.save.stored
+        assert elapsed < 5 + 5 + 10  # load and save timeouts + compute: nothing hangs
+        assert_matches_reference(e, served, TOKENS)
+        local.resume_master()
+        # A master hung longer than the client TTL (2 s here) drops the service on waking (no
+        # heartbeats seen), forgetting its keys; the service re-mounts by itself.
+        wait_for(lambda: (st := pool.stats()) is not None and st.capacity_bytes > 0, 15, "the service re-mounting")
+        again = e.serve("again", TOKENS)
+        assert_matches_reference(e, again, TOKENS)
+        assert again.metrics.pool_tokens == 4 * CHUNK or (again.save is not None and again.save.stored)
+        third = e.serve("third", TOKENS, save=False)
+        assert third.metrics.pool_tokens == 4 * CHUNK
+        assert_matches_reference(e, third, TOKENS)
+    finally:
+        local.resume_master()
+        e.close()
+
+
+def test_a_save_into_a_pool_too_small_for_a_chunk_is_dropped_cleanly(keyspace: str) -> None:
+    """A 512 KiB pool cannot hold stage 0's 576 KiB objects: the save reports FULL, the partial
+    groups it leaves never count as hits, the scheduler plans the save again, and the KV is right."""
+    pool = EmbeddedPool(512 << 10)
+    e = Engine(pool, keyspace)
+    try:
+        served = e.serve("r", TOKENS)
+        assert served.save is not None and not served.save.stored and 0 in served.save.failed_stages
+        assert served.metrics.save_bytes < 4 * sum(e.spec.chunk_object_bytes(s, CHUNK) for s in range(3))
+        assert_matches_reference(e, served, TOKENS)
+        digests = e.sched.digests_for(TOKENS)
+        look = e.sched.lookup("l", digests, len(TOKENS))
+        assert look.answered and look.hit.pool_tokens == 0
+        e.conn.restore("again", TOKENS, e.new_table(len(TOKENS)))
+        assert e.sched.plan_save("again", digests, len(TOKENS)) is not None  # retried later, not remembered as done
+    finally:
+        e.close()
