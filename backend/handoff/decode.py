@@ -10,7 +10,7 @@ Primitives, in call order (one thread drives a ``DecodeRank``; nothing here star
         ``kernels.scatter_dcp`` straight from its slot, then the slot is credited back to its stage.
     ``wait(request_id, timeout_s) -> HandoffResult``  poll until every stage's part has been
         scattered (ready for decode); raises ``HandoffError`` on a failure or at the deadline.
-    ``forget(request_id)``, ``close()``.
+    ``forget(request_id)``, ``close()`` (closes the socket and the transport).
 
 Faults: an ABORT names the slots whose writes failed; they are quarantined (never scattered, never
 credited) for ``quarantine_s`` (longer than the engine's transfer timeouts, so no late byte can land

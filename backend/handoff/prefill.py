@@ -163,6 +163,7 @@ class PrefillStage:
         self._drop(target.links)
 
     def close(self) -> None:
+        """Close every side channel and the transport."""
         self._drop(list(self._links))
         self.transport.close()
 

@@ -79,7 +79,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def shared_mooncake() -> Iterator[tuple[Geom, list, list]]:
+def handoff_cluster() -> Iterator[tuple[Geom, list, list]]:
     """2 decode ranks x 2 prefill stages over Mooncake TCP for the healthy-path tests of a module:
     (geometry, decode conns, prefill conns). Requests may shrink tokens/start/write size."""
     require_private_netns()

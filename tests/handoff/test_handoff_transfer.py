@@ -28,10 +28,10 @@ def _check_request(g: Geom, decodes, reports, results, seed: int) -> None:
         assert got.equal(expected_rank_kv(g, r, seed)), f"rank {r} KV differs (seed {seed})"
 
 
-def test_kv_bit_exact_and_exact_write_count(shared_mooncake, run_request):
+def test_kv_bit_exact_and_exact_write_count(handoff_cluster, run_request):
     """Every decode rank holds exactly its tokens of every stage's layers; each stage sent exactly
     the plan's writes; back-to-back requests reuse credited slots; metrics use the sim's names."""
-    g, decodes, prefills = shared_mooncake
+    g, decodes, prefills = handoff_cluster
     for i, seed in enumerate((0, 1)):
         reports, results = run_request(decodes, prefills, f"req-{i}", seed)
         _check_request(g, decodes, reports, results, seed)
@@ -43,17 +43,17 @@ def test_kv_bit_exact_and_exact_write_count(shared_mooncake, run_request):
         assert call(conn, ("credits", "a")) == [g.slots // g.stages] * g.ranks
 
 
-def test_odd_start_tokens_and_write_size(shared_mooncake, run_request):
+def test_odd_start_tokens_and_write_size(handoff_cluster, run_request):
     """A request starting at token 37 with 517 tokens, writes of 10 records (cut mid-layer)."""
-    g, decodes, prefills = shared_mooncake
+    g, decodes, prefills = handoff_cluster
     over = {"tokens": 517, "token_start": 37, "max_write_bytes": 10 * 576}
     reports, results = run_request(decodes, prefills, "odd", 3, **over)
     _check_request(replace(g, **over), decodes, reports, results, 3)
 
 
-def test_inflight_writes_to_one_peer_are_bounded(shared_mooncake, run_request):
+def test_inflight_writes_to_one_peer_are_bounded(handoff_cluster, run_request):
     """With plenty of credits, never more than max_inflight writes are outstanding per rank."""
-    g, decodes, prefills = shared_mooncake
+    g, decodes, prefills = handoff_cluster
     reports, results = run_request(decodes, prefills, "bounded", 2, max_inflight=2)
     _check_request(g, decodes, reports, results, 2)
     assert all(rep.peak_inflight == 2 for rep in reports), reports
