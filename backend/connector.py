@@ -204,6 +204,9 @@ class StageAlignedConnector:
             except TimeoutError:  # the stage is stuck in one pool call: count it failed (bounded wait)
                 now = sched.clock()
                 rep = StageReport(request_id, w.stage, False, now, now, 0, "timeout")
+            except Exception as e:  # a bug or a broken pool client: a failed stage, never a hang
+                now = sched.clock()
+                rep = StageReport(request_id, w.stage, False, now, now, 0, f"error: {e!r}")
             self.last_reports.append(rep)
             outcome = sched.report_stage(rep) or outcome
         assert outcome is not None
@@ -252,6 +255,9 @@ class StageAlignedConnector:
             except TimeoutError:
                 now = self.scheduler.clock()
                 reports.append(StageSaveReport(plan.request_id, w.stage, 0, plan.chunks, now, now, 0, "timeout"))
+            except Exception as e:
+                now = self.scheduler.clock()
+                reports.append(StageSaveReport(plan.request_id, w.stage, 0, plan.chunks, now, now, 0, f"error: {e!r}"))
         outcome = aggregate_save(plan, reports)
         self.scheduler.complete_save(plan.request_id, outcome.stored)
         self.record(plan.request_id).save_bytes += outcome.bytes_saved
