@@ -70,7 +70,9 @@ Production replay (:class:`ProductionReplay`, the seed's Figure 7)
 ``[start_fraction_min, start_fraction_max]`` of its requests (time order, all threads);
 arrivals are Poisson at ``rps``; each arrival sends the next request of a uniformly chosen idle
 lane (one with nothing in flight), or waits for the first lane to free. A lane's first request
-is ``phase="cold"`` (not measured); a finished session is replaced by the next one from turn 0.
+is ``phase="cold"`` (not measured), and so is the first request of every other thread whose
+earlier requests the partway start skipped (its history was never sent, so it is cold only
+because of where the lane started); a finished session is replaced by the next one from turn 0.
 Recorded gaps are not used.
 
 Determinism: everything random comes from ``numpy.random.default_rng`` seeded from ``seed``.
@@ -434,6 +436,7 @@ class ProductionReplay:
         self._sess: list[Session] = []
         self._play: list[int] = []
         self._first: list[bool] = []
+        self._skipped: list[set[int]] = []
         self._busy: list[bool] = [False] * lanes
         self._cursor = lanes
         self._n_plays = 0
@@ -454,6 +457,8 @@ class ProductionReplay:
             self._play.append(self._n_plays)
             self._n_plays += 1
             self._first.append(True)
+            # threads whose earlier requests the partway start skipped: their next request is cold
+            self._skipped.append({r.thread for r in s.requests[: self._pos[-1]]})
         self._next_arrival = now_s + float(self._rng.exponential(1.0 / self.rps))
         return self.poll(now_s)
 
@@ -466,6 +471,7 @@ class ProductionReplay:
             self._sess[lane], self._pos[lane] = s, 0
             self._play[lane] = self._n_plays
             self._n_plays += 1
+            self._skipped[lane] = set()
         return self.poll(now_s)
 
     def poll(self, now_s: float) -> Wake:
@@ -488,8 +494,10 @@ class ProductionReplay:
         s = self._sess[lane]
         r = s.requests[self._pos[lane]]
         self._pos[lane] += 1
-        phase: Phase = "cold" if self._first[lane] else "profile"
+        cold = self._first[lane] or r.thread in self._skipped[lane]
+        phase: Phase = "cold" if cold else "profile"
         self._first[lane] = False
+        self._skipped[lane].discard(r.thread)
         out = r.out_tokens if self.max_output_tokens is None else min(r.out_tokens, self.max_output_tokens)
         key = self._keys
         self._keys += 1
