@@ -5,7 +5,8 @@ Each builder takes a frame from ``kvpool.dashboard.results`` and returns an ``al
       computed shares), ``ttft`` (p50 and p90), ``decode_occupancy_p50``;
     * over simulated time: ``pool_occupancy``, ``evictions``, ``decode_occupancy``;
     * distributions: ``restore_latency`` (empirical CDF of the per-stage restore time);
-    * across scenarios: ``compare_metric`` (grouped bars), ``ratios``.
+    * across scenarios: ``compare_metric`` (grouped bars), ``ratios``;
+    * capacity search: ``plan_metric`` (one target's metric over the explored values, the target as a rule).
 """
 
 from __future__ import annotations
@@ -165,3 +166,33 @@ def ratios(ratio: pd.DataFrame, key: str) -> alt.Chart:
     )
     rule = alt.Chart(pd.DataFrame({"x": [1.0]})).mark_rule(color="black", strokeDash=[4, 4]).encode(x="x:Q")
     return (bars + rule).properties(title="Ratio to the baseline", height=max(HEIGHT, 22 * len(metrics) * len(arms) + 60))
+
+
+MEETS_COLORS = {"meets": "#55a868", "fails": "#c44e52"}
+
+
+def plan_metric(curve: pd.DataFrame, field: str, metric: str, op: str, target: float,
+                best: float | None = None) -> alt.Chart:
+    """One target's metric (y) over the explored values of the variable (x): the runs as points
+    coloured by whether they meet every target, the target as a dashed rule, the best value as a
+    vertical rule. ``curve`` is ``results.plan_frame`` (columns ``value``, ``meets_targets``, metrics)."""
+    f = curve[["value", "meets_targets", metric]].sort_values("value").copy()
+    f["verdict"] = f["meets_targets"].map({True: "meets", False: "fails"})
+    x = alt.X("value:Q", title=field)
+    y = alt.Y(f"{metric}:Q", title=metric)
+    line = alt.Chart(f).mark_line(color="#8c8c8c").encode(x, y)
+    points = alt.Chart(f).mark_point(filled=True, size=80).encode(
+        x, y,
+        alt.Color("verdict:N", title="all targets", scale=alt.Scale(domain=list(MEETS_COLORS),
+                                                                     range=list(MEETS_COLORS.values())),
+                  legend=alt.Legend(orient="right")),
+        tooltip=[alt.Tooltip("value:Q", title=field, format=",.4g"), alt.Tooltip(f"{metric}:Q", format=",.4g"),
+                 alt.Tooltip("verdict:N", title="all targets")],
+    )
+    rule = alt.Chart(pd.DataFrame({"target": [target]})).mark_rule(color="black", strokeDash=[4, 4]).encode(
+        alt.Y("target:Q"), tooltip=[alt.Tooltip("target:Q", title=f"target {metric}{op}")])
+    layers = [line, points, rule]
+    if best is not None:
+        layers.append(alt.Chart(pd.DataFrame({"best": [best]})).mark_rule(color="#4c72b0").encode(
+            alt.X("best:Q"), tooltip=[alt.Tooltip("best:Q", title=f"best {field}", format=",.4g")]))
+    return alt.layer(*layers).properties(title=f"{metric} {op} {target:g}", height=HEIGHT)

@@ -8,9 +8,9 @@ its plain arguments, so the same inputs never rerun a simulation, across pages a
     * ``sweep(toml, loads, traces)``: ``kvpool.sim.run.sweep``, exactly what ``kvpool sim run`` calls,
       with a progress bar while it runs (the bar is created and removed inside, so a cached replay
       shows nothing);
-    * ``decode_series(toml, load, traces)``: the decode KV occupancy time series of one load, which
-      ``run_point`` does not export yet: one more simulation of that load, reading
-      ``Simulation.timeline.decode_t/decode_occ``.
+    * ``plan(toml, targets, vary, load, workers, max_runs)``: ``kvpool.sim.plan.search``, what
+      ``kvpool sim plan`` calls, returning the object its ``--json`` prints (``results.plan_summary``),
+      with a progress bar that advances per run.
 
 Importing this module calls no Streamlit element (the decorators only wrap).
 """
@@ -65,15 +65,32 @@ def sweep(toml_text: str, loads: tuple[float, ...], traces: str | None = None, _
         bar.empty()
 
 
-@st.cache_data(show_spinner="simulating the decode KV occupancy of one load...", max_entries=MAX_ENTRIES)
-def decode_series(toml_text: str, load: float, traces: str | None = None) -> tuple[list[float], list[float]]:
-    """(t_s, occupancy) of the decode KV over one simulation of ``load``, as ``run_point`` runs it."""
-    from kvpool.sim.engine import Simulation
-    from kvpool.sim.run import make_replay, workload_for
+@st.cache_data(show_spinner=False, max_entries=MAX_ENTRIES)
+def plan(toml_text: str, targets: tuple[str, ...], vary: str, load: float | None, workers: int, max_runs: int) -> dict:
+    """The capacity search of ``kvpool sim plan`` on the scenario; returns the CLI's ``--json`` object.
+
+    ``targets`` are ``--target`` texts, ``vary`` the ``--vary`` text, ``load`` ``--load`` (None: the
+    scenario's load; ignored when the variable is the load). The explored points depend on
+    ``workers`` (points per round), so it is part of the key. Raises ``PlanError`` on bad inputs.
+    """
+    from kvpool.dashboard.results import plan_summary
+    from kvpool.sim import plan as pl
 
     s = scenario(toml_text)
-    sim = Simulation(s, make_replay(s, workload_for(s, traces), load))
-    sim.run()
-    t, occ = sim.timeline.decode_t, sim.timeline.decode_occ
-    step = max(1, len(t) // 400)
-    return list(t[::step]), list(occ[::step])
+    parsed = [pl.parse_target(t) for t in targets]
+    variable = pl.parse_vary(vary, s)
+    bar = st.progress(0.0, text=f"searching {variable.field} in {variable.lo:g}..{variable.hi:g}: "
+                                f"running both ends (at most {max_runs} runs)")
+    runs: list[float] = []
+
+    def on_run(value: float, _row: dict, meets: bool) -> None:
+        runs.append(value)
+        bar.progress(min(1.0, len(runs) / max_runs),
+                     text=f"searching {variable.field}: run {len(runs)} (at most {max_runs}): "
+                          f"{variable.field}={value:g} {'meets' if meets else 'fails'} the targets")
+
+    try:
+        result = pl.search(s, variable, parsed, load=load, workers=workers, max_runs=max_runs, on_run=on_run)
+    finally:
+        bar.empty()
+    return plan_summary(result)

@@ -3,11 +3,16 @@
 Contract:
     * ``summary_frame(rows)``: one row per load with the documented keys of ``kvpool.sim.report.public``
       (docs/metrics.md) - the same values ``kvpool sim run --json`` prints.
-    * ``timeline_frame`` / ``restore_frame`` / ``decode_frame``: long frames of the time series
-      and samples a result carries, for the charts.
+    * ``timeline_frame`` (pool) / ``decode_frame`` (decode KV) / ``restore_frame``: long frames of the
+      time series and samples a result carries (``run_point``'s ``timeline`` and ``restore_stage_s``),
+      for the charts.
     * ``compare_frame(runs)`` and ``ratio_frame(runs, baseline)``: several scenarios side by side,
       and each one's metrics over the baseline's at the same load.
-    * ``to_csv`` / ``to_json``: the downloads, the same keys as the CLI's files.
+    * ``to_csv`` / ``to_json``: the downloads, the same keys as the CLI's files;
+      ``compare_json(arms)``: what ``kvpool sim compare --json`` prints (``{scenario name: [per-load objects]}``).
+    * ``plan_summary(result)``: the object ``kvpool sim plan --json`` prints (variable, direction, targets,
+      best, runs, curve) from a ``kvpool.sim.plan.PlanResult``; ``plan_json`` its text; ``plan_frame`` the
+      curve as a table; ``plan_bracket`` the values either side of the threshold.
 """
 
 from __future__ import annotations
@@ -90,9 +95,15 @@ def restore_frame(rows: Sequence[dict]) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["load", "restore_stage_s"])
 
 
-def decode_frame(series: dict[str, tuple[list[float], list[float]]]) -> pd.DataFrame:
-    """Decode KV occupancy over time: ``series`` maps a load label to (t_s, occupancy)."""
-    parts = [pd.DataFrame({"load": label, "t_s": t, "decode_kv_occupancy": occ}) for label, (t, occ) in series.items() if t]
+def decode_frame(rows: Sequence[dict]) -> pd.DataFrame:
+    """Decode KV occupancy (reserved over capacity) over simulated time, per load: ``run_point``'s
+    ``timeline["decode_t"]`` / ``timeline["decode_occ"]`` (downsampled like the pool series)."""
+    parts = []
+    for r in rows:
+        tl = r.get("timeline") or {}
+        if not tl.get("decode_t"):
+            continue
+        parts.append(pd.DataFrame({"load": _label(r), "t_s": tl["decode_t"], "decode_kv_occupancy": tl["decode_occ"]}))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["load", "t_s", "decode_kv_occupancy"])
 
 
@@ -124,3 +135,45 @@ def ratio_frame(runs: dict[str, Sequence[dict]], baseline: str) -> pd.DataFrame:
                 rec[label] = r[metric] / b[metric] if b.get(metric) else float("nan")
             out.append(rec)
     return pd.DataFrame(out)
+
+
+def compare_json(arms: dict[str, Sequence[dict]]) -> str:
+    """What ``kvpool sim compare --json`` prints: ``{scenario name: [per-load objects]}``."""
+    return json.dumps({name: [public(r) for r in rows] for name, rows in arms.items()}, indent=2) + "\n"
+
+
+def plan_summary(result) -> dict:
+    """The object ``kvpool sim plan --json`` prints and writes, built exactly as the CLI builds it."""
+    curve = [{"value": v, "meets_targets": ok, **public(row)} for v, row, ok in result.curve()]
+    return {"variable": result.variable.field, "direction": "maximize" if result.variable.maximize else "minimize",
+            "targets": [str(t) for t in result.targets], "best": result.best, "runs": len(curve), "curve": curve}
+
+
+def plan_json(summary: dict) -> str:
+    return json.dumps(summary, indent=2) + "\n"
+
+
+def plan_frame(summary: dict, metrics: Sequence[str] = ()) -> pd.DataFrame:
+    """The explored curve, one row per run in value order: value, meets_targets, ``metrics`` first, then the rest."""
+    frame = pd.DataFrame(summary["curve"])
+    if frame.empty:
+        return frame
+    first = ["value", "meets_targets", *dict.fromkeys(m for m in metrics if m in frame and m not in ("value", "meets_targets"))]
+    return frame[first + [c for c in frame.columns if c not in first]]
+
+
+def plan_bracket(summary: dict) -> tuple[float | None, float | None]:
+    """(last value that fails, first that meets) next to the best value, in the search's direction.
+
+    Minimizing, the threshold lies between the largest failing value below ``best`` and ``best``;
+    maximizing, between ``best`` and the smallest failing value above it. None where no such run.
+    """
+    best = summary["best"]
+    if best is None:
+        return None, None
+    fails = [c["value"] for c in summary["curve"] if not c["meets_targets"]]
+    if summary["direction"] == "minimize":
+        below = [v for v in fails if v < best]
+        return (max(below) if below else None), best
+    above = [v for v in fails if v > best]
+    return (min(above) if above else None), best

@@ -22,7 +22,7 @@ DEFAULT_LOADS = {"sessions": "56,72,96,112", "rps": "0.6,0.8,1.0,1.2"}
 LOAD_LABELS = {"sessions": "Sessions (AgentX lanes), comma-separated", "rps": "Requests per second, comma-separated"}
 
 
-WARM_MODULES = ("pandas", "altair", "kvpool.sim.run", "kvpool.sim.engine", "kvpool.cli.sim",
+WARM_MODULES = ("pandas", "altair", "kvpool.sim.run", "kvpool.sim.engine", "kvpool.sim.plan", "kvpool.cli.sim",
                 "kvpool.dashboard.results", "kvpool.dashboard.charts")
 
 

@@ -20,7 +20,7 @@ _COLUMNS = {
 }
 
 
-def _charts(rows: list[dict], toml_text: str) -> None:
+def _charts(rows: list[dict]) -> None:
     key = results.load_name(rows)
     summary = results.summary_frame(rows)
     c1, c2 = st.columns(2)
@@ -42,19 +42,11 @@ def _charts(rows: list[dict], toml_text: str) -> None:
         c1.info("This scenario has no pool (no Store services), so there is no pool occupancy to plot.")
     c1, c2 = st.columns(2)
     c1.altair_chart(charts.decode_occupancy_p50(summary, key), width="stretch")
-    with c2:
-        st.caption("Decode KV occupancy over time is not exported by the simulator's results yet "
-                   "(`run_point`'s timeline holds the pool series only). It can be simulated for one load "
-                   "on request: one more run of that load.")
-        loads = [r[key] for r in rows]
-        pick = st.selectbox(f"Load ({key})", loads, index=len(loads) - 1, key="run_decode_load")
-        if st.button("Simulate decode KV occupancy over time", key="run_decode_go"):
-            st.session_state["run_decode"] = (toml_text, float(pick))
-        want = st.session_state.get("run_decode")
-        if want and want[0] == toml_text:
-            t, occ = data.decode_series(want[0], want[1], st.session_state[LAST][2])
-            label = f"{want[1]:g} {key}"
-            st.altair_chart(charts.decode_occupancy(results.decode_frame({label: (t, occ)})), width="stretch")
+    decode = results.decode_frame(rows)
+    if len(decode):
+        c2.altair_chart(charts.decode_occupancy(decode), width="stretch")
+    else:
+        c2.info("These results carry no decode KV occupancy series; press Run sweep to simulate them again.")
 
 
 def render() -> None:
@@ -101,7 +93,7 @@ def render() -> None:
     ui.downloads(rows, run_name, "run")
     st.caption("The same numbers from the command line (with the scenario TOML downloaded from the Scenario page):")
     st.code(st.session_state.get("run_cli", ""), language="bash")
-    _charts(rows, toml_text)
+    _charts(rows)
 
 
 render()

@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+# One real trace (the shared set tests/sim uses): a small, fast capacity search without a GPU cache.
+KV_TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "kv-cache-tester"
+TRACE = str((KV_TRACES / "trace_0002.json.gz").resolve())
 
 # A sweep small enough to take seconds on a 2-core machine.
 SMALL_LOADS = "8,16"
@@ -46,3 +49,24 @@ def set_run(at, prefix_loads: str = SMALL_LOADS, duration=SMALL_DURATION_S, synt
 def press(at, label: str):
     by_label(at.button, label).click()
     return at.run()
+
+
+def set_plan(at, targets: str | None = None, field: str | None = None, lo=None, hi=None, *, load=None,
+             duration=SMALL_DURATION_S, synthetic=SMALL_SYNTHETIC, workers=2, max_runs=4, other: str | None = None):
+    """Fill the Plan page's inputs (each ``set_value`` reruns the page, as a user's edit does)."""
+    if targets is not None:
+        by_label(at.text_area, "Targets").set_value(targets).run()
+    if field is not None:
+        by_label(at.selectbox, "Variable").set_value(field).run()
+    if other is not None:
+        by_label(at.text_input, "Field (section.field)").set_value(other).run()
+    if lo is not None:
+        by_label(at.number_input, "From (LO)").set_value(lo).run()
+    if hi is not None:
+        by_label(at.number_input, "To (HI)").set_value(hi).run()
+    if load is not None:
+        by_label(at.number_input, "Sessions per run").set_value(load).run()
+    by_label(at.number_input, "Seconds per run").set_value(float(duration)).run()
+    by_label(at.number_input, "Synthetic sessions").set_value(synthetic).run()
+    by_label(at.number_input, "Points per round").set_value(workers).run()
+    by_label(at.number_input, "Max runs").set_value(max_runs).run()

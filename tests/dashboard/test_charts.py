@@ -10,7 +10,8 @@ def _row(load: int, ssd: float = 0.0) -> dict:
         "scenario": "x", "sessions": load, "duration_s": 60.0, "requests": 10, "throughput_per_gpu_tok_s": 1000.0 * load,
         "ttft_p50_s": 1.0, "ttft_p90_s": 2.0, "share_gpu": 0.5, "share_pool": 0.3, "share_ssd": ssd,
         "share_computed": 0.2, "reuse": 0.8, "gen_speed_per_user_tok_s_p50": 50.0, "decode_kv_occupancy_p50": 0.4,
-        "timeline": {"pool_t": [0.0, 10.0], "pool_used": [0.0, 0.5], "pool_evicted": [0, 3]},
+        "timeline": {"pool_t": [0.0, 10.0], "pool_used": [0.0, 0.5], "pool_evicted": [0, 3],
+                     "decode_t": [0.0, 5.0, 10.0], "decode_occ": [0.0, 0.3, 0.6]},
         "restore_stage_s": [0.01, 0.02, 0.05],
     }
 
@@ -37,7 +38,7 @@ def test_every_builder_makes_a_valid_spec():
         charts.throughput(summary, "sessions"), charts.ttft(summary, "sessions"),
         charts.decode_occupancy_p50(summary, "sessions"), charts.pool_occupancy(timeline), charts.evictions(timeline),
         charts.restore_latency(results.restore_frame(rows)),
-        charts.decode_occupancy(results.decode_frame({"8 sessions": ([0.0, 1.0], [0.1, 0.2])})),
+        charts.decode_occupancy(results.decode_frame(rows)),
     ]
     runs = {"a": rows, "b": [_row(8), _row(16)]}
     built += [charts.compare_metric(results.compare_frame(runs), "sessions", "reuse", "reuse"),
@@ -52,3 +53,12 @@ def test_ratios_are_over_the_baseline_at_the_same_load():
     ratio = results.ratio_frame({"base": [_row(8)], "fast": [fast]}, "base")
     assert ratio.to_dict("records")[0]["throughput per GPU"] == 2.0
     assert list(ratio["scenario"]) == ["fast / base"]
+
+
+def test_decode_frame_reads_the_exported_series_per_load():
+    old = _row(32)
+    del old["timeline"]["decode_t"]  # a result without the series (older simulator) is left out, not an error
+    frame = results.decode_frame([_row(8), _row(16), old])
+    assert list(dict.fromkeys(frame["load"])) == ["8 sessions", "16 sessions"]
+    assert list(frame[frame["load"] == "8 sessions"]["decode_kv_occupancy"]) == [0.0, 0.3, 0.6]
+    assert results.decode_frame([old]).empty

@@ -175,21 +175,38 @@ def test_compare_page_needs_two_scenarios(app):
     assert not app.exception
 
 
-def test_plan_page_says_the_search_has_not_landed(app):
-    app.switch_page("pages/plan.py").run()
-    assert not app.exception
-    assert any("capacity search has not landed yet" in w.value for w in app.warning)
-    assert not app.get("vega_lite_chart")
+def _chart_specs(at) -> dict[str, dict]:
+    """The drawn Vega-Lite specs by title."""
+    import json
+
+    specs = {}
+    for c in at.get("vega_lite_chart"):
+        spec = json.loads(c.proto.spec)
+        title = spec.get("title")
+        specs[title if isinstance(title, str) else json.dumps(title)] = spec
+    return specs
 
 
-def test_decode_occupancy_over_time_is_simulated_on_request(app):
+def test_decode_occupancy_over_time_comes_from_the_sweep_without_another_run(app, monkeypatch):
+    import kvpool.sim.engine as engine
+
     app.switch_page("pages/run.py").run()
-    set_run(app, "8")
+    set_run(app, "8,16")
     press(app, "Run sweep")
-    before = len(app.get("vega_lite_chart"))
-    press(app, "Simulate decode KV occupancy over time")
     assert not app.exception
-    assert len(app.get("vega_lite_chart")) == before + 1
+    spec = _chart_specs(app)["Decode KV occupancy over time"]
+    values = next(iter(spec["datasets"].values())) if "datasets" in spec else spec["data"]["values"]
+    assert {v["load"] for v in values} == {"8 sessions", "16 sessions"}
+    assert all(0.0 <= v["decode_kv_occupancy"] <= 1.0 for v in values)
+    assert not [b for b in app.button if b.label.startswith("Simulate decode")]
+    assert not any("not exported" in c.value for c in app.caption)
+
+    def no_rerun(*_a, **_k):
+        raise AssertionError("the decode series was simulated again")
+
+    monkeypatch.setattr(engine, "Simulation", no_rerun)
+    app.run()
+    assert not app.exception and "Decode KV occupancy over time" in _chart_specs(app)
 
 
 def test_reset_edits_returns_to_the_base(app):
