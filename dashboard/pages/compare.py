@@ -30,11 +30,19 @@ def _toml_of(choice: str, cur) -> tuple[str, str]:
     return to_toml(knobs.edited(raw, [], label)), label
 
 
+def _cli(picked: list[str], names: dict[str, str], settings: ui.RunSettings, key: str) -> str:
+    """The equivalent ``kvpool sim compare`` line: built-ins by name, the edited scenario as its TOML file."""
+    args = [f"{names[c]}.toml" if c.startswith(EDITED) else c for c in picked]
+    loads = ",".join(f"{x:g}" for x in settings.loads)
+    return (f"kvpool sim compare {' '.join(args)} --{key} {loads} --duration {settings.duration_s:g} "
+            f"--set workload.synthetic_sessions={int(settings.synthetic_sessions)} --json")
+
+
 def render() -> None:
     st.title("Compare")
-    st.caption("Run two or more scenarios at the same loads and read each against the first (the baseline). "
-               "The four-server comparison of the seed's Figure 8 (`kvpool sim compare`) has not landed yet; "
-               "this page runs each scenario through the same sweep as the Run page.")
+    st.caption("Run two or more scenarios (or arms, e.g. the seed's Figure 8 split vs shared pool) at the same loads "
+               "and read each against the first (the baseline): what `kvpool sim compare` does. Each scenario runs "
+               "through the same sweep as the Run page, so the numbers are the CLI's.")
     cur = state.current()
     options = _choices(cur)
     default = [c for c in DEFAULT_PAIR if c in options]
@@ -54,16 +62,18 @@ def render() -> None:
         if len(set(kinds.values())) > 1:
             errors.append("Scenarios: they must share a load kind (all AgentX sessions or all replay RPS); picked: "
                           + ", ".join(f"{c} ({k})" for c, k in kinds.items()))
-        runs = {}
+        runs, names = {}, {}
         if not errors and settings is not None:
             for c in picked:
                 s, errs = ui.scenario_for_run(*_toml_of(c, cur), settings)
                 errors += errs
                 if s is not None:
                     runs[s.name if not c.startswith(EDITED) else c] = to_toml(s)
+                    names[c] = s.name
         ui.show_errors(errors)
         if not errors and settings is not None:
             st.session_state[LAST] = (runs, tuple(settings.loads), settings.workers)
+            st.session_state["compare_cli"] = _cli(picked, names, settings, key)
     last = st.session_state.get(LAST)
     if last is None:
         st.info("Pick the scenarios and loads, then press **Run comparison**. Each scenario's sweep is cached "
@@ -94,8 +104,19 @@ def render() -> None:
         c2.altair_chart(charts.ratios(ratio, key), width="stretch")
     st.subheader("All metrics")
     st.dataframe(frame, hide_index=True, width="stretch")
-    st.download_button("Download comparison CSV", frame.to_csv(index=False), file_name="compare.csv", mime="text/csv",
+    by_name = {data.scenario(t).name: runs[n] for n, t in tomls.items()}  # the CLI's keys: scenario names
+    c1, c2, _ = st.columns([1.3, 1.3, 3])
+    c1.download_button("Download comparison CSV", frame.to_csv(index=False), file_name="compare.csv", mime="text/csv",
                        icon=":material/download:")
+    if len(by_name) == len(runs):
+        c2.download_button("Download comparison JSON", results.compare_json(by_name), mime="application/json",
+                           file_name="compare-" + "-vs-".join(by_name) + ".json", icon=":material/download:")
+    st.caption("The same numbers from the command line (`--json` prints `{scenario name: [per-load objects]}`; "
+               "the edited scenario is the TOML downloaded from the Scenario page):")
+    st.code(st.session_state.get("compare_cli", ""), language="bash")
+    if len(by_name) < len(runs):
+        st.caption("Two of these scenarios share a name; `kvpool sim compare` needs distinct names (rename the edited "
+                   "one with a `name=...` line in the Scenario page's Advanced tab).")
 
 
 render()
