@@ -174,10 +174,12 @@ def _grow(
     return nxt, keep
 
 
-#: Additive recurrence of Roberts' R4 sequence (g solves g**5 = g + 1): consecutive session
-#: indices get well-spread session-level draws, so any N sessions match the preset closely.
+#: Additive recurrence of Roberts' R4 sequence (g solves g**5 = g + 1), dimensions ordered so
+#: that the turns get the step closest to the golden ratio: consecutive session indices get
+#: well-spread session-level draws, jointly and one by one, so any N sessions match the preset
+#: closely.
 _R_G = 1.1673039782614187
-_R_ALPHA = np.array([1.0 / _R_G ** (j + 1) for j in range(4)])
+_R_ALPHA = np.array([1.0 / _R_G ** (j + 1) for j in (2, 3, 1, 0)])
 
 
 def session_draws(seed: int, index: int) -> np.ndarray:
@@ -200,7 +202,8 @@ def generate_records(p: SynthParams, rng: np.random.Generator, u: np.ndarray | N
     # subagent spawn points first: joins push the next main turn later
     groups_at: dict[int, list[int]] = {}  # main turn -> sizes of the fan-outs it spawns
     if n_turns > 1 and u[2] < p.sub_session_p:
-        left = max(1, int(round(p.sub_groups.sample(rng))))
+        # u[2] / p is again uniform and stratified: it sets how many subagents
+        left = max(1, int(round(float(p.sub_groups.ppf(u[2] / p.sub_session_p)))))
         while left > 0:
             fan = min(left, int(rng.geometric(1.0 / max(1.0, p.sub_fanout_mean))))
             groups_at.setdefault(int(rng.integers(0, n_turns)), []).append(fan)
