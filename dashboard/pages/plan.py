@@ -26,9 +26,9 @@ RANGES: dict[str, tuple[float, float]] = {
     "workload.sessions": (8, 160),
     "workload.rps": (0.2, 2.0),
 }
-DEFAULT_TARGETS = "reuse>=0.95\nttft_p90_s<=2.5"
+DEFAULT_TARGETS = "reuse>=0.9\nttft_p90_s<=5"  # met inside 64..768 GiB by the default scenario at the defaults
 DEFAULT_WORKERS = 2  # the CLI's --workers default: points evaluated per round
-DEFAULT_MAX_RUNS = 12
+DEFAULT_MAX_RUNS = 8
 
 
 def _num(x: float) -> str:

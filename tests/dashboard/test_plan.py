@@ -6,7 +6,6 @@ so they take no simulation time; ``test_parity_and_cli.py`` runs a real search a
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -33,12 +32,24 @@ def fake_sim(monkeypatch):
     from kvpool.dashboard import data
 
     calls = []
+    search = pl.search
 
     def evaluate(points):
         calls.append(len(points))
         return model(points)
 
-    monkeypatch.setattr(pl, "search", functools.partial(pl.search, evaluate=evaluate))
+    def searched(*args, on_run=None, **kwargs):
+        reported = []
+
+        def progress(value, row, meets):  # the page's progress bar, advanced once per run
+            reported.append(value)
+            on_run(value, row, meets)
+
+        res = search(*args, evaluate=evaluate, on_run=progress, **kwargs)
+        assert sorted(reported) == sorted(v for v, _, _ in res.explored)
+        return res
+
+    monkeypatch.setattr(pl, "search", searched)
     yield calls
     data.plan.clear()
 
@@ -55,7 +66,7 @@ def _shown_json(app) -> dict:
 
 def test_plan_page_opens_with_inputs_and_no_results(app):
     _plan_page(app)
-    assert by_label(app.text_area, "Targets").value == "reuse>=0.95\nttft_p90_s<=2.5"
+    assert by_label(app.text_area, "Targets").value == "reuse>=0.9\nttft_p90_s<=5"
     assert by_label(app.selectbox, "Variable").value == "pool.gib_per_service"
     assert "workload.sessions" in by_label(app.selectbox, "Variable").options
     assert (by_label(app.number_input, "From (LO)").value, by_label(app.number_input, "To (HI)").value) == (64.0, 768.0)
