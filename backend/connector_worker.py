@@ -18,6 +18,9 @@ Contract:
       chunks than the region has slots is loaded in rounds of at most that many chunks; the
       region never grows. Every object must have exactly this stage's object size: the plan's
       size is checked against this stage's format, and the pool checks each object (``WRONG_SIZE``).
+      With two or more slots the region works as two halves: round r+1 is read into one half while
+      round r is unpacked from the other (one unpack thread per stage), so reads and unpacks overlap;
+      a round is at most half the slots and about a quarter of the plan.
       Any non-``OK`` read fails the stage at once (no unpack of that round); the report says why.
       All-or-nothing across stages is the scheduler's job (``report_stage``): a failed stage may
       have written some pages, which the request recomputes anyway.
@@ -174,6 +177,7 @@ class ConnectorWorker:
         self._staging: torch.Tensor | None = None  # device window of loads (GPU caches only)
         self._save_staging: torch.Tensor | None = None  # and of saves (their own: they run concurrently)
         self._load_exec: ThreadPoolExecutor | None = None
+        self._unpack_exec: ThreadPoolExecutor | None = None
         self._save_exec: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._inflight_saves = 0
@@ -197,15 +201,16 @@ class ConnectorWorker:
             self._staging = torch.empty((min(self.load_slots, window), self.slot_bytes), dtype=torch.uint8, device=self.device)
             self._save_staging = torch.empty((min(self.save_slots, window), self.slot_bytes), dtype=torch.uint8, device=self.device)
         self._load_exec = ThreadPoolExecutor(1, thread_name_prefix=f"kvpool-load-s{self.stage}")
+        self._unpack_exec = ThreadPoolExecutor(1, thread_name_prefix=f"kvpool-unpack-s{self.stage}")
         self._save_exec = ThreadPoolExecutor(1, thread_name_prefix=f"kvpool-save-s{self.stage}")
         return self
 
     def close(self) -> None:
         """Wait for queued loads and saves, unregister the arena and free it. Idempotent."""
-        for ex in (self._load_exec, self._save_exec):
+        for ex in (self._load_exec, self._unpack_exec, self._save_exec):
             if ex is not None:
                 ex.shutdown(wait=True)
-        self._load_exec = self._save_exec = None
+        self._load_exec = self._unpack_exec = self._save_exec = None
         if self._ref is not None:
             try:
                 self.pool.unregister_buffer(self._ref)
@@ -273,30 +278,71 @@ class ConnectorWorker:
             return report(False, "size_mismatch")
         if n != plan.chunks:
             raise ValueError(f"stage {self.stage} has {n} keys for a {plan.chunks}-chunk plan")
+        # Two halves of the load region when it has >= 2 slots: round r+1 is read into one half
+        # while round r is unpacked from the other (on the unpack thread).
+        # A load that fits one half is still cut into ~4 rounds, so that there is something to overlap.
+        overlap = self.load_slots >= 2 and n > 1
+        per_round = min(self.load_slots // 2, -(-n // 4)) if overlap else self.load_slots
+        pending: list[Future[float] | None] = [None, None]
+
+        def drain(raise_errors: bool) -> None:
+            nonlocal unpack_s
+            for i, fut in enumerate(pending):
+                if fut is None:
+                    continue
+                pending[i] = None
+                try:
+                    unpack_s += fut.result()
+                except Exception:
+                    if raise_errors:
+                        raise
+
         try:
             while done < n:
                 if self.clock() > deadline:
+                    drain(False)
                     return report(False, "timeout")
-                m = min(self.load_slots, n - done)
+                m = min(per_round, n - done)
+                half = rounds % 2 if overlap else 0
+                base = half * (self.load_slots // 2) * self.slot_bytes
+                fut = pending[half]
+                if fut is not None:  # that half's previous round must be unpacked before reuse
+                    pending[half] = None
+                    unpack_s += fut.result()
                 keys = objs.keys[done : done + m]
-                offsets = [k * self.slot_bytes for k in range(m)]
+                offsets = [base + k * self.slot_bytes for k in range(m)]
                 t1 = self.clock()
                 statuses = self.pool.get(keys, ref, offsets, [self.object_bytes] * m)
-                t2 = self.clock()
-                get_s += t2 - t1
+                get_s += self.clock() - t1
                 rounds += 1
                 bad = [(k, st) for k, st in zip(keys, statuses) if st != Status.OK]
                 if bad:
+                    drain(False)
                     self._remove_wrong_size([k for k, st in bad if st == Status.WRONG_SIZE])
                     return report(False, _REASON.get(bad[0][1], "failed"))
-                self._unpack(m, self._table(block_ids, plan.first_chunk + done, m))
-                unpack_s += self.clock() - t2
+                table = self._table(block_ids, plan.first_chunk + done, m)
+                if overlap:
+                    assert self._unpack_exec is not None
+                    pending[half] = self._unpack_exec.submit(self._timed_unpack, base, m, table)
+                else:
+                    unpack_s += self._timed_unpack(base, m, table)
                 done += m
                 if on_round is not None:
                     on_round(done, n)
+            drain(True)
         except (ValueError, IndexError, TypeError, RuntimeError) as e:  # bad table, kernel refusal
+            drain(False)
             return report(False, f"error: {e}")
         return report(True)
+
+    def _timed_unpack(self, base: int, m: int, table: torch.Tensor) -> float:
+        t0 = self.clock()
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):  # the unpack thread's current device
+                self._unpack(base, m, table)
+        else:
+            self._unpack(base, m, table)
+        return self.clock() - t0
 
     def _remove_wrong_size(self, keys: list[str]) -> None:
         if keys and self.config.remove_wrong_size:
@@ -304,10 +350,10 @@ class ConnectorWorker:
             with self._lock:
                 self.counters["wrong_size_removed"] += len(keys)
 
-    def _unpack(self, m: int, table: torch.Tensor) -> None:
+    def _unpack(self, base: int, m: int, table: torch.Tensor) -> None:
         cfg, ct = self.config, self.config.chunk_tokens
         if self.device.type == "cpu":
-            kernels.unpack(self._slots(0, m), self.caches, table, m, ct, self.fmt, cfg.validate, cfg.kernel_backend)
+            kernels.unpack(self._slots(base, m), self.caches, table, m, ct, self.fmt, cfg.validate, cfg.kernel_backend)
             return
         arena, _ = self._require_started()
         staging = self._staging
@@ -315,7 +361,8 @@ class ConnectorWorker:
         w, p = staging.shape[0], self.pages_per_chunk
         for j in range(0, m, w):
             k = min(w, m - j)
-            staging[:k].copy_(arena[j * self.slot_bytes : (j + k) * self.slot_bytes].view(k, self.slot_bytes), non_blocking=True)
+            lo = base + j * self.slot_bytes
+            staging[:k].copy_(arena[lo : lo + k * self.slot_bytes].view(k, self.slot_bytes), non_blocking=True)
             objects = staging[:k, : self.object_bytes]
             kernels.unpack(objects, self.caches, table[j * p : (j + k) * p], k, ct, self.fmt, cfg.validate, cfg.kernel_backend)
         torch.cuda.current_stream(self.device).synchronize()  # the host slots are reused next round

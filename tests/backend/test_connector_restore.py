@@ -107,8 +107,10 @@ def test_a_request_larger_than_the_load_buffer_loads_in_rounds(keyspace: str) ->
         assert prime(e, "p", TOKENS).stored  # saves in 6 windows of one slot on stage 0
         rounds: list[tuple[int, int, int]] = []
         served = e.serve("r", TOKENS, save=False, on_round=lambda s, d, t: rounds.append((s, d, t)))
-        assert [r.rounds for r in e.conn.last_reports] == [3, 2, 2]  # 2 slots on stage 0, 4 on the others
-        assert sorted(d for s, d, _ in rounds if s == 0) == [2, 4, 6]
+        # 2 slots on stage 0, 4 on the others, used as two halves (read one while unpacking the other)
+        assert [r.rounds for r in e.conn.last_reports] == [6, 3, 3]
+        assert sorted(d for s, d, _ in rounds if s == 0) == [1, 2, 3, 4, 5, 6]
+        assert sorted(d for s, d, _ in rounds if s == 1) == [2, 4, 6]
         assert [w._arena.numel() for w in e.workers] == arena_bytes  # never grown
         assert served.metrics.pool_tokens == 6 * CHUNK
         assert_matches_reference(e, served, TOKENS)
