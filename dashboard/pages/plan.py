@@ -197,9 +197,10 @@ def _verdict(summary: dict, inp: Inputs) -> None:
                  + ("Lower LO or relax the targets." if maximize else "Raise HI or relax the targets."),
                  icon=":material/block:")
         return
-    c1, c2 = st.columns([1, 3])
-    c1.metric(f"{'Largest' if maximize else 'Smallest'} {field} meeting every target", f"{best:,.6g}",
-              help=f"{summary['runs']} simulator runs; targets: {targets}")
+    c1, c2 = st.columns([1.3, 3])
+    c1.metric(f"{'Largest' if maximize else 'Smallest'} {field}", f"{best:,.6g}",
+              help=f"The {'largest' if maximize else 'smallest'} value found that meets every target ({targets}); "
+                   f"{summary['runs']} simulator runs.")
     fails, meets = results.plan_bracket(summary)
     with c2:
         if fails is None:
