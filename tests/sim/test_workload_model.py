@@ -76,3 +76,20 @@ def test_weka_writer_roundtrips_deps_and_ids():
     s2 = session_from_weka(session_to_weka(s))
     assert [(r.t_s, r.in_tokens, r.deps) for r in s.requests] == [(r.t_s, r.in_tokens, r.deps) for r in s2.requests]
     assert all(np.array_equal(s.block_ids(i), s2.block_ids(i)) for i in range(len(s.requests)))
+
+
+def test_workload_layer_imports_without_simpy_or_scipy():
+    """The backend's production mode reuses the workload layer where SimPy is not installed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('simpy', 'scipy'):\n"
+        "            raise ImportError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import kvpool.sim.workload, kvpool.sim.workload.replay, kvpool.sim.workload.synth\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
