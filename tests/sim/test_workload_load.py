@@ -121,3 +121,11 @@ def test_mooncake_bad_row_names_the_line(tmp_path):
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     e = _error(f)
     assert e.request == "line 2" and "hash_ids has 1 blocks" in e.message
+
+
+def test_mooncake_conversation_block_reuse_matches_the_reference():
+    from kvpool.sim.workload import workload_stats
+
+    st = workload_stats(load_workload(MOONCAKE / "conversation_trace.jsonl"))
+    assert st["requests"] == 12031 and st["input_tokens_all_p50"] == 6909
+    assert st["reuse_ceiling"] == pytest.approx(1 - 182_790 / 288_500, abs=1e-4)  # 36.6 %
