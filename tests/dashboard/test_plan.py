@@ -229,3 +229,18 @@ def test_trace_for_the_parity_test_exists():
     from pathlib import Path
 
     assert Path(TRACE).is_file(), f"shared trace not found at {TRACE}"
+
+
+def test_a_replay_scenario_varies_requests_per_second(app):
+    by_label(app.selectbox, "Built-in scenario").set_value("mi350x-6p2d-tp4-replay-shared").run()
+    _plan_page(app)
+    options = by_label(app.selectbox, "Variable").options
+    assert "workload.rps" in options and "workload.sessions" not in options
+    assert by_label(app.number_input, "Requests per second per run").value > 0
+    set_plan(app, field="other field (type it)", other="workload.sessions")
+    assert any("Variable: workload.sessions is not this scenario's load; it runs in production replay (requests per "
+               "second) mode, so vary workload.rps" in e for e in errors(app)), errors(app)
+    set_plan(app, field="workload.rps")
+    assert not errors(app)
+    assert (by_label(app.number_input, "From (LO)").value, by_label(app.number_input, "To (HI)").value) == (0.2, 2.0)
+    assert by_label(app.number_input, "Requests per second per run").disabled
