@@ -115,6 +115,8 @@ def test_the_json_download_has_the_cli_keys():
     assert json.loads(results.to_json(rows)) == [{"scenario": "x", "sessions": 8, "duration_s": 60.0, "requests": 3}]
     assert results.to_csv(rows).splitlines()[0] == "sessions,duration_s,requests,scenario"
     assert results.stem("x", rows) == "x-sessions-8"
+    arms = {"a": rows, "b": rows}  # kvpool sim compare --json: {scenario name: [per-load objects]}
+    assert json.loads(results.compare_json(arms)) == {n: json.loads(results.to_json(r)) for n, r in arms.items()}
 
 
 def test_override_text_round_trips_through_the_cli_parser():
