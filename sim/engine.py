@@ -147,7 +147,7 @@ class Simulation:
                 handle(replay.poll(env.now))
 
     # -- one request -------------------------------------------------------------------------
-    def _admit(self, rec: RequestRecord, d, decode: int):
+    def _admit(self, rec: RequestRecord):
         """Wait at the gate; returns the decode instance index or None when rejected."""
         gate = self.gate
         key = rec.key
@@ -177,14 +177,13 @@ class Simulation:
 
     def _serve(self, d):
         env = self.env
-        s = self.s
         req = d.request
         out_tokens = max(1, d.out_tokens)
         rec = RequestRecord(d.key, d.session.id, req.thread, d.measured, env.now, req.in_tokens, out_tokens)
         self.records.append(rec)
         # 1. gate and decode group
         if self.gate is not None:
-            decode = yield from self._admit(rec, d, 0)
+            decode = yield from self._admit(rec)
             if decode is None:
                 rec.end_s = env.now
                 return

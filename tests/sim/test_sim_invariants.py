@@ -161,3 +161,24 @@ def test_ssd_tier_catches_what_dram_evicts():
     assert with_ssd["reuse"] > dram_only["reuse"]
     for r in recs:
         assert r.gpu_tokens + r.pool_tokens + r.ssd_tokens + r.computed_tokens == r.in_tokens
+
+
+def test_four_server_gate_admits_and_rejects_with_a_reason():
+    w = small_workload()
+    s = load_scenario("mi350x-6p2d-shared", ["gate.max_input_tokens=6000"])
+    sim = Simulation(s, every_request(w, lanes=len(w)))
+    recs = sim.run()
+    rejected = [r for r in recs if r.rejected]
+    admitted = [r for r in recs if not r.rejected]
+    assert rejected and all(r.in_tokens > 6000 and r.rejected == "reject_input_too_long" for r in rejected)
+    assert admitted and all(r.in_tokens <= 6000 and r.end_s >= r.first_token_s > 0 for r in admitted)
+    assert {r.decode for r in admitted} <= {0, 1} and sim.gate.reserved == [0, 0]  # every reservation released
+    assert summarize(recs, gpus=sim.gpus)["rejected"] == len(rejected)
+
+
+def test_split_pool_serves_each_prefill_from_its_own_server():
+    w = small_workload()
+    recs = Simulation(load_scenario("mi350x-6p2d-split", ["prefill.gpu_mem_utilization=0.38"]),
+                      every_request(w, lanes=len(w))).run()
+    assert all(r.gpu_tokens + r.pool_tokens + r.computed_tokens == r.in_tokens for r in recs)
+    assert len({r.prefill for r in recs}) > 1  # routing spreads the turns over prefill instances
