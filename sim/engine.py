@@ -244,7 +244,7 @@ class Simulation:
                 yield from self._restore(rec, p, load_ids.size)
             finally:
                 self.pool.unpin(p.server, p.ranks, load_ids)
-        yield p.compute(rec.computed_tokens, rec.gpu_tokens + rec.pool_tokens)
+        yield p.compute(rec.computed_tokens, req.in_tokens - rec.computed_tokens)  # context: every reused token
         rec.prefill_end_s = env.now
         p.outstanding_tokens -= req.in_tokens
         p.cache.insert(gblocks[:full_blocks], env.now, bt)
