@@ -4,4 +4,8 @@ from __future__ import annotations
 
 import typer
 
-app = typer.Typer(help="Production mode: drive real prefill/decode workers on GPUs with the connector and handoff.", no_args_is_help=True)
+app = typer.Typer(
+    help="Production mode: drive real prefill/decode workers on GPUs with the connector and handoff. "
+    "Not built yet: this group has no commands.",
+    no_args_is_help=True,
+)
