@@ -98,9 +98,16 @@ class BufferRegistry:
 
 
 def check_batch(
-    keys: Sequence[str], offsets_bytes: Sequence[int], sizes_bytes: Sequence[int], buffer: BufferRef
+    keys: Sequence[str],
+    offsets_bytes: Sequence[int],
+    sizes_bytes: Sequence[int],
+    buffer: BufferRef,
+    groups: Sequence[str] | None = None,
 ) -> None:
-    """Validate a batch before anything moves: equal lengths, non-empty keys, ranges inside."""
+    """Validate a batch before anything moves: equal lengths (of ``groups`` too, for a put),
+    non-empty keys, ranges inside the buffer."""
+    if groups is not None and len(groups) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(groups)} group ids")
     if not (len(keys) == len(offsets_bytes) == len(sizes_bytes)):
         raise ValueError(
             f"keys, offsets and sizes differ in length: {len(keys)}, {len(offsets_bytes)}, {len(sizes_bytes)}"

@@ -77,9 +77,7 @@ class EmbeddedPool:
     ) -> list[Status]:
         self._check_open()
         self._buffers.check(buffer)
-        check_batch(keys, offsets_bytes, sizes_bytes, buffer)
-        if len(groups) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(groups)} group ids")
+        check_batch(keys, offsets_bytes, sizes_bytes, buffer, groups)
         out: list[Status] = []
         with self._lock:
             now = self._clock()

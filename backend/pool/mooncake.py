@@ -167,9 +167,7 @@ class MooncakePool:
     ) -> list[Status]:
         self._check_open()
         self._buffers.check(buffer)
-        check_batch(keys, offsets_bytes, sizes_bytes, buffer)
-        if len(groups) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(groups)} group ids")
+        check_batch(keys, offsets_bytes, sizes_bytes, buffer, groups)
         out = [Status.FULL] * len(keys)
         pending = list(range(len(keys)))
         deadline = time.monotonic() + self.put_retry.budget_s
