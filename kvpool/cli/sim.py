@@ -36,6 +36,26 @@ def parse_loads(text: str | None, flag: str, integer: bool) -> list[float]:
     return out
 
 
+def run_overrides(set_: list[str], *, duration: float | None = None, seed: int | None = None,
+                  sessions: str | None = None, rps: str | None = None) -> list[str]:
+    """The ``--set`` overrides that ``--duration``, ``--seed`` and ``--sessions``/``--rps`` stand for,
+    after the user's own ``--set`` ones."""
+    extra = list(set_)
+    if duration is not None:
+        if duration <= 0:
+            raise UserError(f"--duration {duration:g}: must be > 0 seconds")
+        extra.append(f"workload.duration_s={duration}")
+    if seed is not None:
+        extra.append(f"seed={seed}")
+    if sessions is not None and rps is not None:
+        raise UserError("give --sessions (AgentX lanes) or --rps (production replay), not both")
+    if sessions is not None:
+        extra.append('workload.mode="agentx"')
+    if rps is not None:
+        extra.append('workload.mode="replay"')
+    return extra
+
+
 @app.command()
 def run(
     scenario: str = typer.Argument("mi355x-1p1d", help="Built-in scenario name or TOML file."),
@@ -55,20 +75,7 @@ def run(
     from kvpool.sim import report
     from kvpool.sim.run import load_key, sweep
 
-    extra = list(set_)
-    if duration is not None:
-        if duration <= 0:
-            raise UserError(f"--duration {duration:g}: must be > 0 seconds")
-        extra.append(f"workload.duration_s={duration}")
-    if seed is not None:
-        extra.append(f"seed={seed}")
-    if sessions is not None and rps is not None:
-        raise UserError("give --sessions (AgentX lanes) or --rps (production replay), not both")
-    if sessions is not None:
-        extra.append('workload.mode="agentx"')
-    if rps is not None:
-        extra.append('workload.mode="replay"')
-    s = load_or_exit(scenario, extra)
+    s = load_or_exit(scenario, run_overrides(set_, duration=duration, seed=seed, sessions=sessions, rps=rps))
     if traces is not None and not os.path.exists(traces):
         raise UserError(f"--traces {traces}: no such file or directory")
     loads = parse_loads(sessions, "--sessions", True) or parse_loads(rps, "--rps", False)
@@ -128,17 +135,7 @@ def compare(
 
     if len(scenarios) < 2:
         raise UserError("compare needs two or more scenarios")
-    if sessions is not None and rps is not None:
-        raise UserError("give --sessions (AgentX lanes) or --rps (production replay), not both")
-    extra = list(set_)
-    if duration is not None:
-        if duration <= 0:
-            raise UserError(f"--duration {duration:g}: must be > 0 seconds")
-        extra.append(f"workload.duration_s={duration}")
-    if sessions is not None:
-        extra.append('workload.mode="agentx"')
-    if rps is not None:
-        extra.append('workload.mode="replay"')
+    extra = run_overrides(set_, duration=duration, sessions=sessions, rps=rps)
     arms_s = [load_or_exit(name, extra) for name in scenarios]
     names = [s.name for s in arms_s]
     if len(set(names)) != len(names):
@@ -184,12 +181,7 @@ def plan(
     from kvpool.sim import plan as pl
     from kvpool.sim import report
 
-    extra = list(set_)
-    if duration is not None:
-        if duration <= 0:
-            raise UserError(f"--duration {duration:g}: must be > 0 seconds")
-        extra.append(f"workload.duration_s={duration}")
-    base = load_or_exit(scenario, extra)
+    base = load_or_exit(scenario, run_overrides(set_, duration=duration))
     try:
         targets = [pl.parse_target(t) for t in target]
         variable = pl.parse_vary(vary, base)
