@@ -10,13 +10,18 @@ Contract:
       capacity is free; the blocks being inserted are never victims.
     * Capacity is in tokens (``None``: unbounded, the trace-ceiling check); it holds
       ``capacity_tokens // block_tokens`` blocks of the first workload it sees.
+
+Implementation: every use (a hit's leading run, an insert) is logged as ``(time, ids)`` in time
+order; a block's live entry is the one whose time equals its last use. Eviction consumes the log
+from its oldest end, so a pass costs what it evicts plus the stale entries it skips, not a scan of
+the whole cache. Within one moment, a block's depth is its position in its entry.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from collections import deque
 
-from kvpool.policy.grouptable import IdList
+import numpy as np
 
 
 class GPUPrefixCache:
@@ -28,11 +33,11 @@ class GPUPrefixCache:
         self.evict_fraction = evict_fraction
         self.held = np.zeros(initial, dtype=bool)
         self._last = np.zeros(initial, dtype=np.float64)
-        self._depth = np.zeros(initial, dtype=np.int32)
         self.blocks = 0
         self.evicted_blocks = 0
-        self._resident = IdList()  # ids held (plus stale ones until the next evict)
-        self._listed = np.zeros(initial, dtype=bool)  # whether an id is in _resident
+        # (time, ids, depths or None for 0..n-1); only kept when the capacity is bounded
+        self._log: deque[tuple[float, np.ndarray, np.ndarray | None]] = deque()
+        self._bounded = capacity_tokens is not None
 
     def _grow(self, max_id: int) -> None:
         n = len(self.held)
@@ -41,19 +46,19 @@ class GPUPrefixCache:
         new = max(max_id + 1, 2 * n)
         self.held = np.concatenate([self.held, np.zeros(new - n, dtype=bool)])
         self._last = np.concatenate([self._last, np.zeros(new - n)])
-        self._depth = np.concatenate([self._depth, np.zeros(new - n, dtype=np.int32)])
-        self._listed = np.concatenate([self._listed, np.zeros(new - n, dtype=bool)])
 
     def hit_blocks(self, ids: np.ndarray, now: float) -> int:
         """Leading blocks of ``ids`` held; they count as used now."""
         if not ids.size:
             return 0
         self._grow(int(ids.max()))
-        held = self.held[ids]
-        miss = np.flatnonzero(~held)
+        miss = np.flatnonzero(~self.held[ids])
         run = int(miss[0]) if miss.size else int(ids.size)
         if run:
-            self._last[ids[:run]] = now
+            used = ids[:run]
+            self._last[used] = now
+            if self._bounded:
+                self._log.append((now, used, None))
         return run
 
     def insert(self, ids: np.ndarray, now: float, block_tokens: int) -> None:
@@ -65,41 +70,54 @@ class GPUPrefixCache:
         self._grow(int(ids.max()))
         if self.capacity_blocks is not None and ids.size > self.capacity_blocks:
             ids = ids[: self.capacity_blocks]
-        new = ~self.held[ids]
-        self.blocks += int(new.sum())
-        if self.capacity_blocks is not None:
-            joining = ids[new & ~self._listed[ids]]
-            self._listed[joining] = True
-            self._resident.extend(joining)
+        self.blocks += int(np.count_nonzero(~self.held[ids]))
         self.held[ids] = True
         self._last[ids] = now
-        self._depth[ids] = np.arange(ids.size, dtype=np.int32)
+        if self._bounded:
+            self._log.append((now, ids, None))
         if self.capacity_blocks is not None and self.blocks > self.capacity_blocks:
-            self._evict(protect=ids)
+            self._evict(ids, now)
 
-    def _evict(self, protect: np.ndarray) -> None:
+    def _evict(self, protect: np.ndarray, now: float) -> None:
         cap = self.capacity_blocks or 0
         target = self.blocks - cap + int(cap * self.evict_fraction)
-        alive = self.held[self._resident.view()]
-        self._listed[self._resident.keep(alive)] = False  # drop stale entries
-        cand = self._resident.view()
-        # The blocks being inserted were used just now, so LRU reaches them last; exclude them
-        # only when the pass would otherwise take them.
-        now = self._last[protect[0]]
-        is_older = self._last[cand] < now
-        if target < int(is_older.sum()):
-            cand = cand[is_older]
-        else:
-            keep = np.zeros(len(self.held), dtype=bool)
-            keep[protect] = True
-            cand = cand[~keep[cand]]
-        k = max(0, min(target, cand.size))
-        if k == 0:
-            return
-        # LRU, deepest first among blocks used at the same moment (depth < 1e6 blocks, so the
-        # tie-break stays below the float resolution of distinct times that matter).
-        key = self._last[cand] - self._depth[cand] * 1e-9
-        victims = cand[np.argpartition(key, k - 1)[:k]] if k < cand.size else cand
-        self.held[victims] = False
-        self.blocks -= int(victims.size)
-        self.evicted_blocks += int(victims.size)
+        log = self._log
+        skipped: list[tuple[float, np.ndarray, np.ndarray | None]] = []  # protected entries of `now`
+        while target > 0 and log:
+            t = log[0][0]
+            entries = []
+            while log and log[0][0] == t:
+                entries.append(log.popleft())
+            if len(entries) == 1:
+                _, ids, depth = entries[0]
+                if depth is None:
+                    depth = np.arange(ids.size)
+            else:
+                ids = np.concatenate([e[1] for e in entries])
+                depth = np.concatenate([np.arange(e[1].size) if e[2] is None else e[2] for e in entries])
+            live = self.held[ids] & (self._last[ids] == t)
+            ids, depth = ids[live], depth[live]
+            if t == now and protect.size:
+                guard = np.zeros(self.held.size, dtype=bool)
+                guard[protect] = True
+                keep = guard[ids]
+                if keep.any():
+                    skipped.append((t, ids[keep], depth[keep]))
+                    ids, depth = ids[~keep], depth[~keep]
+            if not ids.size:
+                continue
+            order = np.argsort(-depth, kind="stable")  # deepest first
+            ids, depth = ids[order], depth[order]
+            if len(entries) > 1:  # a block logged twice at one moment counts once
+                _, first = np.unique(ids, return_index=True)
+                first.sort()
+                ids, depth = ids[first], depth[first]
+            if ids.size > target:
+                rest = slice(target, None)
+                log.appendleft((t, ids[rest][::-1].copy(), depth[rest][::-1].copy()))
+                ids = ids[:target]
+            self.held[ids] = False
+            self.blocks -= int(ids.size)
+            self.evicted_blocks += int(ids.size)
+            target -= int(ids.size)
+        log.extend(skipped)

@@ -118,10 +118,16 @@ class SimPool:
             if self.ssd is not None and out.evicted_ids.size:
                 self.ssd[g].put(out.evicted_ids, 0, now)
 
+    def _tables_of(self, server: int, ranks: int) -> list[GroupTable]:
+        """The distinct tables that ranks ``0 .. ranks-1`` of an instance on ``server`` use."""
+        g = self._group(server)
+        return [self.tables[g][q] for q, members in enumerate(self.part_ranks) if any(r < ranks for r in members)]
+
     def pin(self, server: int, ranks: int, gids: np.ndarray) -> None:
-        for r in range(ranks):
-            self.ref(server, r).table.pin(gids)
+        """Protect the groups of ``gids`` in every part the instance's ranks use (loads in flight)."""
+        for t in self._tables_of(server, ranks):
+            t.pin(gids)
 
     def unpin(self, server: int, ranks: int, gids: np.ndarray) -> None:
-        for r in range(ranks):
-            self.ref(server, r).table.unpin(gids)
+        for t in self._tables_of(server, ranks):
+            t.unpin(gids)

@@ -236,6 +236,10 @@ class AgentXReplay:
         self._inflight: dict[int, tuple[_Play, int]] = {}
         self._held: list[tuple[_Play, int, float]] = []  # before the barrier: (play, request, delay)
         self._warm_left = 0  # primer + warm-up dispatches not yet finished
+        # every (due, lane, request, push number, play) set in a play's ``pending``; entries whose
+        # due no longer matches are stale and skipped (dues only move by the idle caps)
+        self._dues: list[tuple[float, int, int, int, _Play]] = []
+        self._pushes = 0
 
     # -- driver interface ---------------------------------------------------------------------
     def start(self, now_s: float) -> Wake:
@@ -317,7 +321,7 @@ class AgentXReplay:
                 play.phase[i] = "primer"
                 play.waiting[i] = 0
                 self._warm_left += 1
-                play.pending[i] = now_s
+                self._set_due(play, i, now_s)
             self._warm_left += n_warm
         for j in range(first, len(s.requests)):
             if play.waiting[j] == 0:
@@ -335,7 +339,12 @@ class AgentXReplay:
         if play.phase.get(j) is None and self.profile_start_s is None and self.warmup:
             self._held.append((play, j, due - now_s))
             return
+        self._set_due(play, j, due)
+
+    def _set_due(self, play: _Play, j: int, due: float) -> None:
         play.pending[j] = due
+        self._pushes += 1
+        heapq.heappush(self._dues, (due, play.lane, j, self._pushes, play))
 
     def _barrier(self, now_s: float) -> None:
         self.profile_start_s = now_s
@@ -345,7 +354,7 @@ class AgentXReplay:
         delays = [min(d, cap) for _, _, d in self._held]
         base = min(delays)
         for (play, j, _), d in zip(self._held, delays):
-            play.pending[j] = now_s + d - base
+            self._set_due(play, j, now_s + d - base)
         self._held = []
 
     def _cap_tree(self, play: _Play, now_s: float) -> None:
@@ -353,8 +362,8 @@ class AgentXReplay:
             return
         shift = min(play.pending.values()) - now_s - self.idle_cap_s
         if shift > 0:
-            for j in play.pending:
-                play.pending[j] -= shift
+            for j, due in list(play.pending.items()):
+                self._set_due(play, j, due - shift)
 
     def _cap_system(self, now_s: float) -> None:
         if self.system_idle_cap_s is None or self._inflight:
@@ -365,32 +374,32 @@ class AgentXReplay:
         shift = min(min(p.pending.values()) for p in plays) - now_s - self.system_idle_cap_s
         if shift > 0:
             for p in plays:
-                for j in p.pending:
-                    p.pending[j] -= shift
+                for j, due in list(p.pending.items()):
+                    self._set_due(p, j, due - shift)
 
     def _wake(self, now_s: float) -> Wake:
         self._cap_system(now_s)
-        ready: list[Dispatch] = []
         end = math.inf if self.profile_start_s is None else self.profile_start_s + self.duration_s
-        nxt = math.inf
-        live = False
-        for play in self._plays:
-            if play is None or not play.pending:
-                continue
-            due_now = []
-            for j, due in play.pending.items():
-                if due >= end:
-                    continue
-                live = True
-                if due <= now_s + _EPS_S:
-                    due_now.append((due, j))
-                elif due < nxt:
-                    nxt = due
-            for due, j in sorted(due_now):
-                del play.pending[j]
-                ready.append(self._dispatch(play, j, due))
+        dues = self._dues
+        due_now: list[tuple[int, float, int, _Play]] = []
+        while dues:
+            due, lane, j, _, play = dues[0]
+            if play.pending.get(j) != due:  # stale: dispatched, or moved by an idle cap
+                heapq.heappop(dues)
+            elif due <= now_s + _EPS_S and due < end:
+                heapq.heappop(dues)
+                due_now.append((lane, due, j, play))
+            else:
+                break
+        # the earliest live due left: the top, unless it lies past the end of the run
+        live = bool(due_now) or bool(dues and dues[0][0] < end)
+        nxt = dues[0][0] if dues and dues[0][0] < end else None
+        ready: list[Dispatch] = []
+        for _, due, j, play in sorted(due_now, key=lambda e: e[:3]):  # lane order, then due
+            del play.pending[j]
+            ready.append(self._dispatch(play, j, due))
         done = not self._inflight and not live and (self.profile_start_s is not None or not self._held)
-        return Wake(tuple(ready), None if nxt == math.inf else nxt, done)
+        return Wake(tuple(ready), nxt, done)
 
     def _dispatch(self, play: _Play, j: int, due: float) -> Dispatch:
         r = play.session.requests[j]

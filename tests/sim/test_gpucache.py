@@ -30,3 +30,52 @@ def test_never_over_capacity(prompts):
     for i, p in enumerate(prompts):
         c.insert(np.array(p), float(i), 64)
         assert c.blocks == int(c.held.sum()) <= 16
+
+
+class _ReferenceLRU:
+    """A direct statement of the contract: every block's last use and its depth in that use;
+    eviction sorts all held blocks by (last use, deepest first) and drops the first ones."""
+
+    def __init__(self, capacity_blocks: int, evict_fraction: float) -> None:
+        self.cap = capacity_blocks
+        self.frac = evict_fraction
+        self.used: dict[int, tuple[float, int]] = {}
+
+    def hit(self, ids, now):
+        run = 0
+        for b in ids:
+            if b not in self.used:
+                break
+            run += 1
+        for d, b in enumerate(ids[:run]):
+            self.used[b] = (now, d)
+        return run
+
+    def insert(self, ids, now):
+        ids = list(ids)[: self.cap]
+        for d, b in enumerate(ids):
+            self.used[b] = (now, d)
+        if len(self.used) > self.cap:
+            target = len(self.used) - self.cap + int(self.cap * self.frac)
+            order = sorted((b for b in self.used if b not in set(ids)), key=lambda b: (self.used[b][0], -self.used[b][1]))
+            for b in order[:target]:
+                del self.used[b]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 80), min_size=1, max_size=20, unique=True)),
+                max_size=60),
+       st.sampled_from([0.0, 0.05, 0.25]))
+def test_matches_a_direct_lru_model(ops, frac):
+    """Hits and inserts at distinct moments give exactly the reference's hits and contents."""
+    c = GPUPrefixCache(24 * 64, evict_fraction=frac)
+    ref = _ReferenceLRU(24, frac)
+    for i, (is_hit, p) in enumerate(ops):
+        ids = np.array(p)
+        if is_hit:
+            assert c.hit_blocks(ids, float(i)) == ref.hit(p, float(i))
+        else:
+            c.insert(ids, float(i), 64)
+            ref.insert(p, float(i))
+        assert set(np.flatnonzero(c.held).tolist()) == set(ref.used)
+        assert c.blocks == len(ref.used)
