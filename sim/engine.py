@@ -38,6 +38,28 @@ from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.pool import SimPool
 
 
+def join(env: simpy.Environment, events: list[simpy.Event]) -> simpy.Event:
+    """An event that succeeds once every one of ``events`` has (``env.all_of`` without building
+    a condition value; a single event is returned as it is)."""
+    if len(events) == 1:
+        return events[0]
+    done = env.event()
+    left = [0]
+
+    def one(_e) -> None:
+        left[0] -= 1
+        if not left[0]:
+            done.succeed()
+
+    for ev in events:
+        if ev.callbacks is not None:  # not processed yet
+            left[0] += 1
+            ev.callbacks.append(one)
+    if not left[0]:
+        done.succeed()
+    return done
+
+
 @dataclass
 class Timeline:
     """Time series sampled during the run (for plots)."""
@@ -241,7 +263,7 @@ class Simulation:
                 self.pool.save(p.server, p.ranks, ssd_ids, env.now)  # promoted back to DRAM
             self.pool.pin(p.server, p.ranks, load_ids)
             try:
-                yield from self._restore(rec, p, load_ids.size)
+                yield self._restore(rec, p, load_ids.size)
             finally:
                 self.pool.unpin(p.server, p.ranks, load_ids)
         yield p.compute(rec.computed_tokens, req.in_tokens - rec.computed_tokens)  # context: every reused token
@@ -251,7 +273,7 @@ class Simulation:
         if self.pool is not None and gids.size:
             new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids
             if new.size:
-                env.process(self._save(rec, p, new))
+                self._save(rec, p, new)
 
     def _max_block_id(self, session) -> int:
         """The largest block id a session uses (bounds its id range in the GPU cache), memoized."""
@@ -261,52 +283,77 @@ class Simulation:
             got = self._session_max_block[session.id] = int(tail.max()) if tail.size else 0
         return got
 
-    def _rank_links(self, p: PrefillInstance, rank: int, nbytes: int, writes: int) -> list[simpy.Event]:
-        """Transfers between the pool and prefill rank ``rank``: its own NIC carries every byte; in a
-        shared multi-server pool, the remote servers' NICs on the same rail carry their share."""
+    def _rank_links(self, p: PrefillInstance, rank: int, nbytes: int, writes: int) -> simpy.Event:
+        """Transfers between the pool and prefill rank ``rank``, as one event: its own NIC carries
+        every byte; in a shared multi-server pool, the remote servers' NICs on the same rail carry
+        their share."""
         gpu = p.rank_gpu(rank)
-        events = [self.net.nic[gpu].transfer(nbytes, writes)]
-        if self.pool is not None and self.pool.mode == "shared" and self.net and self.s.cluster.servers > 1:
-            servers = self.s.cluster.servers
-            share = nbytes // servers
-            rail = gpu % self.s.cluster.gpus_per_server
-            for srv in range(servers):
-                if srv != p.server and share:
-                    events.append(self.net.rail_nic(srv, rail).transfer(share, max(1, writes // servers)))
-        return events
+        own = self.net.nic[gpu].transfer(nbytes, writes)
+        if self.pool is None or self.pool.mode != "shared" or self.s.cluster.servers == 1:
+            return own
+        events = [own]
+        servers = self.s.cluster.servers
+        share = nbytes // servers
+        rail = gpu % self.s.cluster.gpus_per_server
+        for srv in range(servers):
+            if srv != p.server and share:
+                events.append(self.net.rail_nic(srv, rail).transfer(share, max(1, writes // servers)))
+        return join(self.env, events)
 
-    def _restore(self, rec: RequestRecord, p: PrefillInstance, chunks: int):
+    def _restore(self, rec: RequestRecord, p: PrefillInstance, chunks: int) -> simpy.Event:
+        """Every rank loads its objects of ``chunks`` chunks on its load worker, after the forwards
+        queued ahead of its stage; the returned event succeeds when every rank is done.
+
+        Written as callbacks (no process per rank): one rank's load is delay -> worker -> links ->
+        read + unpack -> worker free."""
         env = self.env
-        starts, ends = [0.0] * p.ranks, [0.0] * p.ranks
+        ranks = p.ranks
+        starts, ends = [0.0] * ranks, [0.0] * ranks
+        done = env.event()
+        left = [ranks]
+        load_s = self.cost.pool_load_s
 
-        def one(rank: int):
-            stage = self.rank_stage[rank]
-            delay = stage * p.step_s  # the forwards queued ahead of this stage
-            if delay:
-                yield env.timeout(delay)
-            with p.loaders[rank].request() as slot:
-                yield slot
-                starts[rank] = env.now
-                nbytes = chunks * self.rank_bytes[rank]
-                yield env.all_of(self._rank_links(p, rank, nbytes, chunks))
-                yield env.timeout(self.cost.pool_load_s(nbytes))
-                ends[rank] = env.now
+        def finish(rank: int) -> None:
+            ends[rank] = env.now
+            p.loaders[rank].release()
+            left[0] -= 1
+            if not left[0]:
+                rec.restore_stage_s = [e - b for b, e in zip(starts, ends)]
+                rec.restore_spread_s = max(ends) - min(starts)
+                done.succeed()
+
+        def start(rank: int) -> None:
+            starts[rank] = env.now
+            nbytes = chunks * self.rank_bytes[rank]
             rec.restore_bytes += nbytes
+            moved = self._rank_links(p, rank, nbytes, chunks)
+            moved.callbacks.append(lambda _e: env.timeout(load_s(nbytes)).callbacks.append(lambda _f: finish(rank)))
 
-        yield env.all_of([env.process(one(r)) for r in range(p.ranks)])
-        rec.restore_stage_s = [e - b for b, e in zip(starts, ends)]
-        rec.restore_spread_s = max(ends) - min(starts)
+        for rank in range(ranks):
+            delay = self.rank_stage[rank] * p.step_s  # the forwards queued ahead of this stage
+            submit = p.loaders[rank].submit
+            if delay:
+                env.timeout(delay).callbacks.append(lambda _e, r=rank, sub=submit: sub(lambda: start(r)))
+            else:
+                submit(lambda r=rank: start(r))
+        return done
 
-    def _save(self, rec: RequestRecord, p: PrefillInstance, gids: np.ndarray):
-        """Every rank packs its objects of the new chunks (in parallel) and puts them with group ids."""
+    def _save(self, rec: RequestRecord, p: PrefillInstance, gids: np.ndarray) -> None:
+        """Every rank packs its objects of the new chunks (in parallel) and puts them with group
+        ids; runs in the background (callbacks: pack -> links -> put)."""
         env = self.env
         nbytes = [gids.size * b for b in self.rank_bytes]
-        yield env.timeout(self.cost.unpack_s(max(nbytes)))  # pack
-        events = [ev for r in range(p.ranks) for ev in self._rank_links(p, r, nbytes[r], int(gids.size))]
-        yield env.all_of(events)
-        self.pool.save(p.server, p.ranks, gids, env.now)
-        rec.save_bytes += sum(nbytes)
-        self._sample_pool()
+
+        def put(_e) -> None:
+            self.pool.save(p.server, p.ranks, gids, env.now)
+            rec.save_bytes += sum(nbytes)
+            self._sample_pool()
+
+        def send(_e) -> None:
+            moved = join(env, [self._rank_links(p, r, nbytes[r], int(gids.size)) for r in range(p.ranks)])
+            moved.callbacks.append(put)
+
+        env.timeout(self.cost.unpack_s(max(nbytes))).callbacks.append(send)  # pack
 
     def _handoff(self, rec: RequestRecord, p: PrefillInstance, dec: DecodeInstance):
         """Every stage gathers its layers of every token per decode rank and sends them in large
@@ -318,15 +365,18 @@ class Simulation:
         events = []
         rank_bytes = [0] * dcp
         rank_writes = [0] * dcp
+        plans: dict[int, list[tuple[int, int]]] = {}  # layers -> rank plan (stages mostly agree)
         for stage in range(spec.stages):
             # the main records' write plan (the seed's landing path); the stage's extra records
             # (DSA index cache) ride along in the byte count
-            plan = HandoffPlan(tokens=rec.in_tokens, layers=len(spec.stage_layer_ids(stage)),
-                               record_bytes=self.s.model.record_bytes, ranks=dcp,
-                               max_write_bytes=self.s.handoff.max_write_bytes)
+            layers = len(spec.stage_layer_ids(stage))
+            ranks = plans.get(layers)
+            if ranks is None:
+                ranks = plans[layers] = HandoffPlan(
+                    tokens=rec.in_tokens, layers=layers, record_bytes=self.s.model.record_bytes, ranks=dcp,
+                    max_write_bytes=self.s.handoff.max_write_bytes).rank_plan()
             stage_bpt = spec.stage_bytes_per_token[stage]
             nbytes = rec.in_tokens * stage_bpt
-            ranks = plan.rank_plan()
             writes = sum(w for _, w in ranks)
             rec.handoff_bytes += nbytes
             rec.handoff_writes += writes
@@ -336,6 +386,6 @@ class Simulation:
                 rank_writes[r] += w
         for r in range(dcp):
             events.append(self.net.nic[dec.gpus[r % len(dec.gpus)]].transfer(rank_bytes[r], rank_writes[r]))
-        yield env.all_of(events)
+        yield join(env, events)
         yield env.timeout(2 * self.cost.unpack_s(rec.handoff_bytes // max(1, spec.stages)))  # gather + scatter
         rec.handoff_s = env.now - start

@@ -26,6 +26,37 @@ from kvpool.sim.cost import CostModel
 from kvpool.sim.gpucache import GPUPrefixCache
 
 
+class Workers:
+    """``capacity`` workers serving jobs first come, first served, without SimPy processes.
+
+    ``submit(start)`` calls ``start()`` as soon as a worker is free (at once when one is); the job
+    calls ``release()`` when it is done, which starts the next queued job at that moment."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"workers: capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.busy = 0
+        self._queue: deque[Callable[[], None]] = deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def submit(self, start: Callable[[], None]) -> None:
+        if self.busy < self.capacity:
+            self.busy += 1
+            start()
+        else:
+            self._queue.append(start)
+
+    def release(self) -> None:
+        if self._queue:
+            self._queue.popleft()()
+        else:
+            self.busy -= 1
+
+
 @dataclass
 class _Compute:
     remaining: int
@@ -45,7 +76,7 @@ class PrefillInstance:
         self.max_batched_tokens = max_batched_tokens
         self.cost = cost
         self.cache = cache
-        self.loaders = [simpy.Resource(env, capacity=load_workers) for _ in range(pp * tp)]
+        self.loaders = [Workers(load_workers) for _ in range(pp * tp)]
         self.outstanding_tokens = 0
         self.step_s = 0.0
         self.busy_s = 0.0
