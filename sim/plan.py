@@ -8,7 +8,8 @@ Contract:
     * Direction: loads are maximized (the most sessions that still meet the targets); every other
       variable is minimized (the smallest pool or cluster that meets them). The search assumes the
       targets hold on one side of a threshold (more memory never hurts; more load never helps).
-    * Search: each round evaluates ``workers`` interior points of the bracket in parallel and keeps
+    * Search: each round evaluates ``workers`` interior points of the bracket in parallel (locally or
+      on Ray: ``sim.executor``; the verdicts never depend on where they ran) and keeps
       the sub-interval where the verdict flips, until it is narrower than ``tolerance`` (integer
       fields: 1). Every point evaluated is returned (the explored curve).
 """
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.scenario.model import Scenario
+from kvpool.sim.executor import Runner
 from kvpool.sim.metrics import SUMMARY_KEYS
 
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
@@ -118,26 +120,38 @@ def search(
     tolerance: float | None = None,
     workers: int = 2,
     max_runs: int = 24,
+    executor: str = "local",
+    address: str | None = None,
+    runner: Runner | None = None,
     evaluate: Callable[[list[tuple[Scenario, float]]], list[dict]] | None = None,
     on_run: Callable[[float, dict, bool], None] | None = None,
 ) -> PlanResult:
     """Search ``variable`` for the best value meeting every target (see the module docstring).
 
     ``load``: the load of every run when the variable is not the load itself (default: the
-    scenario's). ``evaluate`` runs a batch of (scenario, load) points (default: ``sim.run.sweep``
-    style parallel processes).
+    scenario's). The points of a round run through ``sim.executor`` (``executor``, ``workers``,
+    ``address``: the same choice as ``sim.run.sweep``, one runner for the whole search, or an open
+    ``runner``), and ``on_run`` fires as each point finishes; ``evaluate`` replaces that with a
+    function running a batch of (scenario, load) points (then ``on_run`` fires after the batch).
     """
-    from kvpool.sim.run import run_point
+    if evaluate is not None:
+        return _search(base, variable, targets, load, tolerance, workers, max_runs, evaluate, None, on_run)
+    from kvpool.sim.executor import runner as open_runner
 
-    if evaluate is None:
-        def evaluate(points: list[tuple[Scenario, float]]) -> list[dict]:
-            if workers <= 1 or len(points) == 1:
-                return [run_point(s, x, traces) for s, x in points]
-            from concurrent.futures import ProcessPoolExecutor
+    def batches(r: Runner) -> Callable[[list[tuple[Scenario, float]], Callable[[int, dict], None]], list[dict]]:
+        return lambda points, each: r.map(_run_task, [(s, x, traces) for s, x in points], each)
 
-            with ProcessPoolExecutor(max_workers=min(workers, len(points))) as pool:
-                return list(pool.map(_run_task, [(s, x, traces) for s, x in points]))
+    if runner is not None:
+        return _search(base, variable, targets, load, tolerance, workers, max_runs, None, batches(runner), on_run)
+    with open_runner(executor, workers=workers, address=address) as r:
+        return _search(base, variable, targets, load, tolerance, workers, max_runs, None, batches(r), on_run)
 
+
+def _search(base: Scenario, variable: Variable, targets: Sequence[Target], load: float | None,
+            tolerance: float | None, workers: int, max_runs: int,
+            evaluate: Callable[[list[tuple[Scenario, float]]], list[dict]] | None,
+            run_batch: Callable[[list[tuple[Scenario, float]], Callable[[int, dict], None]], list[dict]] | None,
+            on_run: Callable[[float, dict, bool], None] | None) -> PlanResult:
     default_load = base.workload.sessions if base.workload.mode == "agentx" else base.workload.rps
     integer = variable.integer
     tol = tolerance if tolerance is not None else (1.0 if integer else (variable.hi - variable.lo) / 64)
@@ -153,12 +167,19 @@ def search(
         values = [v for v in dict.fromkeys(int(round(x)) if integer else x for x in values) if v not in seen]
         if not values:
             return
-        rows = evaluate([point(v) for v in values])
+        if run_batch is not None:  # on_run as each point finishes; explored in value order, as before
+            def each(i: int, row: dict) -> None:
+                if on_run:
+                    on_run(values[i], row, all(t.met(row) for t in targets))
+
+            rows = run_batch([point(v) for v in values], each)
+        else:
+            rows = evaluate([point(v) for v in values])
         for v, row in zip(values, rows):
             ok = all(t.met(row) for t in targets)
             seen[v] = ok
             result.explored.append((v, row, ok))
-            if on_run:
+            if on_run and run_batch is None:
                 on_run(v, row, ok)
 
     # "good" is the side where targets hold: high values when minimizing, low when maximizing

@@ -7,8 +7,10 @@ Contract:
       (seed included), load and traces give identical results, in any process.
     * The workload is the scenario's trace set (``workload.traces``, or ``traces=`` here), else its
       synthetic preset (``workload.preset`` x ``workload.synthetic_sessions``, generated in memory).
-    * ``sweep`` runs several loads in worker processes (``workers``; 1 runs in-process) or on a Ray
-      cluster, with an optional progress callback; results come back in load order.
+    * ``sweep`` runs several loads through ``sim.executor``: in worker processes (``workers``; 1 runs
+      in-process) or on a Ray cluster (``executor="ray"``, ``address``; none starts a local runtime),
+      with an optional progress callback per finished load; results come back in load order and are
+      identical whichever executor ran them.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import os
 import time
 from pathlib import Path
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from kvpool.scenario.model import Scenario
 from kvpool.sim.workload.model import Workload
+
+if TYPE_CHECKING:
+    from kvpool.sim.executor import Runner
 
 
 @lru_cache(maxsize=4)
@@ -143,33 +148,22 @@ def sweep(
     executor: str = "local",
     address: str | None = None,
     on_done: Callable[[float, dict], None] | None = None,
+    runner: "Runner | None" = None,
 ) -> list[dict]:
-    """Run ``loads`` (in load order in the result); ``on_done(load, result)`` after each."""
-    tasks = [(s, float(x), traces) for x in loads]
-    results: dict[float, dict] = {}
-    if executor == "ray":
-        import ray
+    """Run ``loads`` (in load order in the result); ``on_done(load, result)`` after each.
 
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-        remote = ray.remote(_point_task)
-        refs = {remote.remote(t): t[1] for t in tasks}
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            load = refs[done[0]]
-            results[load] = ray.get(done[0])
-            if on_done:
-                on_done(load, results[load])
-    elif workers <= 1 or len(tasks) == 1:
-        for t in tasks:
-            results[t[1]] = _point_task(t)
-            if on_done:
-                on_done(t[1], results[t[1]])
-    else:
-        with ProcessPoolExecutor(max_workers=min(workers, len(tasks))) as pool:
-            futs = {pool.submit(_point_task, t): t[1] for t in tasks}
-            for f in as_completed(futs):
-                results[futs[f]] = f.result()
-                if on_done:
-                    on_done(futs[f], results[futs[f]])
-    return [results[float(x)] for x in loads]
+    Where the points run is ``sim.executor``'s choice: ``executor``/``workers``/``address`` open a
+    runner for this sweep, or pass an open ``runner`` to share one (a Ray runtime) across sweeps.
+    """
+    from kvpool.sim.executor import runner as open_runner
+
+    tasks = [(s, float(x), traces) for x in loads]
+
+    def done(i: int, result: dict) -> None:
+        if on_done:
+            on_done(tasks[i][1], result)
+
+    if runner is not None:
+        return runner.map(_point_task, tasks, done)
+    with open_runner(executor, workers=workers, address=address) as r:
+        return r.map(_point_task, tasks, done)

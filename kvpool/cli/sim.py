@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -56,6 +57,33 @@ def run_overrides(set_: list[str], *, duration: float | None = None, seed: int |
     return extra
 
 
+EXECUTOR_HELP = ("Where the runs go: local (processes on this machine) or ray (tasks on a Ray cluster; "
+                 "without --address a private local Ray runtime on 127.0.0.1 with --workers CPUs). "
+                 "Results do not depend on it.")
+ADDRESS_HELP = ("Ray cluster for --executor ray: HOST:PORT of the head (ray start --head), ray://HOST:PORT "
+                "(Ray Client) or auto; its nodes need kvpool installed. Default: start a local runtime.")
+
+
+@contextmanager
+def executor_runner(executor: str, address: str | None, workers: int, console: Console, quiet: bool):
+    """The one place the CLI turns --executor/--address/--workers into a ``sim.executor`` runner,
+    with every problem (unknown executor, Ray missing, cluster unreachable) as one ``error:`` line."""
+    from kvpool.sim.executor import ExecutorError, check, runner
+
+    try:
+        check(executor, address)
+    except ExecutorError as e:
+        raise UserError(str(e)) from None
+    if executor == "ray" and not quiet:
+        console.print(f"connecting to the Ray cluster at {address}" if address else
+                      f"starting a local Ray runtime on 127.0.0.1 ({workers} CPUs)")
+    try:
+        with runner(executor, workers=workers, address=address) as r:
+            yield r
+    except ExecutorError as e:
+        raise UserError(str(e)) from None
+
+
 @app.command()
 def run(
     scenario: str = typer.Argument("mi355x-1p1d", help="Built-in scenario name or TOML file."),
@@ -65,9 +93,9 @@ def run(
     traces: str = typer.Option(None, "--traces", help="Replay these traces (file, directory or traces.jsonl) instead of the scenario's workload."),
     seed: int = typer.Option(None, "--seed", help="Seed of every random choice (default: the scenario's)."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
-    workers: int = typer.Option(0, "--workers", help="Parallel processes for a sweep (0: one per core, at most one per load)."),
-    executor: str = typer.Option("local", "--executor", help="local (processes on this machine) or ray."),
-    address: str = typer.Option(None, "--address", help="Ray cluster address for --executor ray."),
+    workers: int = typer.Option(0, "--workers", help="Parallel processes (or local Ray CPUs) for a sweep (0: one per core, at most one per load)."),
+    executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
+    address: str = typer.Option(None, "--address", help=ADDRESS_HELP),
     out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON, CSV and PNG of the run."),
     json_: bool = typer.Option(False, "--json", help="Print one JSON list (one object per load; keys in docs/metrics.md)."),
 ) -> None:
@@ -81,24 +109,17 @@ def run(
     loads = parse_loads(sessions, "--sessions", True) or parse_loads(rps, "--rps", False)
     if not loads:
         loads = [s.workload.sessions] if s.workload.mode == "agentx" else [s.workload.rps]
-    if executor not in ("local", "ray"):
-        raise UserError(f"--executor {executor!r}: allowed: local, ray")
-    if executor == "ray":
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise UserError("--executor ray needs Ray: pip install 'ray[default]'") from None
     n_workers = workers or min(len(loads), os.cpu_count() or 1)
     console = Console(stderr=True)
     key = load_key(s)
     from kvpool.sim.workload.errors import TraceError
 
     try:
-        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} loads"),
-                      TimeElapsedColumn(), console=console, transient=True, disable=json_) as progress:
+        with executor_runner(executor, address, n_workers, console, json_) as runner, \
+                Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} loads"),
+                         TimeElapsedColumn(), console=console, transient=True, disable=json_) as progress:
             task = progress.add_task(f"simulating {s.name}", total=len(loads))
-            rows = sweep(s, loads, traces=traces, workers=n_workers, executor=executor, address=address,
-                         on_done=lambda load, _r: progress.advance(task))
+            rows = sweep(s, loads, traces=traces, runner=runner, on_done=lambda load, _r: progress.advance(task))
     except TraceError as e:
         raise UserError(str(e)) from None
     stem = f"{s.name}-{key}-" + "-".join(f"{x:g}" for x in loads)
@@ -124,7 +145,9 @@ def compare(
     duration: float = typer.Option(None, "--duration", help="Measured window per load, seconds."),
     traces: str = typer.Option(None, "--traces", help="Replay these traces instead of each scenario's workload."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP + " Applied to every arm."),
-    workers: int = typer.Option(0, "--workers", help="Parallel processes (0: one per core)."),
+    workers: int = typer.Option(0, "--workers", help="Parallel processes, or local Ray CPUs (0: one per core, at most one per load)."),
+    executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
+    address: str = typer.Option(None, "--address", help=ADDRESS_HELP),
     out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON and PNG."),
     json_: bool = typer.Option(False, "--json", help="Print {scenario name: [per-load objects]} as JSON."),
 ) -> None:
@@ -146,12 +169,16 @@ def compare(
         loads = [first.sessions] if first.mode == "agentx" else [first.rps]
     console = Console(stderr=True)
     arms: dict[str, list[dict]] = {}
-    n_workers = workers or (os.cpu_count() or 1)
-    with _progress(console, json_) as progress:
-        task = progress.add_task("comparing " + " vs ".join(names), total=len(loads) * len(arms_s))
-        for s in arms_s:
-            arms[s.name] = sweep(s, loads, traces=traces, workers=min(n_workers, len(loads)),
-                                 on_done=lambda *_: progress.advance(task))
+    n_workers = workers or min(len(loads), os.cpu_count() or 1)
+    from kvpool.sim.workload.errors import TraceError
+
+    try:
+        with executor_runner(executor, address, n_workers, console, json_) as runner, _progress(console, json_) as progress:
+            task = progress.add_task("comparing " + " vs ".join(names), total=len(loads) * len(arms_s))
+            for s in arms_s:
+                arms[s.name] = sweep(s, loads, traces=traces, runner=runner, on_done=lambda *_: progress.advance(task))
+    except TraceError as e:
+        raise UserError(str(e)) from None
     out.mkdir(parents=True, exist_ok=True)
     stem = "compare-" + "-vs-".join(names)
     (out / f"{stem}.json").write_text(json.dumps({n: [report.public(r) for r in rows] for n, rows in arms.items()}, indent=2) + "\n")
@@ -172,7 +199,9 @@ def plan(
     duration: float = typer.Option(None, "--duration", help="Measured window per run, seconds."),
     traces: str = typer.Option(None, "--traces", help="Replay these traces instead of the scenario's workload."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
-    workers: int = typer.Option(2, "--workers", help="Points evaluated in parallel per round."),
+    workers: int = typer.Option(2, "--workers", help="Points evaluated in parallel per round (processes, or local Ray CPUs)."),
+    executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP.replace("Results do not", "The verdicts do not")),
+    address: str = typer.Option(None, "--address", help=ADDRESS_HELP),
     max_runs: int = typer.Option(24, "--max-runs", help="Upper bound on simulator runs."),
     out: Path = typer.Option(Path("out"), "--out", help="Directory for the explored curve (JSON, PNG)."),
     json_: bool = typer.Option(False, "--json", help="Print the result and the explored curve as JSON."),
@@ -188,10 +217,16 @@ def plan(
     except pl.PlanError as e:
         raise UserError(str(e)) from None
     console = Console(stderr=True)
-    with _progress(console, json_) as progress:
-        task = progress.add_task(f"searching {variable.field}", total=max_runs)
-        res = pl.search(base, variable, targets, load=load, traces=traces, workers=workers, max_runs=max_runs,
-                        on_run=lambda *_: progress.advance(task))
+    from kvpool.sim.workload.errors import TraceError
+
+    try:
+        with executor_runner(executor, address, max(1, workers), console, json_) as runner, \
+                _progress(console, json_) as progress:
+            task = progress.add_task(f"searching {variable.field}", total=max_runs)
+            res = pl.search(base, variable, targets, load=load, traces=traces, workers=workers, max_runs=max_runs,
+                            runner=runner, on_run=lambda *_: progress.advance(task))
+    except TraceError as e:
+        raise UserError(str(e)) from None
     curve = [{"value": v, "meets_targets": ok, **report.public(row)} for v, row, ok in res.curve()]
     summary = {"variable": variable.field, "direction": "maximize" if variable.maximize else "minimize",
                "targets": [str(t) for t in targets], "best": res.best, "runs": len(curve), "curve": curve}

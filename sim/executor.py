@@ -1,0 +1,180 @@
+"""Where simulator points run: in this process, in worker processes, or on a Ray cluster.
+
+Contract:
+    * ``EXECUTORS``: ``local`` (this machine: in-process for one worker, else worker processes) and
+      ``ray`` (tasks on a Ray cluster). The choice never changes a result: every point is
+      deterministic (``sim.run.run_point``), so the same seed gives the same numbers anywhere.
+    * ``check(executor, address)`` raises ``ExecutorError`` (one line, naming the flag and what is
+      allowed) for an unknown executor, an ``address`` without ``ray``, or Ray not installed.
+    * ``runner(executor, workers=, address=)`` is a context manager yielding a ``Runner`` whose
+      ``map(fn, tasks, on_done)`` runs ``fn(task)`` for every task, calls ``on_done(i, result)`` as each
+      finishes (in completion order) and returns the results in task order. ``fn`` must be a module-
+      level function and the tasks picklable.
+    * ``local``: ``workers <= 1`` or a single task runs in-process; otherwise a process pool of
+      ``min(workers, len(tasks))`` per ``map`` call.
+    * ``ray`` with ``address`` (``host:port`` of the head's GCS, ``ray://host:port`` for Ray Client, or
+      ``auto``): connects to that cluster, after checking within ``connect_timeout_s`` that something
+      listens there (Ray itself would retry for minutes); the nodes need kvpool installed. Without
+      ``address``: starts a private local Ray runtime bound to 127.0.0.1 only (no dashboard, no usage
+      stats) with ``workers`` CPUs (0: the cores). On exit it disconnects, which stops a runtime it
+      started; a Ray session that was already open in this process is used and left open.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+EXECUTORS = ("local", "ray")
+RAY_PORT = 6379  # Ray's default GCS port, when an address names only the host
+INSTALL_HINT = "pip install 'kvpool[ray]' (or pip install 'ray>=2.9')"
+
+
+class ExecutorError(ValueError):
+    """An executor that cannot run: the message names the flag, the value and what is allowed."""
+
+
+def check(executor: str, address: str | None = None) -> None:
+    """Fail early (before any simulation) on an executor that cannot run; see the module docstring."""
+    if executor not in EXECUTORS:
+        raise ExecutorError(f"--executor {executor!r}: allowed: {', '.join(EXECUTORS)}")
+    if address is not None and executor != "ray":
+        raise ExecutorError(f"--address {address!r} needs --executor ray")
+    if executor == "ray" and importlib.util.find_spec("ray") is None:  # found, not imported: see _import_ray
+        raise ExecutorError(f"--executor ray needs Ray, which is not installed: {INSTALL_HINT}")
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """The TCP endpoint an address names, or None for ``auto``/``local`` (resolved by Ray itself)."""
+    a = address.strip()
+    if a in ("auto", "local"):
+        return None
+    if a.startswith("ray://"):
+        a = a[len("ray://"):]
+    a = a.rstrip("/")
+    if a.startswith("["):  # [ipv6]:port
+        host, _, rest = a[1:].partition("]")
+        port = rest.lstrip(":")
+    elif a.count(":") == 1:
+        host, port = a.split(":")
+    else:
+        host, port = a, ""
+    if not host:
+        raise ExecutorError(f"--address {address!r}: expected HOST:PORT, ray://HOST:PORT or auto")
+    try:
+        return host, int(port) if port else RAY_PORT
+    except ValueError:
+        raise ExecutorError(f"--address {address!r}: port {port!r} is not a number") from None
+
+
+def probe(address: str, timeout_s: float) -> None:
+    """Raise ``ExecutorError`` unless something accepts TCP connections at ``address`` within ``timeout_s``."""
+    hp = _host_port(address)
+    if hp is None:
+        return
+    try:
+        with socket.create_connection(hp, timeout=timeout_s):
+            pass
+    except socket.timeout:
+        raise ExecutorError(f"--address {address}: no answer from {hp[0]}:{hp[1]} within {timeout_s:g} s; "
+                            "is the Ray head running there (ray start --head)?") from None
+    except OSError as e:
+        raise ExecutorError(f"--address {address}: cannot reach a Ray cluster at {hp[0]}:{hp[1]} "
+                            f"({e.strerror or e}); is the Ray head running there (ray start --head)?") from None
+
+
+class Runner:
+    """Runs batches of tasks; see the module docstring."""
+
+    def __init__(self, executor: str, workers: int):
+        self.executor = executor
+        self.workers = workers
+
+    def map(self, fn: Callable[[Any], Any], tasks: Sequence[Any],
+            on_done: Callable[[int, Any], None] | None = None) -> list:
+        results: dict[int, Any] = {}
+
+        def done(i: int, r: Any) -> None:
+            results[i] = r
+            if on_done:
+                on_done(i, r)
+
+        if self.executor == "ray":
+            import ray
+
+            remote = ray.remote(num_cpus=1)(fn)
+            refs = {remote.remote(t): i for i, t in enumerate(tasks)}
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                done(refs[ready[0]], ray.get(ready[0]))
+        elif self.workers <= 1 or len(tasks) <= 1:
+            for i, t in enumerate(tasks):
+                done(i, fn(t))
+        else:
+            from concurrent.futures import ProcessPoolExecutor, as_completed
+
+            with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks))) as pool:
+                futs = {pool.submit(fn, t): i for i, t in enumerate(tasks)}
+                for f in as_completed(futs):
+                    done(futs[f], f.result())
+        return [results[i] for i in range(len(tasks))]
+
+
+def _import_ray(local: bool):
+    """Import Ray with usage stats off (they would call home), unless the user
+    set these already. For a local runtime, also tell Ray, before its first import, to take
+    127.0.0.1 as this node's address instead of probing a route to 8.8.8.8 (which only warns inside
+    a network namespace with loopback alone, and which a loopback-only runtime never needs)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if local and "ray" not in sys.modules and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read once, at import
+        try:
+            import ray
+        finally:
+            del os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
+    import ray
+
+    return ray
+
+
+@contextmanager
+def runner(executor: str = "local", *, workers: int = 1, address: str | None = None,
+           connect_timeout_s: float = 10.0) -> Iterator[Runner]:
+    """A ``Runner`` for ``executor``; with ``ray``, connect or start a local runtime for the duration."""
+    check(executor, address)
+    if executor != "ray":
+        yield Runner(executor, workers)
+        return
+    import logging
+
+    ray = _import_ray(local=address is None)
+    if ray.is_initialized():  # a session this process already holds (e.g. the caller's): use it, leave it open
+        yield Runner("ray", workers)
+        return
+    if address is not None:
+        probe(address, connect_timeout_s)
+        kwargs: dict[str, Any] = {"address": address}
+    else:
+        # a private runtime: every server on loopback only, no dashboard, a small object store
+        # (results are small dicts), as many CPUs as workers
+        kwargs = {"address": "local", "num_cpus": workers if workers > 0 else (os.cpu_count() or 1),
+                  "include_dashboard": False, "_node_ip_address": "127.0.0.1",
+                  "object_store_memory": 128 * 1024 * 1024}
+    try:
+        ray.init(**kwargs, log_to_driver=False, logging_level=logging.ERROR)
+    except (ConnectionError, RuntimeError, ValueError, TimeoutError, SystemExit) as e:
+        ray.shutdown()
+        what = f"connect to the Ray cluster at {address}" if address is not None else "start a local Ray runtime"
+        lines = str(e).strip().splitlines()
+        why = lines[0] if lines and not lines[0].isdigit() else type(e).__name__  # SystemExit carries a status
+        raise ExecutorError(f"--executor ray: cannot {what}: {why}") from None
+    try:
+        yield Runner("ray", workers)
+    finally:
+        ray.shutdown()
