@@ -9,16 +9,23 @@ Contract:
       transfers are active (equal shares, recomputed at every arrival and departure).
     * ``bytes_moved`` and ``busy_s`` accumulate for metrics. Zero-byte transfers succeed at once.
 
-Implementation: no process per link. One wake-up event is pending at a time, at or before the next
-completion; an arrival schedules an earlier one only if it would finish first (a wake-up that
-comes early just recomputes), and wake-ups made stale that way are ignored by a version counter.
+Implementation (generalized processor sharing with a virtual clock): the link's virtual clock
+counts the bytes each active transfer has received; it advances at ``bandwidth / n``. A transfer
+arriving at virtual time ``v`` with ``w`` bytes of work finishes when the clock reaches ``v + w``,
+so the active transfers sit in a heap by that tag and every arrival or departure costs O(log n).
+One wake-up event is pending at a time, at or before the next completion; an arrival schedules an
+earlier one only if it would finish first (a wake-up that comes early just recomputes), and
+wake-ups made stale that way are ignored by a version counter. The clock restarts at 0 whenever
+the link is idle, which keeps the tags small against float rounding.
 """
 
 from __future__ import annotations
 
+import heapq
+
 import simpy
 
-_EPS_BYTES = 1e-6
+_EPS_S = 1e-9  # completions this close are due now (float rounding; keeps every wait > 0)
 
 
 class FairLink:
@@ -40,7 +47,11 @@ class FairLink:
         self.name = name
         self.bytes_moved = 0
         self.busy_s = 0.0
-        self._active: list[list] = []  # [remaining_virtual_bytes, event]
+        self._write_bytes = self.bytes_per_s / self.writes_per_s if self.writes_per_s != float("inf") else 0.0
+        self._latency_bytes = self.latency_s * self.bytes_per_s
+        self._active: list[tuple[float, int, simpy.Event]] = []  # (virtual finish, seq, event)
+        self._seq = 0
+        self._virtual = 0.0
         self._last = env.now
         self._version = 0
         self._wake_at = float("inf")
@@ -57,34 +68,31 @@ class FairLink:
             done.succeed()
             return done
         self.bytes_moved += int(nbytes)
-        post_s = writes / self.writes_per_s if writes and self.writes_per_s != float("inf") else 0.0
-        self._start(float(nbytes) + (post_s + self.latency_s) * self.bytes_per_s, done)
+        work = float(nbytes) + writes * self._write_bytes + self._latency_bytes
+        self._advance()
+        self._seq += 1
+        heapq.heappush(self._active, (self._virtual + work, self._seq, done))
+        # everyone slows down, so only this transfer can finish before the pending wake-up
+        if env.now + work * len(self._active) / self.bytes_per_s < self._wake_at:
+            self._reschedule()
         return done
 
     def _advance(self) -> None:
         now = self.env.now
         dt = now - self._last
         if dt > 0 and self._active:
-            share = self.bytes_per_s * dt / len(self._active)
-            for a in self._active:
-                a[0] -= share
+            self._virtual += self.bytes_per_s * dt / len(self._active)
             self.busy_s += dt
         self._last = now
 
-    def _start(self, work: float, done: simpy.Event) -> None:
-        self._advance()
-        self._active.append([work, done])
-        # everyone slows down, so only this transfer can finish before the pending wake-up
-        if self.env.now + work * len(self._active) / self.bytes_per_s < self._wake_at:
-            self._reschedule()
-
     def _reschedule(self) -> None:
         self._version += 1
-        if not self._active:
+        active = self._active
+        if not active:
             self._wake_at = float("inf")
+            self._virtual = 0.0
             return
-        n = len(self._active)
-        wait = max(0.0, min(a[0] for a in self._active) * n / self.bytes_per_s)
+        wait = max(0.0, (active[0][0] - self._virtual) * len(active) / self.bytes_per_s)
         version = self._version
         self._wake_at = self.env.now + wait
         self.env.timeout(wait).callbacks.append(lambda _ev: self._wake(version))
@@ -94,18 +102,8 @@ class FairLink:
             return
         self._wake_at = float("inf")
         self._advance()
-        eps = _EPS_BYTES * max(1.0, self.bytes_per_s * 1e-9)
-        still = []
-        for a in self._active:
-            if a[0] <= eps:
-                a[1].succeed()
-            else:
-                still.append(a)
-        if len(still) == len(self._active):
-            # an early wake-up (arrivals slowed everyone) or float rounding: finish what is due
-            smallest = min(still, key=lambda a: a[0])
-            if smallest[0] * len(still) / self.bytes_per_s <= 1e-12:
-                still.remove(smallest)
-                smallest[1].succeed()
-        self._active = still
+        active = self._active
+        due = self._virtual + _EPS_S * self.bytes_per_s / len(active)
+        while active and active[0][0] <= due:  # none when an arrival made this wake-up early
+            heapq.heappop(active)[2].succeed()
         self._reschedule()

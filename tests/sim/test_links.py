@@ -48,3 +48,44 @@ def test_posting_cost_and_latency_take_link_time():
 def test_zero_bytes_is_immediate():
     (t,), _ = finish_times([(2.0, 0, 5)])
     assert t == 2.0
+
+
+def _reference_ps(transfers, bw):
+    """Processor sharing stated directly: between consecutive arrivals/departures every active
+    transfer gets bw / n; returns completion times."""
+    left = {i: float(nb) for i, (_, nb, _) in enumerate(transfers)}
+    arrivals = sorted((t, i) for i, (t, _, _) in enumerate(transfers))
+    active, done, now = set(), {}, 0.0
+    while len(done) < len(transfers):
+        next_arrival = arrivals[0][0] if arrivals else float("inf")
+        if active:
+            n = len(active)
+            first = min(active, key=lambda i: left[i])
+            finish = now + left[first] * n / bw
+        else:
+            finish = float("inf")
+        t = min(next_arrival, finish)
+        if active:
+            for i in active:
+                left[i] -= bw * (t - now) / len(active)
+        now = t
+        if finish <= next_arrival:
+            for i in [i for i in active if left[i] <= 1e-9]:
+                active.discard(i)
+                done[i] = now
+        else:
+            _, i = arrivals.pop(0)
+            active.add(i)
+    return [done[i] for i in range(len(transfers))]
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 20).map(float), st.integers(1, 900), st.just(0)), min_size=1, max_size=12))
+def test_matches_processor_sharing_stated_directly(transfers):
+    times, link = finish_times(transfers)
+    assert times == pytest.approx(_reference_ps(transfers, 100.0), rel=1e-9, abs=1e-6)
+    assert link.bytes_moved == sum(nb for _, nb, _ in transfers)
