@@ -15,13 +15,15 @@ from kvpool.kernels.format import (
     rank_buffer_offset_bytes,
     staging_views,
 )
-from kvpool.kernels.ops import gather_dcp, pack, scatter_dcp, unpack
+from kvpool.kernels.ops import GatherDcp, ScatterDcp, gather_dcp, pack, scatter_dcp, unpack
 from kvpool.policy.chunks import POOL_FORMAT_VERSION
 
 __all__ = [
     "POOL_FORMAT_VERSION",
     "SUPPORTED_FORMAT_VERSIONS",
     "ChunkFormat",
+    "GatherDcp",
+    "ScatterDcp",
     "Segment",
     "gather_dcp",
     "pack",

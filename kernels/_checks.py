@@ -238,6 +238,13 @@ def prepare_gather(
 ) -> tuple[CacheGeometry, torch.Tensor]:
     """Shared checks of gather_dcp; allocates ``out`` (the staging tensor) when it is None."""
     geom = check_caches(caches)
+    return geom, prepare_gather_geom(geom, block_ids, plan, out, validate)
+
+
+def prepare_gather_geom(
+    geom: CacheGeometry, block_ids: torch.Tensor, plan: HandoffPlan, out: torch.Tensor | None, validate: bool
+) -> torch.Tensor:
+    """``prepare_gather`` for caches already checked (``geom``); returns ``out``."""
     check_plan_caches(plan, geom)
     pages = pages_for(plan.token_start + plan.tokens, geom.page_tokens) if plan.tokens else 0
     check_block_ids(block_ids, pages, geom.device)
@@ -246,7 +253,7 @@ def prepare_gather(
     check_flat(out, plan.total_bytes, geom.device, "out")
     if validate:
         check_block_bounds(block_ids, pages, geom.num_blocks, unique=False)
-    return geom, out
+    return out
 
 
 def prepare_scatter(
@@ -273,3 +280,39 @@ def prepare_scatter(
     else:
         check_block_ids(block_ids, 0, geom.device)
     return geom, row0, rows
+
+
+def prepare_scatter_segments(
+    geom: CacheGeometry,
+    landing: torch.Tensor,
+    block_ids: torch.Tensor,
+    plan: HandoffPlan,
+    rank: int,
+    segments: Sequence[tuple[int, int, int]],
+    validate: bool,
+) -> list[tuple[int, int, int]]:
+    """Checks of a multi-segment scatter over caches already checked (``geom``).
+
+    ``segments``: ``(landing_offset_bytes, buffer_offset_bytes, nbytes)``: bytes
+    ``landing[landing_offset : +nbytes]`` are bytes ``buffer_offset ..`` of ``rank``'s staging buffer.
+    Returns ``(landing_offset_bytes, row0, rows)`` per non-empty segment.
+    """
+    check_plan_caches(plan, geom)
+    check_flat(landing, 0, geom.device, "landing")
+    out = []
+    for i, (lo, off, n) in enumerate(segments):
+        if lo < 0 or n < 0 or lo + n > landing.numel():
+            raise ValueError(f"segment {i}: landing bytes {lo}..{lo + n} outside the landing's {landing.numel()} B")
+        row0, rows = scatter_rows(plan, rank, off, n)
+        if rows:
+            out.append((lo, row0, rows))
+    if out:
+        positions = plan.rank_positions(rank)
+        first_page = positions[0] // plan.ranks // geom.page_tokens
+        pages = positions[-1] // plan.ranks // geom.page_tokens + 1
+        check_block_ids(block_ids, pages, geom.device)
+        if validate:
+            check_block_bounds(block_ids, pages, geom.num_blocks, unique=True, first=first_page)
+    else:
+        check_block_ids(block_ids, 0, geom.device)
+    return out

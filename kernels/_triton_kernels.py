@@ -11,13 +11,13 @@ import triton.language as tl
 
 @triton.jit
 def _tile_addrs(
-    pid, grp, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+    pid, grp, seg_ptr, sg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
     tokens, token_start, ranks, rank0, row_lo, row_hi,
     MODE: tl.constexpr, TO_PAGED: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
     BT_2D: tl.constexpr, REC: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Source and destination word offsets and the row mask of rows ``pid*ROWS ..`` of group ``grp``
-    (a chunk or a rank). See ``_copy_rows_kernel`` for the arguments."""
+    (a chunk, a rank, or a landed segment). See ``_copy_rows_kernel`` for the arguments."""
     # Index math in int32 (host checks rows and positions < 2**31), addresses in int64.
     g = pid * ROWS + tl.arange(0, ROWS)
     if MODE == 0:
@@ -29,7 +29,10 @@ def _tile_addrs(
         flat_seg = tl.load(seg_ptr + 3 * n_seg + s, mask=mask, other=0)
         flat_row = flat_off + grp.to(tl.int64) * group_stride + flat_seg + i.to(tl.int64) * REC
     else:
-        r = rank0 + grp
+        if MODE == 3:
+            r = rank0
+        else:
+            r = rank0 + grp
         end = token_start + tokens
         n_r = (end - r + ranks - 1) // ranks - (token_start - r + ranks - 1) // ranks
         first = token_start + (r + ranks - token_start % ranks) % ranks
@@ -39,14 +42,22 @@ def _tile_addrs(
             before = (end // ranks) * r + tl.minimum(end % ranks, r)
             before -= (token_start // ranks) * r + tl.minimum(token_start % ranks, r)
             flat_row = flat_off + (before * n_seg + g).to(tl.int64) * REC
-        else:
+        elif MODE == 2:
             g = g + row_lo
             mask = g < row_hi
             flat_row = flat_off + g.to(tl.int64) * REC
+        else:
+            # MODE_SCATTER_SEGS: segment ``grp`` of the table (first row, end row, flat offset of row 0)
+            seg_lo = tl.load(sg_ptr + 3 * grp)
+            seg_hi = tl.load(sg_ptr + 3 * grp + 1)
+            seg_off = tl.load(sg_ptr + 3 * grp + 2)
+            g = g + seg_lo.to(tl.int32)
+            mask = g < seg_hi
+            flat_row = seg_off + g.to(tl.int64) * REC
         s = g // tl.maximum(n_r, 1)
         j = g - s * n_r
         pos = first + j * ranks
-        if MODE == 2:
+        if MODE >= 2:
             pos = pos // ranks  # decode-local index
         s = tl.where(mask, s, 0)
     page = pos // PAGE
@@ -97,7 +108,7 @@ def _store_rows(anchor_ptr, dst, mask, v, vt, REC: tl.constexpr, COLS: tl.conste
 
 @triton.jit
 def _copy_tile(
-    pid, grp, anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+    pid, grp, anchor_ptr, seg_ptr, sg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
     tokens, token_start, ranks, rank0, row_lo, row_hi,
     MODE: tl.constexpr, TO_PAGED: tl.constexpr, PAGE: tl.constexpr, CHUNK: tl.constexpr,
     BT_2D: tl.constexpr, REC: tl.constexpr, COLS: tl.constexpr, TAIL: tl.constexpr, ROWS: tl.constexpr,
@@ -105,7 +116,7 @@ def _copy_tile(
 ):
     """Copy rows ``pid*ROWS ..`` of group ``grp`` (a chunk or a rank). See ``_copy_rows_kernel``."""
     src, dst, mask = _tile_addrs(
-        pid, grp, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+        pid, grp, seg_ptr, sg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
         tokens, token_start, ranks, rank0, row_lo, row_hi,
         MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, ROWS, ALIGN,
     )
@@ -118,6 +129,7 @@ def _copy_rows_kernel(
     anchor_ptr,  # *word: every address below is a word offset from here
     seg_ptr,  # *i64 [4, n_seg]: paged base, block stride, token stride, flat offset (words)
     seg2_ptr,  # the same for the second record size (REC2 > 0)
+    sg_ptr,  # MODE_SCATTER_SEGS: *i64 [n_groups, 3]: first row, end row, flat offset of row 0 (words)
     bt_ptr,  # *i32|i64 block table, read row-major through (bt_cols, bt_s0, bt_s1)
     bt_cols,
     bt_s0,
@@ -153,20 +165,20 @@ def _copy_rows_kernel(
     grp = tl.program_id(1) + grp0
     if REC2 == 0:
         _copy_tile(
-            pid, grp, anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+            pid, grp, anchor_ptr, seg_ptr, sg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
             tokens, token_start, ranks, rank0, row_lo, row_hi,
             MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, COLS, TAIL, ROWS, ALIGN,
         )
     else:
         if pid < n_tiles:
             _copy_tile(
-                pid, grp, anchor_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off,
+                pid, grp, anchor_ptr, seg_ptr, sg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off,
                 group_stride, tokens, token_start, ranks, rank0, row_lo, row_hi,
                 MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, COLS, TAIL, ROWS, ALIGN,
             )
         else:
             _copy_tile(
-                pid - n_tiles, grp, anchor_ptr, seg2_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg2, flat_off,
+                pid - n_tiles, grp, anchor_ptr, seg2_ptr, sg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg2, flat_off,
                 group_stride, tokens, token_start, ranks, rank0, row_lo, row_hi,
                 MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC2, COLS2, TAIL2, ROWS2, ALIGN,
             )
@@ -191,7 +203,7 @@ def _copy_rows_persistent_kernel(
     nprog = tl.num_programs(0)
     total = n_tiles * n_groups
     src, dst, mask = _tile_addrs(
-        pid % n_tiles, pid // n_tiles, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+        pid % n_tiles, pid // n_tiles, seg_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
         tokens, token_start, ranks, rank0, row_lo, row_hi,
         MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, ROWS, ALIGN,
     )
@@ -203,7 +215,7 @@ def _copy_rows_persistent_kernel(
         fv = zero + fn < total
         fn = tl.where(fn < total, fn, 0)
         nsrc, ndst, nmask = _tile_addrs(
-            fn % n_tiles, fn // n_tiles, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
+            fn % n_tiles, fn // n_tiles, seg_ptr, seg_ptr, bt_ptr, bt_cols, bt_s0, bt_s1, n_seg, flat_off, group_stride,
             tokens, token_start, ranks, rank0, row_lo, row_hi,
             MODE, TO_PAGED, PAGE, CHUNK, BT_2D, REC, ROWS, ALIGN,
         )

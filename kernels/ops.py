@@ -7,6 +7,9 @@ Primitives, grouped by caller:
     Prefill -> decode handoff (``policy.layout.HandoffPlan`` decides who gets which token):
         ``gather_dcp(caches, block_ids, plan) -> staging`` prefill stage -> R rank buffers
         ``scatter_dcp(landing, caches, block_ids, plan, rank, offset_bytes)`` landing -> decode KV
+        ``GatherDcp(caches)(block_ids, plan, out)``  the same gather, caches checked once (hot path)
+        ``ScatterDcp(caches)(landing, block_ids, plan, rank, segments)``  several landed slices of a
+            rank buffer in one launch, caches checked once (hot path)
 
 Common arguments:
     caches: one tensor per segment, each ``[num_blocks, page_tokens, record]`` of any dtype whose
@@ -131,7 +134,7 @@ def gather_dcp(
     geom = ck.check_caches(caches)
     if _use_triton(geom.device, backend):
         return tri.gather_dcp_triton(caches, block_ids, plan, out, validate)
-    geom, out = ck.prepare_gather(caches, block_ids, plan, out, validate)
+    out = ck.prepare_gather_geom(geom, block_ids, plan, out, validate)
     return ref.gather_dcp_ref(caches, block_ids, plan, out)
 
 
@@ -162,3 +165,61 @@ def scatter_dcp(
         return
     geom, row0, rows = ck.prepare_scatter(landing, caches, block_ids, plan, rank, offset_bytes, validate)
     ref.scatter_dcp_ref(landing, caches, block_ids, plan, rank, row0)
+
+
+class GatherDcp:
+    """``gather_dcp`` bound to one list of caches (a prefill stage's layers).
+
+    The caches are checked and their address table built once, here; each call checks only its
+    own arguments (plan, block table, ``out``) and launches. Same contract and bytes as
+    ``gather_dcp``. The caches must keep their storage, shapes and strides while bound.
+    """
+
+    def __init__(self, caches: Sequence[torch.Tensor], backend: Backend = "auto") -> None:
+        self.geom = ck.check_caches(caches)
+        self.caches = list(caches)
+        self.triton = _use_triton(self.geom.device, backend)
+        self._launcher = tri.DcpLauncher(self.caches, tri._use_interpreter(self.geom.device, None)) if self.triton else None
+
+    def __call__(
+        self, block_ids: torch.Tensor, plan: HandoffPlan, out: torch.Tensor | None = None, validate: bool = True
+    ) -> torch.Tensor:
+        out = ck.prepare_gather_geom(self.geom, block_ids, plan, out, validate)
+        if self._launcher is not None:
+            self._launcher.gather(block_ids, plan, out)
+            return out
+        return ref.gather_dcp_ref(self.caches, block_ids, plan, out)
+
+
+class ScatterDcp:
+    """``scatter_dcp`` bound to one list of caches (a decode rank's layers of one prefill stage),
+    taking several landed slices of a rank buffer at once.
+
+    ``segments`` are ``(landing_offset_bytes, buffer_offset_bytes, nbytes)``: bytes
+    ``landing[landing_offset : +nbytes]`` are bytes ``buffer_offset ..`` of ``rank``'s staging
+    buffer (whole records). On a GPU all segments go in one launch. The caches are checked once,
+    here, and must keep their storage, shapes and strides while bound.
+    """
+
+    def __init__(self, caches: Sequence[torch.Tensor], backend: Backend = "auto") -> None:
+        self.geom = ck.check_caches(caches)
+        self.caches = list(caches)
+        self.triton = _use_triton(self.geom.device, backend)
+        self._launcher = tri.DcpLauncher(self.caches, tri._use_interpreter(self.geom.device, None)) if self.triton else None
+
+    def __call__(
+        self,
+        landing: torch.Tensor,
+        block_ids: torch.Tensor,
+        plan: HandoffPlan,
+        rank: int,
+        segments: Sequence[tuple[int, int, int]],
+        validate: bool = True,
+    ) -> None:
+        segs = ck.prepare_scatter_segments(self.geom, landing, block_ids, plan, rank, segments, validate)
+        if self._launcher is not None:
+            self._launcher.scatter(landing, block_ids, plan, rank, segs)
+            return
+        rec = plan.record_bytes
+        for lo, row0, rows in segs:
+            ref.scatter_dcp_ref(landing.narrow(0, lo, rows * rec), self.caches, block_ids, plan, rank, row0)

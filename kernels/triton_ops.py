@@ -51,6 +51,7 @@ from kvpool.policy.layout import HandoffPlan
 MODE_CHUNK = 0  # pack / unpack: groups are chunks
 MODE_GATHER = 1  # gather_dcp: groups are decode ranks, rank buffers back to back
 MODE_SCATTER = 2  # scatter_dcp: one rank, a landing slice of its buffer
+MODE_SCATTER_SEGS = 3  # ScatterDcp: one rank, several landed slices (one group per slice)
 
 #: Tuning knobs (bench/kernels.py sweeps them): words per program tile, warps per program.
 TILE_WORDS = 4096
@@ -63,6 +64,12 @@ PERSIST_CTAS_PER_SM = 0
 #: Pack/unpack of two record sizes (latent + indexer) in one launch (True, default) or one launch
 #: per size (False; same sweep: 0.77-0.84 against 0.87-0.92 on the 64-chunk window).
 PAIR_RECORD_SIZES = True
+#: ``DcpLauncher`` relaunches a kernel it compiled before through the compiled kernel itself,
+#: skipping Triton's per-call argument binding (tens of microseconds for this kernel's 34
+#: arguments). The cache key holds every property Triton specializes on (each integer's ==1,
+#: %16 and 32-bit range, each pointer's dtype and 16-byte alignment, every constexpr), so a hit
+#: is always the kernel Triton itself would pick. False: always Triton's own launch path.
+FAST_LAUNCH = True
 _SM_COUNT: dict[int, int] = {}
 _MAX_GRID_Y = 65535
 _KERNELS: dict[bool, Any] = {}
@@ -226,7 +233,7 @@ def _launch(
             return
         for g0 in range(0, groups, _MAX_GRID_Y):
             module._copy_rows_kernel[(tiles1 + tiles2, min(_MAX_GRID_Y, groups - g0))](
-                anchor, t1, t2, block_ids, max(bt_cols, 1), bt_s0, bt_s1, n1, n2, tiles1,
+                anchor, t1, t2, t1, block_ids, max(bt_cols, 1), bt_s0, bt_s1, n1, n2, tiles1,
                 a["flat_off"], a["group_stride"],
                 a["tokens"], a["token_start"], a["ranks"], a["rank0"], a["row_lo"], a["row_hi"], g0,
                 MODE=a["mode"], TO_PAGED=a["to_paged"], PAGE=caches[0].shape[1], CHUNK=a["chunk_tokens"],
@@ -234,6 +241,15 @@ def _launch(
                 REC2=rec2, COLS2=cols2, TAIL2=tail2, ROWS2=rows2,
                 ALIGN=align, num_warps=NUM_WARPS,
             )
+
+
+def _spec(arg: Any) -> tuple:
+    """What Triton specializes a launch argument on (a superset: equal tuples, equal kernels)."""
+    if isinstance(arg, bool):
+        return ("b", arg)
+    if isinstance(arg, int):
+        return ("i", arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31, arg < 2**63)
+    return ("p", str(arg.dtype), arg.data_ptr() % 16 == 0)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -361,3 +377,115 @@ def scatter_dcp_triton(
     )
 
 
+
+
+class DcpLauncher:
+    """Launches of ``gather_dcp`` / multi-segment ``scatter_dcp`` over one fixed list of caches.
+
+    The caller has checked the caches (``ops.GatherDcp`` / ``ops.ScatterDcp``); the cache
+    quantities, word size and address table are computed here once, so a launch costs the Triton
+    call and a few integer operations (the per-call cache checks and table keys of the plain ops
+    cost hundreds of microseconds of host time for a 20-layer stage).
+    """
+
+    def __init__(self, caches: Sequence[torch.Tensor], interpret: bool) -> None:
+        self.caches = list(caches)
+        self.interpret = interpret
+        self.device = caches[0].device
+        g = 0
+        for q in _cache_quantities(self.caches):
+            g = math.gcd(g, int(q))
+        self._gcd = g
+        self._anchor_ptr = caches[0].data_ptr()
+        self.page = caches[0].shape[1]
+        self._tables: dict[int, torch.Tensor] = {}
+        self._segs: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._compiled: dict[tuple, Any] = {}
+
+    def _word(self, *quantities: int) -> tuple[int, int]:
+        g = self._gcd
+        for q in quantities:
+            g = math.gcd(g, int(q))
+        g = math.gcd(g, 16) if g else 16
+        word = 4 if g % 4 == 0 else 2 if g % 2 == 0 else 1
+        return word, g // word
+
+    def _table(self, word: int) -> torch.Tensor:
+        t = self._tables.get(word)
+        if t is None:
+            t = self._tables[word] = _seg_table(self.caches, range(len(self.caches)), word, [0] * len(self.caches))
+        return t
+
+    def _run(self, word: int, align: int, rec_bytes: int, grid_rows: int, groups: int, block_ids: torch.Tensor,
+             sg: torch.Tensor | None, flat_off: int, mode: int, to_paged: bool, tokens: int, token_start: int,
+             ranks: int, rank0: int, row_lo: int = 0, row_hi: int = 0) -> None:
+        module, triton = _kernel(self.interpret)
+        rec = rec_bytes // word
+        cols = 1 << (rec.bit_length() - 1)
+        tail = triton.next_power_of_2(rec - cols) if rec > cols else 0
+        width = triton.next_power_of_2(rec)
+        rows = max(1, min(max(1, TILE_WORDS // width), triton.next_power_of_2(max(grid_rows, 1))))
+        if grid_rows >= 2**31 or token_start + tokens >= 2**31:
+            raise ValueError("one launch is limited to 2**31 rows and token positions")
+        table = self._table(word)
+        anchor = triton.reinterpret(self.caches[0], _tl_word(word))
+        bt_2d = block_ids.dim() == 2
+        bt_cols = block_ids.shape[1] if bt_2d else 1
+        bt_s0 = block_ids.stride(0) if bt_2d else 0
+        bt_s1 = block_ids.stride(1) if bt_2d else block_ids.stride(0)
+        args = (anchor, table, table, table if sg is None else sg, block_ids, max(bt_cols, 1), bt_s0, bt_s1,
+                len(self.caches), 0, 0, flat_off, 0, tokens, token_start, ranks, rank0, row_lo, row_hi, 0)
+        consts = (("MODE", mode), ("TO_PAGED", to_paged), ("PAGE", self.page), ("CHUNK", 1), ("BT_2D", bt_2d),
+                  ("REC", rec), ("COLS", cols), ("TAIL", tail), ("ROWS", rows), ("REC2", 0), ("COLS2", 1),
+                  ("TAIL2", 0), ("ROWS2", 1), ("ALIGN", align))
+        grid = (triton.cdiv(grid_rows, rows), groups, 1)
+        fast = FAST_LAUNCH and not self.interpret
+        if fast:
+            key = (consts, NUM_WARPS, tuple(_spec(a) for a in args))
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                compiled[grid](*args, *(v for _, v in consts))
+                return
+        with _interpret_env(True) if self.interpret else contextlib.nullcontext():
+            compiled = module._copy_rows_kernel[grid](*args, **dict(consts), num_warps=NUM_WARPS)
+        if fast and compiled is not None:
+            if hasattr(compiled, "result"):
+                compiled = compiled.result()
+            if hasattr(compiled, "__getitem__") and hasattr(compiled, "run"):
+                self._compiled[key] = compiled
+
+    def gather(self, block_ids: torch.Tensor, plan: HandoffPlan, out: torch.Tensor) -> None:
+        """``gather_dcp`` into ``out`` (checked by the caller)."""
+        if not plan.tokens:
+            return
+        word, align = self._word(out.data_ptr())
+        max_rows = max(plan.rank_tokens(r) for r in range(plan.ranks))
+        self._run(word, align, plan.record_bytes, len(self.caches) * max_rows, plan.ranks, block_ids, None,
+                  (out.data_ptr() - self._anchor_ptr) // word, MODE_GATHER, False, plan.tokens, plan.token_start,
+                  plan.ranks, 0)
+
+    def scatter(self, landing: torch.Tensor, block_ids: torch.Tensor, plan: HandoffPlan, rank: int,
+                segments: Sequence[tuple[int, int, int]]) -> None:
+        """Scatter ``(landing_offset_bytes, row0, rows)`` segments (checked by the caller) of
+        ``rank``'s buffer, one launch for all of them."""
+        if not segments:
+            return
+        base = landing.data_ptr()
+        word, align = self._word(*(base + lo for lo, _, _ in segments))
+        rec = plan.record_bytes // word
+        rows = []
+        for lo, row0, n in segments:
+            rows += [row0, row0 + n, (base + lo - self._anchor_ptr) // word - row0 * rec]
+        key = tuple(rows)
+        sg = self._segs.get(key)
+        if sg is None:
+            sg = torch.tensor(rows, dtype=torch.int64)
+            if self.device.type != "cpu":
+                sg = sg.to(self.device, non_blocking=True)
+            self._segs[key] = sg
+            if len(self._segs) > 256:
+                self._segs.popitem(last=False)
+        else:
+            self._segs.move_to_end(key)
+        self._run(word, align, plan.record_bytes, max(n for _, _, n in segments), len(segments), block_ids, sg,
+                  0, MODE_SCATTER_SEGS, True, plan.tokens, plan.token_start, plan.ranks, rank)

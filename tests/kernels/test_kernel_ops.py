@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from kvpool.kernels import ChunkFormat, gather_dcp, pack, scatter_dcp, staging_views, unpack
+from kvpool.kernels import ChunkFormat, GatherDcp, ScatterDcp, gather_dcp, pack, scatter_dcp, staging_views, unpack
 from kvpool.policy.layout import HandoffPlan
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -261,6 +261,66 @@ def test_gather_scatter_round_trip_in_landed_writes(device, tokens, start, layer
                 got = dec_t[layer][ids[local // page], local % page]
                 want = prefill[layer][src_ids[p // page], p % page]
                 assert torch.equal(got, want), (r, layer, p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens,start,layers,rec,ranks,page", DCP_CASES)
+def test_bound_gather_and_segment_scatter(device, tokens, start, layers, rec, ranks, page):
+    """GatherDcp equals gather_dcp; ScatterDcp lands a rank's writes from shuffled landing slots,
+    in two uneven batches of segments, exactly as scatter_dcp of the whole buffer does."""
+    gen = torch.Generator().manual_seed(tokens * 7 + ranks)
+    pages = -(-(start + tokens) // page)
+    prefill = make_caches([rec] * layers, pages + 4, page, gen, device, "sliced")
+    p_ids = torch.randperm(pages + 4, generator=gen)[:pages].to(device)
+    plan = _plan(tokens, start, layers, rec, ranks, max_write=rec * 40)
+    want = gather_dcp(prefill, p_ids, plan, backend="torch")
+    for backend in ("torch", "triton"):
+        gather = GatherDcp(prefill, backend=backend)
+        assert torch.equal(gather(p_ids, plan), want)
+        out = torch.zeros(plan.total_bytes + 64, dtype=torch.uint8, device=device)
+        for _ in range(2):   # the second launch reuses the compiled kernel (triton_ops.FAST_LAUNCH)
+            assert torch.equal(gather(p_ids, plan, out=out.narrow(0, 0, plan.total_bytes)), want)
+            out.zero_()
+    local_pages = (start + tokens - 1) // ranks // page + 1
+    for r, buf in enumerate(staging_views(want, plan)):
+        nb = local_pages + 5
+        d_ids = torch.randperm(nb, generator=gen)[:local_pages].to(torch.int32).to(device)
+        dec_r = make_caches([rec] * layers, nb, page, gen, device, "padded")
+        pristine = clone_caches(dec_r)
+        dec_t = {"torch": clone_caches(dec_r), "triton": clone_caches(dec_r)}
+        scatter_dcp(buf, dec_r, d_ids, plan, r, backend="torch")
+        writes = plan.writes(r)
+        slot = plan.max_write_bytes + 64
+        order = torch.randperm(len(writes) + 3, generator=gen).tolist()
+        landing = torch.zeros((len(writes) + 3) * slot, dtype=torch.uint8, device=device)
+        segs = []
+        for w, k in zip(writes, order):
+            landing.narrow(0, k * slot, w.nbytes).copy_(buf.narrow(0, w.offset_bytes, w.nbytes))
+            segs.append((k * slot, w.offset_bytes, w.nbytes))
+        cut = max(1, len(segs) // 3)
+        for backend, dec in dec_t.items():
+            op = ScatterDcp(dec, backend=backend)
+            for _ in range(2):   # again over restored caches: relaunches of the compiled kernel
+                op(landing, d_ids, plan, r, segs[cut:][::-1])
+                op(landing, d_ids, plan, r, segs[:cut])
+                for x, y in zip(dec, dec_r):
+                    assert torch.equal(x, y), (backend, r)
+                for x, y in zip(dec, pristine):
+                    x.copy_(y)
+
+
+def test_segment_scatter_rejects_bad_segments():
+    plan = _plan(64, 0, 2, 576, 2)
+    caches = [torch.zeros(4, 16, 576, dtype=torch.uint8) for _ in range(2)]
+    op = ScatterDcp(caches, backend="torch")
+    landing = torch.zeros(4 * 576, dtype=torch.uint8)
+    ids = torch.arange(4)
+    with pytest.raises(ValueError, match="outside the landing"):
+        op(landing, ids, plan, 0, [(576 * 3, 0, 576 * 2)])
+    with pytest.raises(ValueError, match="multiple of the record"):
+        op(landing, ids, plan, 0, [(0, 100, 576)])
+    with pytest.raises(ValueError, match="run past"):
+        op(landing, ids, plan, 0, [(0, plan.buffer_bytes(0) - 576, 1152)])
 
 
 @pytest.mark.gpu
