@@ -6,8 +6,9 @@ Primitives, in call order (one thread drives a ``DecodeRank``; nothing here star
         on 127.0.0.1 (``endpoint``). The pool is split evenly between the prefill stages: stage
         ``s`` owns slots ``s*k .. s*k + k - 1`` (``k = slots // stages``) and holds them as credits.
     ``expect(request_id, block_ids, parts)``  pages are allocated: tell every stage to send (WANT).
-    ``poll(timeout_s)``  handle side-channel messages: a READY is scattered with
-        ``kernels.scatter_dcp`` straight from its slot, then the slot is credited back to its stage.
+    ``poll(timeout_s)``  handle side-channel messages: a READY (or a READIES batch) is scattered
+        straight from its slots with ``kernels.ScatterDcp`` (one launch per message), then the slots
+        are credited back to their stage (one CREDIT per message).
     ``wait(request_id, timeout_s) -> HandoffResult``  poll until every stage's part has been
         scattered (ready for decode); raises ``HandoffError`` on a failure or at the deadline.
     ``forget(request_id)``, ``close()`` (closes the socket and the transport).
@@ -32,7 +33,7 @@ import zmq
 from kvpool.backend.handoff import messages as m
 from kvpool.backend.handoff.metrics import HandoffResult
 from kvpool.backend.handoff.transport import Transport
-from kvpool.kernels import scatter_dcp
+from kvpool.kernels import ScatterDcp
 from kvpool.policy.layout import DEFAULT_MAX_WRITE_BYTES, HandoffPlan
 
 PENDING, READY, FAILED = "pending", "ready", "failed"
@@ -81,7 +82,7 @@ class DecodeRank:
         slots, slot_bytes: landing pool geometry; ``slot_bytes`` must hold the largest write.
         endpoint: ZMQ endpoint to bind (``tcp://127.0.0.1:*`` picks a free port).
         quarantine_s: how long a slot of a failed write stays out of use.
-        validate, backend: passed to ``scatter_dcp``.
+        validate, backend: passed to ``kernels.ScatterDcp``.
     """
 
     def __init__(
@@ -125,7 +126,8 @@ class DecodeRank:
         self._stage_ident: dict[int, bytes] = {}
         self._reqs: dict[str, _Request] = {}
         self._quarantine: dict[int, float] = {}   # slot -> release time
-        self._events: list[tuple[object, int, int, _Request]] = []  # (event, stage, slot, request)
+        self._events: list[tuple[object, int, tuple[int, ...], _Request]] = []  # (event, stage, slots, request)
+        self._scatters: dict[tuple[int, int], ScatterDcp] = {}     # (layer_start, layers) -> bound scatter
         self.dropped_readies = 0
         self.landed_writes = 0
 
@@ -179,7 +181,11 @@ class DecodeRank:
         handled = 0
         self._finish_events()
         self._release_quarantine()
-        if self._sock.poll(int(max(0.0, timeout_s) * 1000), zmq.POLLIN):
+        if timeout_s <= 0:
+            arrived = self._sock.get(zmq.EVENTS) & zmq.POLLIN   # no Poller built per call
+        else:
+            arrived = self._sock.poll(int(timeout_s * 1000), zmq.POLLIN)
+        if arrived:
             while handled < max_messages:
                 try:
                     ident, payload = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -240,7 +246,10 @@ class DecodeRank:
         if isinstance(msg, m.Attach):
             self._attach(ident, msg)
         elif isinstance(msg, m.Ready):
-            self._ready(msg)
+            self._ready(msg.request_id, msg.nonce, msg.stage, [(msg.slot, msg.offset_bytes, msg.nbytes)])
+        elif isinstance(msg, m.Readies):
+            if len(msg.slots) == len(msg.offsets) == len(msg.sizes):
+                self._ready(msg.request_id, msg.nonce, msg.stage, list(zip(msg.slots, msg.offsets, msg.sizes)))
         elif isinstance(msg, m.Done):
             req = self._reqs.get(msg.request_id)
             if req is not None and req.nonce == msg.nonce and req.state == PENDING:
@@ -266,56 +275,70 @@ class DecodeRank:
             if req.state == PENDING and msg.stage in req.parts:
                 self._send(msg.stage, m.Want(req.request_id, req.nonce, self.rank))
 
-    def _ready(self, msg: m.Ready) -> None:
-        if msg.slot not in self.stage_slots(msg.stage) or msg.slot in self._quarantine:
+    def _ready(self, request_id: str, nonce: int, stage: int, landed: list[tuple[int, int, int]]) -> None:
+        """Writes ``(slot, offset_bytes, nbytes)`` of one request and stage have landed: scatter them
+        (one launch), credit their slots back once the scatter has finished."""
+        own = self.stage_slots(stage) if 0 <= stage < self.stages else range(0)
+        landed = [x for x in landed if x[0] in own and x[0] not in self._quarantine]
+        if not landed:
             self.dropped_readies += 1
             return
-        req = self._reqs.get(msg.request_id)
-        if req is None or req.nonce != msg.nonce or req.state != PENDING:
-            self.dropped_readies += 1
-            self._send(msg.stage, m.Credit((msg.slot,)))
+        slots = tuple(slot for slot, _, _ in landed)
+        req = self._reqs.get(request_id)
+        if req is None or req.nonce != nonce or req.state != PENDING:
+            self.dropped_readies += len(landed)
+            self._send(stage, m.Credit(slots))
             return
-        exp = req.expected.get(msg.stage, {})
-        if exp.get(msg.offset_bytes) != msg.nbytes or msg.offset_bytes in req.landed[msg.stage]:
-            self._send(msg.stage, m.Credit((msg.slot,)))
-            self._fail(req, f"stage {msg.stage} sent a write ({msg.offset_bytes}, {msg.nbytes}) not in the plan", tell=True)
+        exp = req.expected.get(stage, {})
+        offsets = [off for _, off, _ in landed]
+        bad = [(off, n) for _, off, n in landed if exp.get(off) != n or off in req.landed[stage]]
+        if bad or len(set(offsets)) != len(offsets):
+            self._send(stage, m.Credit(slots))
+            off, n = bad[0] if bad else (offsets[0], landed[0][2])
+            self._fail(req, f"stage {stage} sent a write ({off}, {n}) not in the plan", tell=True)
             return
-        part = req.parts[msg.stage]
-        view = self.landing.narrow(0, msg.slot * self.slot_bytes, msg.nbytes)
-        caches = self.caches[part.layer_start:part.layer_start + part.plan.layers]
+        part = req.parts[stage]
         t0 = time.perf_counter()
         try:
-            scatter_dcp(view, caches, req.block_ids, part.plan, self.rank, msg.offset_bytes,
-                        validate=self.validate, backend=self.backend)
+            self._scatter_op(part)(self.landing, req.block_ids, part.plan, self.rank,
+                                   [(slot * self.slot_bytes, off, n) for slot, off, n in landed], validate=self.validate)
         except (ValueError, TypeError, IndexError) as exc:
-            self._send(msg.stage, m.Credit((msg.slot,)))
-            self._fail(req, f"scatter of stage {msg.stage}'s write failed: {exc}", tell=True)
+            self._send(stage, m.Credit(slots))
+            self._fail(req, f"scatter of stage {stage}'s write failed: {exc}", tell=True)
             return
         req.scatter_s += time.perf_counter() - t0
-        req.landed[msg.stage].add(msg.offset_bytes)
-        req.nbytes += msg.nbytes
-        req.writes += 1
-        self.landed_writes += 1
+        req.landed[stage].update(offsets)
+        req.nbytes += sum(n for _, _, n in landed)
+        req.writes += len(landed)
+        self.landed_writes += len(landed)
         if self.device.type == "cpu":
-            self._send(msg.stage, m.Credit((msg.slot,)))
+            self._send(stage, m.Credit(slots))
             self._check_complete(req)
         else:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
             req.unfinished += 1
-            self._events.append((ev, msg.stage, msg.slot, req))
+            self._events.append((ev, stage, slots, req))
+
+    def _scatter_op(self, part: StagePart) -> ScatterDcp:
+        key = (part.layer_start, part.plan.layers)
+        op = self._scatters.get(key)
+        if op is None:
+            op = self._scatters[key] = ScatterDcp(self.caches[part.layer_start:part.layer_start + part.plan.layers],
+                                                  backend=self.backend)
+        return op
 
     def _finish_events(self) -> None:
         if not self._events:
             return
         keep = []
-        for ev, stage, slot, req in self._events:
+        for ev, stage, slots, req in self._events:
             if ev.query():
-                self._send(stage, m.Credit((slot,)))
+                self._send(stage, m.Credit(slots))
                 req.unfinished -= 1
                 self._check_complete(req)
             else:
-                keep.append((ev, stage, slot, req))
+                keep.append((ev, stage, slots, req))
         self._events = keep
 
     def _check_complete(self, req: _Request) -> None:

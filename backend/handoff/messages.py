@@ -9,6 +9,8 @@ Every message is a frozen dataclass sent as one JSON object over pyzmq (``encode
     decode rank  -> prefill stage  ``Want``     per request: pages are ready, send; carries the nonce
     prefill stage -> decode rank   ``Ready``    per write: slot ``slot`` holds bytes
                                                 ``offset_bytes .. +nbytes`` of the rank buffer
+    prefill stage -> decode rank   ``Readies``  several READYs of one request in one message
+                                                (the writes that completed together)
     prefill stage -> decode rank   ``Done``     per request: the stage sent ``writes`` writes
     decode rank  -> prefill stage  ``Credit``   slots free again (after scatter, or quarantine end)
     prefill stage -> decode rank   ``Abort``    the stage's part failed; ``quarantined`` slots may
@@ -80,6 +82,18 @@ class Ready:
 
 
 @dataclass(frozen=True)
+class Readies:
+    """Several ``Ready`` of one request: slot ``slots[i]`` holds bytes ``offsets[i] .. +sizes[i]``."""
+
+    request_id: str
+    nonce: int
+    stage: int
+    slots: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Done:
     request_id: str
     nonce: int
@@ -110,7 +124,7 @@ class Fail:
     reason: str
 
 
-MESSAGES = {cls.__name__: cls for cls in (Attach, Landing, Want, Ready, Done, Credit, Abort, Fail)}
+MESSAGES = {cls.__name__: cls for cls in (Attach, Landing, Want, Ready, Readies, Done, Credit, Abort, Fail)}
 _TUPLE_FIELDS = {name: [f.name for f in fields(cls) if "tuple" in str(f.type)] for name, cls in MESSAGES.items()}
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,8 +39,8 @@ from zmq.utils.monitor import recv_monitor_message
 from kvpool.backend.handoff import messages as m
 from kvpool.backend.handoff.metrics import StageReport
 from kvpool.backend.handoff.transport import DONE, FAILED, Peer, Transport, WriteHandle
-from kvpool.kernels import gather_dcp, rank_buffer_offset_bytes
-from kvpool.policy.layout import HandoffPlan
+from kvpool.kernels import GatherDcp, rank_buffer_offset_bytes
+from kvpool.policy.layout import HandoffPlan, Write
 
 ENGINE_PEER_QUEUE = 1024  # MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER default
 
@@ -60,6 +60,7 @@ class RankLink:
     fails: dict[str, str] = field(default_factory=dict)
     quarantined: set[int] = field(default_factory=set)
     lost: str = ""
+    inflight: int = 0                                  # writes in flight to this rank, all requests
 
 
 @dataclass
@@ -77,6 +78,35 @@ class DecodeTarget:
         return not any(link.lost for link in self.links)
 
 
+@dataclass
+class _Outgoing:
+    """One request being sent by a stage."""
+
+    request_id: str
+    links: list[RankLink]
+    plan: HandoffPlan
+    nonces: list[int]
+    staging: torch.Tensor
+    after: object                                      # GPU event at the end of the gather, or None
+    queues: list[deque]                                # per link: writes not yet submitted
+    bases: list[int]                                   # per link: rank buffer offset in staging
+    inflight: list[list[tuple[WriteHandle, int, Write]]]
+    t0: float
+    deadline: float
+    gather_s: float
+    tt: float = 0.0                                    # first submit
+    writes: int = 0
+    nbytes: int = 0
+    peak: int = 0
+    credit_wait_s: float = 0.0
+    error: m.HandoffError | None = None
+    report: StageReport | None = None
+
+    @property
+    def busy(self) -> bool:
+        return any(self.queues) or any(self.inflight)
+
+
 class PrefillStage:
     """One prefill pipeline stage's sender.
 
@@ -90,6 +120,8 @@ class PrefillStage:
         connect_timeout_s: longest wait for a rank's LANDING after attaching.
         peer_timeout_s: ZMQ heartbeat timeout: a silent rank is declared lost after it.
         validate, backend: passed to ``gather_dcp``.
+        staging_buffers: staging buffers of ``staging_bytes`` each. With 2 or more, the gather of
+            the next started request runs while the previous one's writes are in flight.
     """
 
     def __init__(
@@ -105,7 +137,10 @@ class PrefillStage:
         peer_timeout_s: float = 2.0,
         validate: bool = True,
         backend: str = "auto",
+        staging_buffers: int = 1,
     ) -> None:
+        if staging_buffers < 1:
+            raise ValueError(f"staging_buffers must be >= 1, got {staging_buffers}")
         if not 1 <= max_inflight_per_peer <= ENGINE_PEER_QUEUE:
             raise ValueError(f"max_inflight_per_peer must be in 1..{ENGINE_PEER_QUEUE}, got {max_inflight_per_peer}")
         for name, v in (("credit_timeout_s", credit_timeout_s), ("connect_timeout_s", connect_timeout_s),
@@ -120,8 +155,15 @@ class PrefillStage:
         self.peer_timeout_s = peer_timeout_s
         self.validate = validate
         self.backend = backend
-        self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=device)
+        self.staging_bytes = staging_bytes
+        self.staging = torch.empty(staging_bytes * staging_buffers, dtype=torch.uint8, device=device)
         transport.register_source(self.staging)
+        self._buffers = [self.staging.narrow(0, i * staging_bytes, staging_bytes) for i in range(staging_buffers)]
+        self._owner: list[_Outgoing | None] = [None] * staging_buffers
+        self._out: dict[str, _Outgoing] = {}
+        self._gathers: OrderedDict[tuple, tuple] = OrderedDict()
+        self._last_progress = time.monotonic()
+        self._poller: tuple[tuple, zmq.Poller] | None = None
         self.name = f"stage{stage}-{uuid.uuid4().hex[:8]}"
         self._ctx = zmq.Context.instance()
         self._links: list[RankLink] = []
@@ -183,7 +225,8 @@ class PrefillStage:
         plan: HandoffPlan,
         timeout_s: float = 60.0,
     ) -> StageReport:
-        """Hand this stage's KV of one request to every rank of ``target`` (see module docstring).
+        """Hand this stage's KV of one request to every rank of ``target`` (see module docstring):
+        ``start`` then ``finish``.
 
         Args:
             request_id: the request, as the decode ranks ``expect``-ed it.
@@ -192,13 +235,33 @@ class PrefillStage:
         Returns:
             the stage's ``StageReport``; ``handoff_writes == plan.batched_writes``.
         """
+        self.start(request_id, target, caches, block_ids, plan, timeout_s)
+        return self.finish(request_id)
+
+    def start(
+        self,
+        request_id: str,
+        target: DecodeTarget,
+        caches: Sequence[torch.Tensor],
+        block_ids: torch.Tensor,
+        plan: HandoffPlan,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """Begin a handoff and return once its writes are queued: wait for every rank's WANT and
+        for a free staging buffer (driving the requests already started meanwhile), gather, submit
+        the writes that credits allow. ``progress`` / ``finish`` drive it on; several requests may
+        be in flight (their writes take credits in start order). ``timeout_s`` bounds the request
+        from here to its last write; errors are raised by ``finish`` (or here, before the gather).
+        """
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         links = target.links
+        if request_id in self._out:
+            raise ValueError(f"request {request_id!r} is already being sent by stage {self.stage}")
         if plan.ranks != target.ranks:
             raise ValueError(f"plan has {plan.ranks} ranks, target has {target.ranks}")
-        if plan.total_bytes > self.staging.numel():
-            raise ValueError(f"stage share {plan.total_bytes} B exceeds staging {self.staging.numel()} B")
+        if plan.total_bytes > self.staging_bytes:
+            raise ValueError(f"stage share {plan.total_bytes} B exceeds staging {self.staging_bytes} B")
         for link in links:
             too_big = [w for w in plan.writes(link.rank) if w.nbytes > link.slot_bytes]
             if too_big:
@@ -206,69 +269,194 @@ class PrefillStage:
         # 1. every rank has allocated pages and sent its nonce
         while not all(request_id in link.wants for link in links):
             self._check(links, request_id, deadline, "waiting for WANT")
-            self._wait(links, min(0.05, deadline - time.monotonic()))
+            self._step(min(0.05, deadline - time.monotonic()))
         nonces = [link.wants.pop(request_id) for link in links]
-        # 2. gather every rank's tokens into staging
+        # 2. a staging buffer whose previous writes have all completed
+        buf = self._free_buffer()
+        while buf is None:
+            self._check(links, request_id, deadline, "waiting for a staging buffer")
+            self._step(0.0005)
+            buf = self._free_buffer()
+        # 3. gather every rank's tokens into it
         tg = time.monotonic()
-        staging = self.staging.narrow(0, 0, plan.total_bytes)
-        gather_dcp(caches, block_ids, plan, out=staging, validate=self.validate, backend=self.backend)
+        staging = self._buffers[buf].narrow(0, 0, plan.total_bytes)
+        self._gather_op(caches)(block_ids, plan, out=staging, validate=self.validate)
+        after = None
+        if staging.is_cuda:
+            after = torch.cuda.Event()
+            after.record(torch.cuda.current_stream(staging.device))
         gather_s = time.monotonic() - tg
-        # 3. one write per planned write, each into a credited slot
-        queues = [deque(plan.writes(link.rank)) for link in links]
-        bases = [rank_buffer_offset_bytes(plan, link.rank) for link in links]
-        inflight: list[list[tuple[WriteHandle, int, object]]] = [[] for _ in links]
-        writes = nbytes = peak = 0
-        credit_wait_s = 0.0
-        tt = time.monotonic()
-        last_progress = tt
-        try:
-            while any(queues) or any(inflight):
-                progressed = False
-                self._drain(links)
-                for i, link in enumerate(links):
-                    q, fl = queues[i], inflight[i]
-                    while q and link.credits and len(fl) < self.max_inflight_per_peer:
-                        slot = link.credits.popleft()
-                        w = q.popleft()
-                        h = self.transport.submit(link.peer, staging, bases[i] + w.offset_bytes,
-                                                  slot * link.slot_bytes, w.nbytes)
-                        self.submitted_writes += 1
-                        fl.append((h, slot, w))
-                        progressed = True
-                    peak = max(peak, len(fl))
-                    for item in list(fl):
-                        h, slot, w = item
-                        st = self.transport.poll(h)
-                        if st == DONE:
-                            fl.remove(item)
-                            link.sock.send(m.encode(m.Ready(request_id, nonces[i], self.stage, slot,
-                                                            w.offset_bytes, w.nbytes)))
-                            writes += 1
-                            nbytes += w.nbytes
-                            progressed = True
-                        elif st == FAILED:
-                            raise m.TransferFailed(f"stage {self.stage}: write of {w.nbytes} B to rank {link.rank} "
-                                                   f"slot {slot} failed", request_id)
-                now = time.monotonic()
-                if progressed:
-                    last_progress = now
+        out = _Outgoing(request_id, links, plan, nonces, staging, after,
+                        [deque(plan.writes(link.rank)) for link in links],
+                        [rank_buffer_offset_bytes(plan, link.rank) for link in links],
+                        [[] for _ in links], t0, deadline, gather_s)
+        self._owner[buf] = out
+        self._out[request_id] = out
+        self._last_progress = time.monotonic()
+        self._pump()
+
+    def progress(self, timeout_s: float = 0.0) -> None:
+        """Drive every started request once: side-channel messages, writes that credits now allow,
+        completed writes (READY), finished requests (DONE), faults; waits up to ``timeout_s`` for a
+        message when nothing moved."""
+        self._step(timeout_s)
+
+    def finish(self, request_id: str) -> StageReport:
+        """Drive the requests until ``request_id``'s writes have all completed (every READY and DONE
+        sent) and return its report; raise its ``HandoffError`` if it failed. Bounded by the
+        request's own ``timeout_s`` (from ``start``)."""
+        out = self._out.get(request_id)
+        if out is None:
+            raise ValueError(f"request {request_id!r} was not started on stage {self.stage}")
+        while out.report is None and out.error is None:
+            # a write completing sends no message: poll the side channel without blocking while
+            # any request's writes are in flight
+            self._step(0.0005 if any(any(o.inflight) for o in self._out.values()) else 0.01)
+        del self._out[request_id]
+        if out.error is not None:
+            raise out.error
+        return out.report
+
+    def pending(self) -> list[str]:
+        """Requests started and not yet collected by ``finish``."""
+        return list(self._out)
+
+    # ---- pipeline internals -------------------------------------------------------------------
+
+    def _gather_op(self, caches: Sequence[torch.Tensor]) -> GatherDcp:
+        key = tuple(id(c) for c in caches)
+        hit = self._gathers.get(key)
+        if hit is not None and all(c.data_ptr() == p for c, p in zip(hit[0], hit[1])):
+            self._gathers.move_to_end(key)
+            return hit[2]
+        op = GatherDcp(caches, backend=self.backend)
+        self._gathers[key] = (list(caches), [c.data_ptr() for c in caches], op)
+        if len(self._gathers) > 8:
+            self._gathers.popitem(last=False)
+        return op
+
+    def _free_buffer(self) -> int | None:
+        for i, owner in enumerate(self._owner):
+            if owner is None or not owner.busy:
+                return i
+        return None
+
+    def _active(self) -> list[_Outgoing]:
+        return [o for o in self._out.values() if o.error is None and o.report is None]
+
+    def _pump(self) -> bool:
+        """Submit queued writes (start order) into the credits the ranks hold; True if any."""
+        moved = False
+        for out in self._active():
+            for i, link in enumerate(out.links):
+                q = out.queues[i]
+                n = min(len(q), len(link.credits), self.max_inflight_per_peer - link.inflight)
+                if n <= 0:
                     continue
-                self._check(links, request_id, deadline, "sending")
-                starving = any(q and not link.credits for q, link in zip(queues, links))
-                if starving and now - last_progress > self.credit_timeout_s:
-                    raise m.CreditTimeout(f"stage {self.stage}: no credit for {self.credit_timeout_s} s", request_id)
-                t_w = time.monotonic()
-                self._wait(links, 0.0005 if any(inflight) else 0.01)
-                if starving:
-                    credit_wait_s += time.monotonic() - t_w
-            for i, link in enumerate(links):
-                link.sock.send(m.encode(m.Done(request_id, nonces[i], self.stage, len(plan.writes(link.rank)),
-                                               plan.buffer_bytes(link.rank))))
-        except m.HandoffError as exc:
-            self._abort(links, request_id, nonces, inflight, str(exc))
-            raise
-        end = time.monotonic()
-        return StageReport(request_id, self.stage, nbytes, writes, gather_s, end - tt, credit_wait_s, end - t0, peak)
+                batch = []
+                for _ in range(n):
+                    slot = link.credits.popleft()
+                    w = q.popleft()
+                    batch.append((slot, w))
+                if not out.tt:
+                    out.tt = time.monotonic()
+                handles = self.transport.submit_writes(
+                    link.peer, out.staging,
+                    [(out.bases[i] + w.offset_bytes, slot * link.slot_bytes, w.nbytes) for slot, w in batch], out.after)
+                out.inflight[i].extend((h, slot, w) for h, (slot, w) in zip(handles, batch))
+                link.inflight += n
+                self.submitted_writes += n
+                out.peak = max(out.peak, link.inflight)
+                moved = True
+        return moved
+
+    def _harvest(self) -> bool:
+        """Poll in-flight writes; READY the completed ones (one message per rank), DONE finished
+        requests; a failed write fails its request. True if anything completed."""
+        moved = False
+        for out in self._active():
+            for i, link in enumerate(out.links):
+                fl = out.inflight[i]
+                if not fl:
+                    continue
+                done = []
+                failed = None
+                for item in fl:
+                    st = self.transport.poll(item[0])
+                    if st == DONE:
+                        done.append(item)
+                    elif st == FAILED:
+                        failed = item
+                        break
+                if failed is not None:
+                    _, slot, w = failed
+                    self._fail_out(out, m.TransferFailed(
+                        f"stage {self.stage}: write of {w.nbytes} B to rank {link.rank} slot {slot} failed",
+                        out.request_id))
+                    moved = True
+                    break
+                if not done:
+                    continue
+                gone = {id(item) for item in done}
+                out.inflight[i] = [item for item in fl if id(item) not in gone]
+                link.inflight -= len(done)
+                if len(done) == 1:
+                    _, slot, w = done[0]
+                    msg = m.Ready(out.request_id, out.nonces[i], self.stage, slot, w.offset_bytes, w.nbytes)
+                else:
+                    msg = m.Readies(out.request_id, out.nonces[i], self.stage, tuple(s for _, s, _ in done),
+                                    tuple(w.offset_bytes for _, _, w in done), tuple(w.nbytes for _, _, w in done))
+                link.sock.send(m.encode(msg))
+                out.writes += len(done)
+                out.nbytes += sum(w.nbytes for _, _, w in done)
+                moved = True
+            if out.error is None and not out.busy:
+                for i, link in enumerate(out.links):
+                    link.sock.send(m.encode(m.Done(out.request_id, out.nonces[i], self.stage,
+                                                   len(out.plan.writes(link.rank)), out.plan.buffer_bytes(link.rank))))
+                end = time.monotonic()
+                out.report = StageReport(out.request_id, self.stage, out.nbytes, out.writes, out.gather_s,
+                                         end - (out.tt or end), out.credit_wait_s, end - out.t0, out.peak)
+        return moved
+
+    def _fail_out(self, out: _Outgoing, exc: m.HandoffError) -> None:
+        self._abort(out.links, out.request_id, out.nonces, out.inflight, str(exc))
+        for i, link in enumerate(out.links):
+            link.inflight -= len(out.inflight[i])
+            out.inflight[i] = []
+            out.queues[i].clear()
+        out.error = exc
+
+    def _step(self, timeout_s: float) -> None:
+        """One round over every started request (see ``progress``)."""
+        drained = self._drain(self._links)
+        moved = self._pump()
+        moved = self._harvest() or moved
+        for out in self._active():
+            try:
+                self._check(out.links, out.request_id, out.deadline, "sending")
+            except m.HandoffError as exc:
+                self._fail_out(out, exc)
+                moved = True
+        now = time.monotonic()
+        if moved:
+            self._last_progress = now
+            return
+        if drained:
+            return   # the caller re-checks what it waits for (a WANT, a credit) before any wait
+        starving = [o for o in self._active()
+                    if any(q and not link.credits for q, link in zip(o.queues, o.links))]
+        if starving and now - self._last_progress > self.credit_timeout_s:
+            for out in starving:
+                self._fail_out(out, m.CreditTimeout(f"stage {self.stage}: no credit for {self.credit_timeout_s} s",
+                                                    out.request_id))
+            return
+        t_w = time.monotonic()
+        self._wait(self._links, timeout_s)
+        if starving:
+            dt = time.monotonic() - t_w
+            for out in starving:
+                out.credit_wait_s += dt
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -294,27 +482,35 @@ class PrefillStage:
             raise m.HandoffError(f"stage {self.stage}: timed out while {doing}", request_id)
 
     def _wait(self, links: list[RankLink], timeout_s: float) -> None:
-        poller = zmq.Poller()
-        for link in links:
-            poller.register(link.sock, zmq.POLLIN)
-            poller.register(link.monitor, zmq.POLLIN)
+        key = tuple(id(link) for link in links)
+        if self._poller is None or self._poller[0] != key:
+            poller = zmq.Poller()
+            for link in links:
+                poller.register(link.sock, zmq.POLLIN)
+                poller.register(link.monitor, zmq.POLLIN)
+            self._poller = (key, poller)
+        poller = self._poller[1]
         if poller.poll(int(max(0.0, timeout_s) * 1000) or 0):
             self._drain(links)
 
-    def _drain(self, links: list[RankLink]) -> None:
+    def _drain(self, links: list[RankLink]) -> int:
+        """Handle every message that has arrived; returns how many (socket events are checked
+        first: a NOBLOCK recv on an empty socket raises, which costs tens of microseconds)."""
+        handled = 0
         for link in links:
-            while True:
+            while link.monitor.get(zmq.EVENTS) & zmq.POLLIN:
                 try:
                     ev = recv_monitor_message(link.monitor, zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 if ev["event"] == zmq.EVENT_DISCONNECTED:
                     link.lost = "side channel disconnected"
-            while True:
+            while link.sock.get(zmq.EVENTS) & zmq.POLLIN:
                 try:
                     payload = link.sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                handled += 1
                 try:
                     msg = m.decode(payload)
                 except ValueError:
@@ -333,6 +529,7 @@ class PrefillStage:
                     link.wants[msg.request_id] = msg.nonce
                 elif isinstance(msg, m.Fail):
                     link.fails[msg.request_id] = msg.reason
+        return handled
 
     def _drop(self, links: list[RankLink]) -> None:
         for link in links:

@@ -203,7 +203,7 @@ def prefill_main(conn, stage: int, g: Geom, kind: str, endpoints: list[str], opt
     if opts.get("fail_write") is not None:
         transport = FaultyTransport(transport, opts["fail_write"])
     ps = PrefillStage(stage, transport, staging_bytes=g.plan().total_bytes, device=device,
-                      max_inflight_per_peer=opts.get("max_inflight", 64),
+                      staging_buffers=opts.get("staging_buffers", 1), max_inflight_per_peer=opts.get("max_inflight", 64),
                       credit_timeout_s=opts.get("credit_timeout_s", 5.0), peer_timeout_s=opts.get("peer_timeout_s", 2.0))
     targets = {}
     try:
@@ -233,6 +233,12 @@ def prefill_main(conn, stage: int, g: Geom, kind: str, endpoints: list[str], opt
                     except HandoffError as exc:
                         conn.send(("ok", {"error": type(exc).__name__, "message": str(exc),
                                           "after_s": time.monotonic() - t0}))
+                elif cmd[0] == "send_many":   # pipelined: start every request, then finish each
+                    _, items, tname, timeout_s = cmd
+                    for rid, seed in items:
+                        ps.start(rid, targets[tname], [c.to(device) for c in prefill_caches(g, stage, seed)],
+                                 prefill_table(g, seed).to(device), g.plan(), timeout_s=timeout_s)
+                    conn.send(("ok", [ps.finish(rid) for rid, _ in items]))
                 elif cmd[0] == "credits":
                     conn.send(("ok", ps.credits(targets[cmd[1]])))
                 elif cmd[0] == "stats":
@@ -257,6 +263,9 @@ class FaultyTransport:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+    def submit_writes(self, peer, src, writes, after=None):
+        return [self.submit(peer, src, s, d, n) for s, d, n in writes]
 
     def submit(self, peer, src, src_offset_bytes, dst_offset_bytes, nbytes):
         from kvpool.backend.handoff.transport import FAILED, WriteHandle

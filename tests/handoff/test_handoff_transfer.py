@@ -69,6 +69,30 @@ def test_ipc_transport_four_ranks(cluster, run_request):
     _check_request(g, dconns, reports, results, 5)
 
 
+def test_pipelined_requests_over_ipc(cluster):
+    """Four requests started back to back (two staging buffers, 2 slots per rank, so later writes
+    wait for credits that earlier requests return): every one lands with the plan's writes, and the
+    KV is that of the last request, bit-exact (each rank scatters in request order)."""
+    g = Geom(tokens=701, stages=1, ranks=2, slots=2, max_write_bytes=16 * 1024)
+    decodes = cluster.decodes(g, "ipc")
+    dconns = [c for _, c, _ in decodes]
+    (_, p, _), = cluster.prefills(g, "ipc", [ep for _, _, ep in decodes], staging_buffers=2)
+    items = [(f"pipe-{i}", 10 + i) for i in range(4)]
+    for rid, seed in items:
+        for conn in dconns:
+            call(conn, ("expect", rid, seed, {}))
+    reports = call(p, ("send_many", items, "a", 30.0), 60)
+    assert [r.request_id for r in reports] == [rid for rid, _ in items]
+    assert all(r.handoff_writes == g.plan().batched_writes for r in reports), reports
+    for rid, _ in items:
+        for r, conn in enumerate(dconns):
+            res = call(conn, ("wait", rid, 20), 30)
+            assert res.handoff_writes == len(g.plan().writes(r))
+    for r, conn in enumerate(dconns):
+        assert call(conn, ("kv", items[-1][1], {})).equal(expected_rank_kv(g, r, items[-1][1]))
+    assert call(p, ("credits", "a")) == [g.slots] * g.ranks
+
+
 def test_inflight_bound_validated():
     from kvpool.backend.handoff import LocalTransport, PrefillStage
 
