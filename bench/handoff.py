@@ -59,7 +59,7 @@ _import_kvpool()
 import torch  # noqa: E402
 
 from kvpool.backend.handoff import DecodeRank, PrefillStage, StagePart, make_transport  # noqa: E402
-from kvpool.kernels import gather_dcp, scatter_dcp  # noqa: E402
+from kvpool.kernels import GatherDcp, ScatterDcp, gather_dcp, scatter_dcp  # noqa: E402
 from kvpool.policy.layout import MIB, HandoffPlan  # noqa: E402
 
 PAGE = 16
@@ -106,13 +106,38 @@ def _transport(kind: str):
     return make_transport(kind, **({"copy_on": os.environ.get("KVPOOL_IPC_COPY_ON", "src")} if kind == "ipc" else {}))
 
 
-def decode_proc(conn, kind: str, device: str, slots: int) -> None:
+def _profiler():
+    """A cProfile profiler when KVPOOL_BENCH_PROFILE names a folder (its stats go there at stop)."""
+    if not os.environ.get("KVPOOL_BENCH_PROFILE"):
+        return None
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def _dump_profile(prof, name: str) -> None:
+    if prof is None:
+        return
+    import io
+    import pstats
+
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
+    Path(os.environ["KVPOOL_BENCH_PROFILE"], f"profile-{name}.txt").write_text(buf.getvalue())
+
+
+def decode_proc(conn, kind: str, device: str, slots: int, slot_bytes: int = 8 * MIB) -> None:
+    prof = _profiler()
     if device != "cpu":
         torch.cuda.set_device(device)
     transport = _transport(kind)
     plan = SEED_PLAN
     kv = [decode_kv(plan, r, device) for r in range(RANKS)]
-    ranks = [DecodeRank(r, kv[r][0], transport, stages=1, slots=slots, validate=False) for r in range(RANKS)]
+    ranks = [DecodeRank(r, kv[r][0], transport, stages=1, slots=slots, slot_bytes=slot_bytes, validate=False)
+             for r in range(RANKS)]
     naive = transport.allocate(plan.total_bytes, device)
     naive_desc = transport.expose(naive)
     conn.send(("ok", [dr.endpoint for dr in ranks]))
@@ -129,6 +154,7 @@ def decode_proc(conn, kind: str, device: str, slots: int) -> None:
             continue
         cmd = conn.recv()
         if cmd[0] == "stop":
+            _dump_profile(prof, "decode")
             conn.send(("ok", None))
             break
         if cmd[0] == "expect":
@@ -156,7 +182,7 @@ def decode_proc(conn, kind: str, device: str, slots: int) -> None:
                 for rid in rids:
                     for dr in ranks:
                         dr.forget(rid)
-                return {"end_s": max(ends[r] for r in rids), "results": res}
+                return {"end_s": max(ends[r] for r in rids), "results": res, "ends": {r: ends[r] for r in rids}}
             _answer(conn, wait)
         elif cmd[0] == "naive_desc":
             conn.send(("ok", naive_desc))
@@ -199,29 +225,46 @@ def _socket_server(nbytes: int, reps: int) -> int:
 
 # ---- prefill process ---------------------------------------------------------------------------
 
-def prefill_proc(conn, kind: str, device: str, endpoints: list[str]) -> None:
+def prefill_proc(conn, kind: str, device: str, endpoints: list[str], staging_buffers: int = 1) -> None:
+    prof = _profiler()
     if device != "cpu":
         torch.cuda.set_device(device)
     transport = _transport(kind)
     plan = SEED_PLAN
     caches, table = prefill_kv(plan, device)
     stage = PrefillStage(0, transport, staging_bytes=plan.total_bytes, device=device, validate=False,
-                         credit_timeout_s=30.0)
+                         credit_timeout_s=30.0, staging_buffers=staging_buffers)
     target = stage.connect(endpoints)
     conn.send(("ok", None))
     while True:
         cmd = conn.recv()
         if cmd[0] == "stop":
+            _dump_profile(prof, "prefill")
             conn.send(("ok", None))
             break
         if cmd[0] == "send":
-            def send(rids=cmd[1]):
+            def send(rids=cmd[1], pipelined=cmd[2] if len(cmd) > 2 else False):
                 t0 = time.monotonic()
-                reps = [stage.send(rid, target, caches, table, plan, timeout_s=120) for rid in rids]
-                return {"start_s": t0, "reports": reps}
+                marks = {}   # request -> (start called, start returned, finish returned), monotonic
+                if pipelined:   # start every request (each waits only for a free staging buffer), then finish
+                    for rid in rids:
+                        t = time.monotonic()
+                        stage.start(rid, target, caches, table, plan, timeout_s=120)
+                        marks[rid] = [t, time.monotonic()]
+                    reps = []
+                    for rid in rids:
+                        reps.append(stage.finish(rid))
+                        marks[rid].append(time.monotonic())
+                else:
+                    reps = []
+                    for rid in rids:
+                        t = time.monotonic()
+                        reps.append(stage.send(rid, target, caches, table, plan, timeout_s=120))
+                        marks[rid] = [t, t, time.monotonic()]
+                return {"start_s": t0, "reports": reps, "marks": marks}
             _answer(conn, send)
         elif cmd[0] == "large_raw":
-            _answer(conn, lambda: _large_raw(transport, stage.staging, plan, cmd[1], cmd[2]))
+            _answer(conn, lambda: _large_raw(transport, stage.staging, plan, cmd[1], cmd[2], *cmd[3:]))
         elif cmd[0] == "naive":
             _answer(conn, lambda: _naive(transport, caches, table, plan, cmd[1], cmd[2], cmd[3]))
         elif cmd[0] == "socket":
@@ -263,15 +306,23 @@ def _naive(transport, caches, table, plan: HandoffPlan, desc: dict, writes: int,
     return {"writes": done, "bytes": done * plan.record_bytes, "s": dt}
 
 
-def _large_raw(transport, staging: torch.Tensor, plan: HandoffPlan, desc: dict, reps: int) -> dict:
+def _large_raw(transport, staging: torch.Tensor, plan: HandoffPlan, desc: dict, reps: int,
+               batched: bool = False) -> dict:
     """The plan's writes alone (no gather, no scatter, no side channel): staging -> the same places
-    in the peer's buffer, all submitted at once, polled until done; best of ``reps``."""
+    in the peer's buffer, all submitted at once, polled until done; best of ``reps``. ``batched``:
+    one ``submit_writes`` call (adjacent writes merged, one completion) instead of one ``submit``
+    per write."""
     peer = transport.open(desc)
     writes = [(sum(plan.buffer_bytes(q) for q in range(w.rank)) + w.offset_bytes, w.nbytes) for w in plan.all_writes()]
     times = []
+    submit_s = []
     for _ in range(reps):
         t0 = time.monotonic()
-        handles = [transport.submit(peer, staging, off, off, n) for off, n in writes]
+        if batched:
+            handles = transport.submit_writes(peer, staging, [(off, off, n) for off, n in writes])
+        else:
+            handles = [transport.submit(peer, staging, off, off, n) for off, n in writes]
+        submit_s.append(time.monotonic() - t0)
         while True:
             states = [transport.poll(h) for h in handles]
             if -1 in states:
@@ -280,7 +331,7 @@ def _large_raw(transport, staging: torch.Tensor, plan: HandoffPlan, desc: dict, 
                 break
             time.sleep(0 if staging.is_cuda else 0.0002)
         times.append(time.monotonic() - t0)
-    return {"writes": len(writes), "s": min(times)}
+    return {"writes": len(writes), "s": min(times), "submit_s": min(submit_s)}
 
 
 def _socket_send(port: int, staging: torch.Tensor, reps: int) -> dict:
@@ -330,7 +381,27 @@ def _kernel_rates(caches, table, plan: HandoffPlan, reps: int) -> dict:
         scatter_dcp(view, dcaches, dtable, plan, 0, validate=False)
     torch.cuda.synchronize()
     s = (time.monotonic() - t0) / reps
-    return {"gather_gbps": plan.total_bytes / g / 1e9, "scatter_rank_buffer_gbps": plan.buffer_bytes(0) / s / 1e9}
+    out_rates = {"gather_gbps": plan.total_bytes / g / 1e9, "scatter_rank_buffer_gbps": plan.buffer_bytes(0) / s / 1e9}
+    # the bound ops the handoff uses: host time per call (back to back) and GPU time (events)
+    gop, sop = GatherDcp(caches), ScatterDcp(dcaches)
+    segs = [(w.offset_bytes, w.offset_bytes, w.nbytes) for w in plan.writes(0)]
+    for name, fn, nbytes in (("bound_gather", lambda: gop(table, plan, out=out, validate=False), plan.total_bytes),
+                             ("bound_scatter_rank", lambda: sop(view, dtable, plan, 0, segs, validate=False),
+                              plan.buffer_bytes(0))):
+        fn()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(200_000_000)   # the launches queue behind it: e0..e1 is GPU time alone
+        e0.record()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host = (time.perf_counter() - t0) / reps
+        e1.record()
+        e1.synchronize()
+        gpu = e0.elapsed_time(e1) / 1e3 / reps
+        out_rates[name] = {"host_us_per_call": host * 1e6, "gpu_us_per_call": gpu * 1e6, "gbps": nbytes / gpu / 1e9}
+    return out_rates
 
 
 # ---- driver ------------------------------------------------------------------------------------
@@ -427,21 +498,33 @@ def run_gpu(args) -> dict:
     if torch.cuda.device_count() < 2:
         raise SystemExit("--gpu needs 2 GPUs")
     ctx = mp.get_context("spawn")
-    dp, d, endpoints = _start(ctx, decode_proc, "ipc", "cuda:1", args.slots)
-    pp, p, _ = _start(ctx, prefill_proc, "ipc", "cuda:0", endpoints)
+    slot_bytes = plan.max_write_bytes // plan.record_bytes * plan.record_bytes   # slots sized to the plan's writes
+    dp, d, endpoints = _start(ctx, decode_proc, "ipc", "cuda:1", args.slots, slot_bytes)
+    pp, p, _ = _start(ctx, prefill_proc, "ipc", "cuda:0", endpoints, args.staging_buffers)
     try:
-        runs = []
+        runs: dict[str, list] = {"pipelined": [], "sequential": []}
         for rnd in range(args.reps):
-            rids = [f"g{rnd}-{i}" for i in range(args.requests)]
-            _call(d, "expect", rids)
-            sent = _call(p, "send", rids)
-            waited = _call(d, "wait", rids)
-            total_s = waited["end_s"] - sent["start_s"]
-            runs.append({"requests": len(rids), "s": total_s,
-                         "gbps": len(rids) * plan.total_bytes / total_s / 1e9,
-                         "transfer_s_per_request": sum(r.transfer_s for r in sent["reports"]) / len(rids),
-                         "writes_per_request": sent["reports"][0].handoff_writes})
+            for mode in ("pipelined", "sequential"):
+                rids = [f"g{rnd}-{mode[0]}{i}" for i in range(args.requests)]
+                _call(d, "expect", rids)
+                sent = _call(p, "send", rids, mode == "pipelined")
+                waited = _call(d, "wait", rids)
+                total_s = waited["end_s"] - sent["start_s"]
+                reps = sent["reports"]
+                res = [x for rid in rids for x in waited["results"][rid]]
+                t0 = sent["start_s"]
+                timeline = [[round((x - t0) * 1e3, 3) for x in sent["marks"][rid]] + [round((waited["ends"][rid] - t0) * 1e3, 3)]
+                            for rid in rids]
+                runs[mode].append({"requests": len(rids), "s": total_s,
+                                   "timeline_ms": timeline,
+                                   "scatter_host_s_per_rank_request": sum(x.scatter_s for x in res) / len(res),
+                                   "gbps": len(rids) * plan.total_bytes / total_s / 1e9,
+                                   "gather_host_s_per_request": sum(r.gather_s for r in reps) / len(rids),
+                                   "transfer_s_per_request": sum(r.transfer_s for r in reps) / len(rids),
+                                   "credit_wait_s_per_request": sum(r.credit_wait_s for r in reps) / len(rids),
+                                   "writes_per_request": reps[0].handoff_writes})
         raw = _call(p, "large_raw", _call(d, "naive_desc"), 5)
+        raw_batched = _call(p, "large_raw", _call(d, "naive_desc"), 5, True)
         copy = _call(p, "device_copy", args.requests * 2, "cuda:1")
         kern = _call(p, "kernels", 20)
         got = _call(d, "kv")
@@ -464,19 +547,26 @@ def run_gpu(args) -> dict:
         want = torch.stack([c[table[pos // PAGE].long(), pos % PAGE] for c in caches])   # [L, n_r, rec]
         have = got[r].reshape(plan.layers, -1, plan.record_bytes)[:, : pos.numel()]          # pages in table order
         exact &= bool(have.equal(want))
-    best = max(runs, key=lambda x: x["gbps"])
+    best = max(runs["pipelined"], key=lambda x: x["gbps"])
+    best_seq = max(runs["sequential"], key=lambda x: x["gbps"])
     return {
         "mode": "gpu_ipc",
         "device": torch.cuda.get_device_name(0),
         "plan": {"tokens": TOKENS, "layers": LAYERS, "record_bytes": RECORD, "ranks": RANKS,
                  "bytes": plan.total_bytes, "batched_writes": plan.batched_writes},
         "copy_on": os.environ.get("KVPOOL_IPC_COPY_ON", "src"),
+        "slots_per_rank": args.slots, "slot_bytes": slot_bytes, "staging_buffers": args.staging_buffers,
         "handoff": best,
+        "handoff_sequential": best_seq,
         "runs": runs,
-        "writes_only": {"writes": raw["writes"], "s": raw["s"], "gbps": plan.total_bytes / raw["s"] / 1e9},
+        "writes_only": {"writes": raw["writes"], "s": raw["s"], "submit_s": raw["submit_s"],
+                        "gbps": plan.total_bytes / raw["s"] / 1e9},
+        "writes_only_batched": {"writes": raw_batched["writes"], "s": raw_batched["s"],
+                                "submit_s": raw_batched["submit_s"], "gbps": plan.total_bytes / raw_batched["s"] / 1e9},
         "device_copy": copy,
         "kernels": kern,
         "ratio_vs_device_copy": best["gbps"] / copy["gbps"],
+        "ratio_sequential_vs_device_copy": best_seq["gbps"] / copy["gbps"],
         "goal_ratio": 0.8,
         "bit_exact": exact,
     }
@@ -490,6 +580,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1000, help="per-token writes per engine batch (<= 1024)")
     ap.add_argument("--naive-writes", type=int, default=0, help="run only this many per-token writes, scaled")
     ap.add_argument("--requests", type=int, default=16, help="--gpu: requests back to back per round")
+    ap.add_argument("--staging-buffers", type=int, default=2,
+                    help="--gpu: prefill staging buffers (2: the next gather overlaps the writes)")
     args = ap.parse_args()
     print(json.dumps(run_gpu(args) if args.gpu else run_tcp(args), indent=2, default=str))
 
