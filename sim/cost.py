@@ -6,7 +6,8 @@ state and sees no SimPy. ``AnalyticalCost`` is the default, parameterized by the
 
     prefill step   overhead + sum(tokens x (2 x active params + attention + ctx x attention_ctx))
                    / (GPUs of the instance x dense peak x MFU)        [pipeline stages overlap]
-    decode step    fixed + per-seq x batch + context bytes read / (HBM bandwidth x efficiency x ranks)
+    decode step    fixed + per-token x batch x tokens verified per sequence
+                   + context bytes read / (HBM bandwidth x efficiency x ranks)
     transfer       bytes / bandwidth share + writes / message rate  (the links add the sharing)
     pack/gather    bytes / GPU copy rate (the Triton kernels)
     pool load      bytes / load-worker rate (Mooncake get into the registered buffer + unpack)
@@ -14,6 +15,7 @@ state and sees no SimPy. ``AnalyticalCost`` is the default, parameterized by the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,7 +48,7 @@ class AnalyticalCost:
     prefill_flops_s: float
     prefill_step_overhead_s: float
     decode_fixed_s: float
-    decode_per_seq_s: float
+    decode_per_seq_s: float  # per sequence per step: per verified token x tokens verified per sequence
     decode_bytes_per_ctx_token: float
     decode_bytes_s: float
     writes_per_s: float
@@ -62,7 +64,10 @@ class AnalyticalCost:
             prefill_flops_s=s.prefill.gpus * g.dense_tflops * 1e12 * c.prefill_mfu,
             prefill_step_overhead_s=c.prefill_step_overhead_s,
             decode_fixed_s=c.decode_step_fixed_s,
-            decode_per_seq_s=c.decode_step_per_seq_s,
+            # with MTP a step verifies the draft as well: ceil(acceptance) tokens per sequence
+            # (the smallest draft that reaches the pinned acceptance), each touching experts and
+            # attention like a token of its own; without MTP one token per sequence
+            decode_per_seq_s=c.decode_step_per_seq_s * math.ceil(s.decode.mtp_accept_tokens - 1e-9),
             decode_bytes_per_ctx_token=c.decode_kv_read_bytes_per_token,
             decode_bytes_s=g.hbm_tb_s * 1e12 * c.hbm_efficiency * s.decode.dcp,
             writes_per_s=g.nic_writes_per_s,

@@ -81,12 +81,15 @@ def weighted_median(times_s: Sequence[float], values: Sequence[float], end_s: fl
 
 
 def summarize(records: Sequence[RequestRecord], *, gpus: int, occupancy: tuple[list[float], list[float]] = ([], []),
-              window: tuple[float, float] | None = None) -> dict:
+              window: tuple[float, float] | None = None, cutoff_s: float | None = None) -> dict:
     """Per-run metrics over measured, non-rejected requests (AgentX definitions).
 
     ``occupancy``: decode KV occupancy as a step function (times, values); its median is taken
-    over ``window`` (default: first arrival to last end of the measured requests)."""
-    kept = [r for r in records if r.measured and not r.rejected and r.end_s > 0]
+    over ``window`` (default: first arrival to last end of the measured requests).
+    ``cutoff_s``: requests still running then are left out, as AIPerf leaves out the responses
+    still pending when its grace period after the benchmark duration expires."""
+    kept = [r for r in records if r.measured and not r.rejected and r.end_s > 0
+            and (cutoff_s is None or r.end_s <= cutoff_s)]
     prompt = sum(r.in_tokens for r in kept)
     out = sum(r.out_tokens for r in kept)
     if kept:

@@ -169,6 +169,11 @@ class WorkloadConfig(_Section):
     lanes: int = Field(default=160, gt=0, description="replay: lanes")
     duration_s: float = Field(default=3600.0, gt=0, description="measured window, s")
     idle_cap_s: float = Field(default=300.0, gt=0, description="per-tree idle gap cap, s")
+    grace_s: float = Field(
+        default=30.0, ge=0,
+        description="responses finishing later than duration_s + grace_s after the measured start are "
+                    "left out of the metrics (AIPerf's --benchmark-grace-period, default 30 s)",
+    )
     warmup_requests: int = Field(default=3, ge=0, description="warm-up requests per lane (excluded from metrics)")
     start_fraction_min: float = Field(default=0.25, ge=0, le=1, description="lane start point t*: lowest fraction of the trace span")
     start_fraction_max: float = Field(default=0.75, ge=0, le=1, description="lane start point t*: highest fraction")
@@ -203,7 +208,10 @@ class CostConfig(_Section):
     )
     prefill_step_overhead_s: float = Field(default=0.004, ge=0, description="fixed cost of one prefill step, s")
     decode_step_fixed_s: float = Field(default=0.018, ge=0, description="fixed cost of one decode step, s")
-    decode_step_per_seq_s: float = Field(default=0.0005, ge=0, description="decode step cost per running sequence, s")
+    decode_step_per_seq_s: float = Field(
+        default=0.00025, ge=0,
+        description="decode step cost per running sequence per token it verifies (ceil(mtp_accept_tokens)), s",
+    )
     decode_kv_read_bytes_per_token: float = Field(
         default=2800.0, ge=0, description="KV bytes a decode step reads per context token (DSA indexer keys)"
     )
