@@ -67,8 +67,13 @@ def chain_seed(namespace: str, scope: str = "") -> ChunkDigest:
     return ChunkDigest(h.digest())
 
 
+# The chain's keyed hasher, set up once: copying it is about twice as fast as building one.
+_CHAIN_HASHER = hashlib.blake2b(digest_size=DIGEST_BYTES, person=CHAIN_PERSON)
+
+
 def _link(parent: bytes, payload: bytes) -> ChunkDigest:
-    h = hashlib.blake2b(parent, digest_size=DIGEST_BYTES, person=CHAIN_PERSON)
+    h = _CHAIN_HASHER.copy()
+    h.update(parent)
     h.update(payload)
     return ChunkDigest(h.digest())
 
@@ -159,8 +164,13 @@ def digests_from_blocks(
     head = b"B" + struct.pack("<I", block_tokens)
     out: list[ChunkDigest] = []
     parent = seed
+    hasher = _CHAIN_HASHER  # _link, inlined: this loop runs once per chunk of every prompt
     for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
-        parent = _link(parent, head + raw[a:b])
+        h = hasher.copy()
+        h.update(parent)
+        h.update(head)
+        h.update(raw[a:b])
+        parent = h.digest()
         out.append(parent)
     return out
 

@@ -67,7 +67,12 @@ class PutOutcome:
 
 
 class GroupTable:
-    """One pool part's objects, indexed by integer group id and slot. See the module docstring."""
+    """One pool part's objects, indexed by integer group id and slot. See the module docstring.
+
+    Presence is one bit per slot in a per-group mask (at most 64 slots), so a batched check or put
+    is a handful of array operations whatever the number of slots."""
+
+    _TABLE_SLOTS = 16  # up to this many slots, bytes and object counts per mask come from tables
 
     def __init__(
         self,
@@ -85,6 +90,8 @@ class GroupTable:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if not slot_bytes or any(b <= 0 for b in slot_bytes):
             raise ValueError(f"slot_bytes must be positive sizes, got {list(slot_bytes)}")
+        if len(slot_bytes) > 64:
+            raise ValueError(f"at most 64 slots per table, got {len(slot_bytes)}")
         if not 0.0 < high_watermark <= 1.0 or not 0.0 < evict_ratio <= 1.0:
             raise ValueError("high_watermark and evict_ratio must be in (0, 1]")
         self.capacity_bytes = int(capacity_bytes)
@@ -98,7 +105,7 @@ class GroupTable:
         self.evict_passes = 0
         self._seq = 0
         n = max(1, initial_groups)
-        self.present = np.zeros((n, len(slot_bytes)), dtype=bool)
+        self._mask = np.zeros(n, dtype=np.uint64)
         self._last = np.zeros(n, dtype=np.float64)
         self._count = np.zeros(n, dtype=np.int64)
         self._inserted = np.zeros(n, dtype=np.int64)
@@ -106,14 +113,42 @@ class GroupTable:
         self._mark = np.zeros(n, dtype=np.int32)
         self._resident = IdList()  # groups holding objects (+ stale ones until the next pass)
         self._listed = np.zeros(n, dtype=bool)  # whether a group is in _resident
+        self._bits = np.left_shift(np.uint64(1), np.arange(self.slots, dtype=np.uint64))
+        if self.slots <= self._TABLE_SLOTS:
+            masks = np.arange(1 << self.slots, dtype=np.uint64)
+            has = (masks[:, None] & self._bits[None, :]) != 0
+            self._bytes_table = has.astype(np.int64) @ self.slot_bytes
+            self._count_table = has.sum(axis=1)
+        else:
+            self._bytes_table = self._count_table = None
 
     @property
     def slots(self) -> int:
         return len(self.slot_bytes)
 
     @property
+    def present(self) -> np.ndarray:
+        """Presence as a ``[group, slot]`` bool array (a copy, for inspection)."""
+        return (self._mask[:, None] & self._bits[None, :]) != 0
+
+    @property
     def objects(self) -> int:
-        return int(self.present.sum())
+        return int(self._objects_of(self._mask).sum())
+
+    def _bytes_of(self, masks: np.ndarray) -> np.ndarray:
+        if self._bytes_table is not None:
+            return self._bytes_table[masks]
+        return ((masks[:, None] & self._bits[None, :]) != 0).astype(np.int64) @ self.slot_bytes
+
+    def _objects_of(self, masks: np.ndarray) -> np.ndarray:
+        if self._count_table is not None:
+            return self._count_table[masks]
+        return ((masks[:, None] & self._bits[None, :]) != 0).sum(axis=1)
+
+    def _slot_mask(self, slots: np.ndarray) -> np.uint64:
+        if slots.size and (slots.min() < 0 or slots.max() >= self.slots):
+            raise ValueError(f"slots must be in 0..{self.slots - 1}, got {slots.tolist()}")
+        return np.bitwise_or.reduce(self._bits[slots]) if slots.size else np.uint64(0)
 
     def _grow(self, max_gid: int) -> None:
         n = len(self._last)
@@ -121,7 +156,7 @@ class GroupTable:
             return
         new = max(max_gid + 1, 2 * n)
         pad = new - n
-        self.present = np.vstack([self.present, np.zeros((pad, self.slots), dtype=bool)])
+        self._mask = np.concatenate([self._mask, np.zeros(pad, dtype=np.uint64)])
         self._last = np.concatenate([self._last, np.zeros(pad)])
         self._count = np.concatenate([self._count, np.zeros(pad, dtype=np.int64)])
         self._inserted = np.concatenate([self._inserted, np.zeros(pad, dtype=np.int64)])
@@ -141,7 +176,7 @@ class GroupTable:
     def lookup(self, gids: Sequence[int] | np.ndarray, slot: int, now: float) -> np.ndarray:
         """Presence of ``(g, slot)`` for each ``g``; present objects' groups count as read now."""
         ids = self._ids(gids)
-        hit = self.present[ids, slot]
+        hit = (self._mask[ids] & self._slot_mask(np.asarray([slot], dtype=np.int64))) != 0
         touched = ids[hit]
         if touched.size:
             self._last[touched] = now
@@ -150,7 +185,7 @@ class GroupTable:
 
     def contains(self, gid: int, slot: int) -> bool:
         """Presence without touching recency."""
-        return gid < len(self._last) and bool(self.present[gid, slot])
+        return gid < len(self._last) and bool(self._mask[gid] & self._bits[slot])
 
     # -- pins --------------------------------------------------------------------------------
     def pin(self, gids: Sequence[int] | np.ndarray) -> None:
@@ -179,11 +214,11 @@ class GroupTable:
         the rest rejected.
         """
         ids = self._ids(gids)
-        slots = np.atleast_1d(np.asarray(slot, dtype=np.int64))
+        want = self._slot_mask(np.atleast_1d(np.asarray(slot, dtype=np.int64)))
         if self._has_duplicates(ids):
             ids = ids[np.sort(np.unique(ids, return_index=True)[1])]
-        missing = ~self.present[np.ix_(ids, slots)]  # [group, slot]
-        need_row = missing @ self.slot_bytes[slots]  # bytes each group still needs
+        missing = want & ~self._mask[ids]  # bits each group still lacks
+        need_row = self._bytes_of(missing)  # bytes each group still needs
         self._last[ids] = now
         passes: list[tuple[np.ndarray, int]] = []
         total = int(need_row.sum())
@@ -195,23 +230,22 @@ class GroupTable:
         stored_rows = np.flatnonzero(fits & (need_row > 0))
         stored = ids[stored_rows]
         if stored.size:
-            fresh = ~self.present[stored].any(axis=1)
-            n_fresh = int(fresh.sum())
+            fresh = self._mask[stored] == 0
+            n_fresh = int(np.count_nonzero(fresh))
             joining = stored[fresh & ~self._listed[stored]]
             self._listed[joining] = True
             self._resident.extend(joining)
             self._inserted[stored[fresh]] = self._seq + 1 + np.arange(n_fresh)
             self._seq += n_fresh
             self._count[stored[fresh]] = 0
-            sub = self.present[np.ix_(stored, slots)] | missing[stored_rows]
-            self.present[np.ix_(stored, slots)] = sub
+            self._mask[stored] |= missing[stored_rows]
             self.used_bytes += int(need_row[stored_rows].sum())
         if self.used_bytes > self.high_watermark * self.capacity_bytes:
             passes.append(self._evict(0, protect=ids))
         gone = np.concatenate([v for v, _ in passes]) if passes else np.zeros(0, dtype=np.int64)
         freed = sum(b for _, b in passes)
-        n_new = int(missing.sum())
-        n_stored = int(missing[stored_rows].sum())
+        n_new = int(self._objects_of(missing).sum())
+        n_stored = int(self._objects_of(missing[stored_rows]).sum())
         return PutOutcome(n_stored, n_new - n_stored, int(gone.size), freed, gone)
 
     def _has_duplicates(self, ids: np.ndarray) -> bool:
@@ -229,8 +263,10 @@ class GroupTable:
     def lookup_slots(self, gids: Sequence[int] | np.ndarray, slots: Sequence[int], now: float) -> np.ndarray:
         """Presence ``[slot index, chunk]`` for several slots in one check (recency as ``lookup``)."""
         ids = self._ids(gids)
-        hit = self.present[np.ix_(ids, np.asarray(slots, dtype=np.int64))].T
-        touched = ids[hit.any(axis=0)]
+        slots = np.asarray(slots, dtype=np.int64)
+        masks = self._mask[ids]
+        hit = (masks[None, :] & self._bits[slots][:, None]) != 0
+        touched = ids[(masks & self._slot_mask(slots)) != 0]
         if touched.size:
             self._last[touched] = now
             self._count[touched] += 1
@@ -242,8 +278,8 @@ class GroupTable:
         if not ids.size:
             return 0
         ids = np.unique(ids)
-        freed = int((self.present[ids] @ self.slot_bytes).sum())
-        self.present[ids] = False
+        freed = int(self._bytes_of(self._mask[ids]).sum())
+        self._mask[ids] = 0
         self.used_bytes -= freed
         return freed
 
@@ -254,7 +290,7 @@ class GroupTable:
         ratio = max(self.evict_ratio, used_ratio - self.high_watermark + self.evict_ratio)
         target = max(need_bytes, int(np.ceil(cap * ratio)))
         # candidates: the resident groups (stale entries dropped here), unpinned, not being written
-        alive = self.present[self._resident.view()].any(axis=1)
+        alive = self._mask[self._resident.view()] != 0
         self._listed[self._resident.keep(alive)] = False
         res = self._resident.view()
         ok = self._pins[res] == 0
@@ -273,14 +309,14 @@ class GroupTable:
         else:
             keys = (self._inserted[cand],)
         ordered = cand[np.lexsort(keys)]
-        sizes = self.present[ordered] @ self.slot_bytes
+        sizes = self._bytes_of(self._mask[ordered])
         cum = np.cumsum(sizes)
         if cum[-1] < need_bytes and not partial_ok:
             return none
         k = int(np.searchsorted(cum, target, side="left")) + 1
         victims = ordered[: min(k, ordered.size)]
         freed = int(cum[victims.size - 1])
-        self.present[victims] = False
+        self._mask[victims] = 0
         self.used_bytes -= freed
         self.evicted_groups += int(victims.size)
         self.evicted_bytes += freed

@@ -121,6 +121,10 @@ class Simulation:
         ssd = s.pool.ssd
         self.ssd_links = [FairLink(env, ssd.read_gb_s_per_server * 1e9, name=f"ssd{i}") for i in range(s.cluster.servers)]
         self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus
+        self._stage_layers = [len(spec.stage_layer_ids(st)) for st in range(spec.stages)]
+        self._distinct_stage_layers = sorted(set(self._stage_layers))
+        self._stage_bpt = list(spec.stage_bytes_per_token)
+        self._handoff_bpt = sum(self._stage_bpt)
 
     # -- time series -----------------------------------------------------------------------
     def _decode_occupancy(self, now: float, _frac: float) -> None:
@@ -359,33 +363,28 @@ class Simulation:
         """Every stage gathers its layers of every token per decode rank and sends them in large
         writes (``policy.layout``); each decode rank receives its tokens from every stage."""
         env = self.env
-        spec = self.spec
         start = env.now
         dcp = self.s.decode.dcp
+        tokens = rec.in_tokens
+        # the main records' write plan per distinct stage depth (the seed's landing path); the
+        # stages' extra records (DSA index cache) ride along in the byte count
+        plans = {layers: HandoffPlan(tokens=tokens, layers=layers, record_bytes=self.s.model.record_bytes,
+                                     ranks=dcp, max_write_bytes=self.s.handoff.max_write_bytes).rank_plan()
+                 for layers in self._distinct_stage_layers}
         events = []
-        rank_bytes = [0] * dcp
         rank_writes = [0] * dcp
-        plans: dict[int, list[tuple[int, int]]] = {}  # layers -> rank plan (stages mostly agree)
-        for stage in range(spec.stages):
-            # the main records' write plan (the seed's landing path); the stage's extra records
-            # (DSA index cache) ride along in the byte count
-            layers = len(spec.stage_layer_ids(stage))
-            ranks = plans.get(layers)
-            if ranks is None:
-                ranks = plans[layers] = HandoffPlan(
-                    tokens=rec.in_tokens, layers=layers, record_bytes=self.s.model.record_bytes, ranks=dcp,
-                    max_write_bytes=self.s.handoff.max_write_bytes).rank_plan()
-            stage_bpt = spec.stage_bytes_per_token[stage]
-            nbytes = rec.in_tokens * stage_bpt
+        nic = self.net.nic
+        for stage, layers in enumerate(self._stage_layers):
+            ranks = plans[layers]
             writes = sum(w for _, w in ranks)
-            rec.handoff_bytes += nbytes
             rec.handoff_writes += writes
-            events.append(self.net.nic[p.rank_gpu(stage * self.s.prefill.tp)].transfer(nbytes, writes))
-            for r, (tokens, w) in enumerate(ranks):
-                rank_bytes[r] += tokens * stage_bpt
+            events.append(nic[p.rank_gpu(stage * self.s.prefill.tp)].transfer(tokens * self._stage_bpt[stage], writes))
+            for r, (_, w) in enumerate(ranks):
                 rank_writes[r] += w
+        rec.handoff_bytes += tokens * self._handoff_bpt
+        rank_tokens = next(iter(plans.values()))  # a rank's token count does not depend on depth
         for r in range(dcp):
-            events.append(self.net.nic[dec.gpus[r % len(dec.gpus)]].transfer(rank_bytes[r], rank_writes[r]))
+            events.append(nic[dec.gpus[r % len(dec.gpus)]].transfer(rank_tokens[r][0] * self._handoff_bpt, rank_writes[r]))
         yield join(env, events)
-        yield env.timeout(2 * self.cost.unpack_s(rec.handoff_bytes // max(1, spec.stages)))  # gather + scatter
+        yield env.timeout(2 * self.cost.unpack_s(rec.handoff_bytes // self.spec.stages))  # gather + scatter
         rec.handoff_s = env.now - start

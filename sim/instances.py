@@ -16,9 +16,10 @@ has room (``max_seqs``); its first token comes one step after it joins.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import simpy
 
@@ -141,16 +142,23 @@ class PrefillInstance:
 
 @dataclass
 class _Seq:
-    remaining: float
-    context: int
+    tag: float  # finishes when the instance's generation clock reaches this
+    base: int  # context = base + clock
     reserved: int
     first: simpy.Event
     done: simpy.Event
-    first_pending: bool = True
-    first_at: float = field(default=0.0)
+
 
 
 class DecodeInstance:
+    """Continuous batching as a fluid model (see the module docstring).
+
+    Implementation: every running sequence gains the same tokens per step, so one generation
+    clock (tokens per sequence since the instance started) describes them all: a sequence
+    finishes when the clock reaches its tag (clock at join + output tokens), and the batch's
+    context is the sum of the sequences' bases plus ``running x clock``. Joins and finishes cost
+    O(log n); nothing loops over the batch."""
+
     def __init__(self, env: simpy.Environment, index: int, server: int, gpus: list[int], *, capacity_tokens: int,
                  max_seqs: int, tokens_per_step: float, cost: CostModel,
                  on_occupancy: Callable[[float, float], None] | None = None) -> None:
@@ -163,12 +171,16 @@ class DecodeInstance:
         self.tokens_per_step = tokens_per_step
         self.cost = cost
         self.reserved_tokens = 0
-        self._running: list[_Seq] = []
+        self._running: list[tuple[float, int, _Seq]] = []  # heap by (tag, join number)
+        self._joins = 0
+        self._base_sum = 0
+        self._clock = 0.0
         self._waiting: deque[tuple[int, int, int, simpy.Event, simpy.Event]] = deque()
         self._last = env.now
         self._version = 0
         self._step = 0.0
         self._on_occupancy = on_occupancy
+        self._new: list[_Seq] = []  # joined since the last reschedule (first token pending)
 
     @property
     def free_tokens(self) -> int:
@@ -179,7 +191,7 @@ class DecodeInstance:
         return len(self._running)
 
     def kv_tokens(self) -> int:
-        return sum(s.context for s in self._running)
+        return int(self._base_sum + len(self._running) * self._clock)
 
     def generate(self, in_tokens: int, out_tokens: int) -> tuple[simpy.Event, simpy.Event]:
         """(first token, finished) events for a request whose KV has arrived."""
@@ -194,10 +206,7 @@ class DecodeInstance:
         now = self.env.now
         dt = now - self._last
         if dt > 0 and self._running and self._step > 0:
-            made = dt / self._step * self.tokens_per_step
-            for s in self._running:
-                s.remaining -= made
-                s.context += int(made)
+            self._clock += dt / self._step * self.tokens_per_step
         self._last = now
 
     def _admit(self) -> None:
@@ -207,7 +216,12 @@ class DecodeInstance:
                 break
             self._waiting.popleft()
             self.reserved_tokens += need
-            self._running.append(_Seq(float(out), inp, need, first, done))
+            base = inp - self._clock
+            self._base_sum += base
+            self._joins += 1
+            seq = _Seq(self._clock + out, base, need, first, done)
+            heapq.heappush(self._running, (seq.tag, self._joins, seq))
+            self._new.append(seq)
         self._report()
 
     def _report(self) -> None:
@@ -216,43 +230,34 @@ class DecodeInstance:
 
     def _reschedule(self) -> None:
         self._version += 1
-        if not self._running:
+        running = self._running
+        if not running:
             self._step = 0.0
+            self._new.clear()
             return
-        ctx = sum(s.context for s in self._running)
-        self._step = self.cost.decode_step_s(len(self._running), ctx)
-        # first tokens: one step after joining
-        waits = []
-        for s in self._running:
-            if s.first_pending:
-                s.first_pending = False
-                self.env.timeout(self._step).callbacks.append(lambda _e, ev=s.first: ev.succeed() if not ev.triggered else None)
-        soonest = min(s.remaining for s in self._running)
-        wait = max(0.0, soonest / self.tokens_per_step * self._step)
-        waits.append(wait)
+        self._step = self.cost.decode_step_s(len(running), int(self._base_sum + len(running) * self._clock))
+        for seq in self._new:  # first tokens: one step after joining
+            self.env.timeout(self._step).callbacks.append(lambda _e, ev=seq.first: ev.succeed() if not ev.triggered else None)
+        self._new.clear()
+        wait = max(0.0, (running[0][0] - self._clock) / self.tokens_per_step * self._step)
         version = self._version
-        self.env.timeout(min(waits)).callbacks.append(lambda _e: self._wake(version))
+        self.env.timeout(wait).callbacks.append(lambda _e: self._wake(version))
+
+    def _finish(self, seq: _Seq) -> None:
+        self.reserved_tokens -= seq.reserved
+        self._base_sum -= seq.base
+        if not seq.first.triggered:
+            seq.first.succeed()
+        seq.done.succeed()
 
     def _wake(self, version: int) -> None:
         if version != self._version:
             return
         self._advance()
-        still = []
-        for s in self._running:
-            if s.remaining <= 1e-6:
-                self.reserved_tokens -= s.reserved
-                if not s.first.triggered:
-                    s.first.succeed()
-                s.done.succeed()
-            else:
-                still.append(s)
-        if len(still) == len(self._running):
-            still.sort(key=lambda s: s.remaining)
-            s = still.pop(0)
-            self.reserved_tokens -= s.reserved
-            if not s.first.triggered:
-                s.first.succeed()
-            s.done.succeed()
-        self._running = still
+        running = self._running
+        # the wake-up was set for the first finish: it is due even if rounding left it a hair short
+        self._finish(heapq.heappop(running)[2])
+        while running and running[0][0] - self._clock <= 1e-6:
+            self._finish(heapq.heappop(running)[2])
         self._admit()
         self._reschedule()

@@ -83,9 +83,10 @@ class KeySpace:
             if g is None:
                 g = gid[d] = len(gid)
             new_ids.append(g)
-        digests = st.digests[:keep] + new
-        gids = np.concatenate([st.gids[:keep], np.asarray(new_ids, dtype=np.int64)])
-        st.blocks, st.digests, st.gids = block_ids, digests, gids
+        del st.digests[keep:]  # the thread's own list: extended in place
+        st.digests.extend(new)
+        gids = np.concatenate([st.gids[:keep], np.asarray(new_ids, dtype=np.int64)]) if new_ids else st.gids[:keep]
+        st.blocks, st.gids = block_ids, gids
         return gids
 
     def forget_scope(self, scope: str) -> None:

@@ -1,8 +1,14 @@
-"""Shared pytest configuration: GPU tests are skipped where no GPU is present."""
+"""Shared pytest configuration: GPU tests are skipped where no GPU is present; Hypothesis has no
+per-example deadline (examples are checked for behaviour, not timed: CI machines are shared and
+noisy, and performance is measured by bench/)."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("kvpool", deadline=None)
+settings.load_profile("kvpool")
 
 
 def _have_gpu() -> bool:
