@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 ORDERS = ("lru", "lfu", "fifo")
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
 
 class IdList:
@@ -166,10 +167,10 @@ class GroupTable:
 
     def _ids(self, gids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(gids, dtype=np.int64)
-        if ids.size:
-            if ids.min() < 0:
+        if ids.size:  # the ufunc reductions directly: ndarray.min/max add a Python-level wrapper
+            if _MIN(ids) < 0:
                 raise ValueError("group ids must be >= 0")
-            self._grow(int(ids.max()))
+            self._grow(int(_MAX(ids)))
         return ids
 
     # -- reads -------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ class GPUPrefixCache:
         """Leading blocks of ``ids`` held; they count as used now."""
         if not ids.size:
             return 0
-        self._grow(int(ids.max()))
+        self._grow(int(np.maximum.reduce(ids)))
         miss = np.flatnonzero(~self.held[ids])
         run = int(miss[0]) if miss.size else int(ids.size)
         if run:
@@ -67,7 +67,7 @@ class GPUPrefixCache:
             return
         if self.capacity_tokens is not None and self.capacity_blocks is None:
             self.capacity_blocks = self.capacity_tokens // block_tokens
-        self._grow(int(ids.max()))
+        self._grow(int(np.maximum.reduce(ids)))
         if self.capacity_blocks is not None and ids.size > self.capacity_blocks:
             ids = ids[: self.capacity_blocks]
         self.blocks += int(np.count_nonzero(~self.held[ids]))
@@ -84,40 +84,42 @@ class GPUPrefixCache:
         log = self._log
         skipped: list[tuple[float, np.ndarray, np.ndarray | None]] = []  # protected entries of `now`
         while target > 0 and log:
-            t = log[0][0]
-            entries = []
-            while log and log[0][0] == t:
-                entries.append(log.popleft())
-            if len(entries) == 1:
-                _, ids, depth = entries[0]
-                if depth is None:
-                    depth = np.arange(ids.size)
-            else:
-                ids = np.concatenate([e[1] for e in entries])
-                depth = np.concatenate([np.arange(e[1].size) if e[2] is None else e[2] for e in entries])
-            live = self.held[ids] & (self._last[ids] == t)
-            ids, depth = ids[live], depth[live]
+            ids, depth, t = self._oldest_moment()
             if t == now and protect.size:
                 guard = np.zeros(self.held.size, dtype=bool)
                 guard[protect] = True
                 keep = guard[ids]
                 if keep.any():
-                    skipped.append((t, ids[keep], depth[keep]))
+                    skipped.append((t, ids[keep][::-1].copy(), depth[keep][::-1].copy()))
                     ids, depth = ids[~keep], depth[~keep]
-            if not ids.size:
-                continue
-            order = np.argsort(-depth, kind="stable")  # deepest first
-            ids, depth = ids[order], depth[order]
-            if len(entries) > 1:  # a block logged twice at one moment counts once
-                _, first = np.unique(ids, return_index=True)
-                first.sort()
-                ids, depth = ids[first], depth[first]
-            if ids.size > target:
-                rest = slice(target, None)
-                log.appendleft((t, ids[rest][::-1].copy(), depth[rest][::-1].copy()))
+            if ids.size > target:  # the shallower rest goes back, in depth order
+                log.appendleft((t, ids[target:][::-1].copy(), depth[target:][::-1].copy()))
                 ids = ids[:target]
             self.held[ids] = False
             self.blocks -= int(ids.size)
             self.evicted_blocks += int(ids.size)
             target -= int(ids.size)
         log.extend(skipped)
+
+    def _oldest_moment(self) -> tuple[np.ndarray, np.ndarray, float]:
+        """Pop the log's entries of its oldest moment: their live blocks, deepest first, with
+        their depths, and the moment."""
+        log = self._log
+        t = log[0][0]
+        entries = []
+        while log and log[0][0] == t:
+            entries.append(log.popleft())
+        if len(entries) == 1:  # an entry lies in depth order: deepest first is its reverse
+            _, ids, depth = entries[0]
+            live = self.held[ids] & (self._last[ids] == t)
+            depth = np.arange(ids.size) if depth is None else depth
+            return ids[live][::-1], depth[live][::-1], t
+        ids = np.concatenate([e[1] for e in entries])
+        depth = np.concatenate([np.arange(e[1].size) if e[2] is None else e[2] for e in entries])
+        live = self.held[ids] & (self._last[ids] == t)
+        ids, depth = ids[live], depth[live]
+        order = np.argsort(-depth, kind="stable")
+        ids, depth = ids[order], depth[order]
+        _, first = np.unique(ids, return_index=True)  # a block logged twice at one moment counts once
+        first.sort()
+        return ids[first], depth[first], t
