@@ -37,6 +37,7 @@ from kvpool.kernels import ScatterDcp
 from kvpool.policy.layout import DEFAULT_MAX_WRITE_BYTES, HandoffPlan
 
 PENDING, READY, FAILED = "pending", "ready", "failed"
+_POLLIN = int(zmq.POLLIN)
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class DecodeRank:
         self._finish_events()
         self._release_quarantine()
         if timeout_s <= 0:
-            arrived = self._sock.get(zmq.EVENTS) & zmq.POLLIN   # no Poller built per call
+            arrived = int(self._sock.get(zmq.EVENTS)) & _POLLIN   # no Poller built per call, no enum ops
         else:
             arrived = self._sock.poll(int(timeout_s * 1000), zmq.POLLIN)
         if arrived:
@@ -250,13 +251,10 @@ class DecodeRank:
         elif isinstance(msg, m.Readies):
             if len(msg.slots) == len(msg.offsets) == len(msg.sizes):
                 self._ready(msg.request_id, msg.nonce, msg.stage, list(zip(msg.slots, msg.offsets, msg.sizes)))
+            if msg.done_writes >= 0:
+                self._done(msg.request_id, msg.nonce, msg.stage, msg.done_writes)
         elif isinstance(msg, m.Done):
-            req = self._reqs.get(msg.request_id)
-            if req is not None and req.nonce == msg.nonce and req.state == PENDING:
-                exp = req.expected.get(msg.stage, {})
-                if msg.writes != len(exp) or len(req.landed.get(msg.stage, ())) != len(exp):
-                    self._fail(req, f"stage {msg.stage} sent {msg.writes} writes, {len(req.landed.get(msg.stage, ()))} "
-                                    f"READY arrived, plan has {len(exp)}", tell=True)
+            self._done(msg.request_id, msg.nonce, msg.stage, msg.writes)
         elif isinstance(msg, m.Abort):
             for slot in msg.quarantined:
                 if slot in self.stage_slots(msg.stage):
@@ -264,6 +262,15 @@ class DecodeRank:
             req = self._reqs.get(msg.request_id)
             if req is not None and req.nonce == msg.nonce and req.state == PENDING:
                 self._fail(req, f"stage {msg.stage} aborted: {msg.reason}", tell=False)
+
+    def _done(self, request_id: str, nonce: int, stage: int, writes: int) -> None:
+        """A stage says it sent ``writes`` writes: every one must have been READY-ed, as planned."""
+        req = self._reqs.get(request_id)
+        if req is not None and req.nonce == nonce and req.state == PENDING:
+            exp = req.expected.get(stage, {})
+            if writes != len(exp) or len(req.landed.get(stage, ())) != len(exp):
+                self._fail(req, f"stage {stage} sent {writes} writes, {len(req.landed.get(stage, ()))} "
+                                f"READY arrived, plan has {len(exp)}", tell=True)
 
     def _attach(self, ident: bytes, msg: m.Attach) -> None:
         if not 0 <= msg.stage < self.stages:

@@ -10,7 +10,9 @@ Every message is a frozen dataclass sent as one JSON object over pyzmq (``encode
     prefill stage -> decode rank   ``Ready``    per write: slot ``slot`` holds bytes
                                                 ``offset_bytes .. +nbytes`` of the rank buffer
     prefill stage -> decode rank   ``Readies``  several READYs of one request in one message
-                                                (the writes that completed together)
+                                                (the writes that completed together); the
+                                                stage's last one to a rank carries its DONE
+                                                (``done_writes`` >= 0) instead of a ``Done``
     prefill stage -> decode rank   ``Done``     per request: the stage sent ``writes`` writes
     decode rank  -> prefill stage  ``Credit``   slots free again (after scatter, or quarantine end)
     prefill stage -> decode rank   ``Abort``    the stage's part failed; ``quarantined`` slots may
@@ -91,6 +93,7 @@ class Readies:
     slots: tuple[int, ...]
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
+    done_writes: int = -1      # >= 0: also the stage's DONE for this rank (writes sent in all)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from kvpool.kernels import GatherDcp, rank_buffer_offset_bytes
 from kvpool.policy.layout import HandoffPlan, Write
 
 ENGINE_PEER_QUEUE = 1024  # MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER default
+_POLLIN = int(zmq.POLLIN)
 
 
 @dataclass
@@ -101,6 +102,10 @@ class _Outgoing:
     credit_wait_s: float = 0.0
     error: m.HandoffError | None = None
     report: StageReport | None = None
+    done_sent: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.done_sent = [False] * len(self.links)
 
     @property
     def busy(self) -> bool:
@@ -344,10 +349,12 @@ class PrefillStage:
     def _active(self) -> list[_Outgoing]:
         return [o for o in self._out.values() if o.error is None and o.report is None]
 
-    def _pump(self) -> bool:
+    def _pump(self, active: list[_Outgoing] | None = None) -> bool:
         """Submit queued writes (start order) into the credits the ranks hold; True if any."""
         moved = False
-        for out in self._active():
+        for out in self._active() if active is None else active:
+            if out.error is not None:
+                continue
             for i, link in enumerate(out.links):
                 q = out.queues[i]
                 n = min(len(q), len(link.credits), self.max_inflight_per_peer - link.inflight)
@@ -370,11 +377,14 @@ class PrefillStage:
                 moved = True
         return moved
 
-    def _harvest(self) -> bool:
+    def _harvest(self, active: list[_Outgoing] | None = None) -> bool:
         """Poll in-flight writes; READY the completed ones (one message per rank), DONE finished
         requests; a failed write fails its request. True if anything completed."""
         moved = False
-        for out in self._active():
+        running: set[int] = set()   # tokens seen running this pass (writes batched under one completion)
+        for out in self._active() if active is None else active:
+            if out.error is not None:
+                continue
             for i, link in enumerate(out.links):
                 fl = out.inflight[i]
                 if not fl:
@@ -382,12 +392,17 @@ class PrefillStage:
                 done = []
                 failed = None
                 for item in fl:
+                    tok = item[0].token
+                    if tok is not None and id(tok) in running:
+                        continue
                     st = self.transport.poll(item[0])
                     if st == DONE:
                         done.append(item)
                     elif st == FAILED:
                         failed = item
                         break
+                    elif tok is not None:
+                        running.add(id(tok))
                 if failed is not None:
                     _, slot, w = failed
                     self._fail_out(out, m.TransferFailed(
@@ -400,20 +415,21 @@ class PrefillStage:
                 gone = {id(item) for item in done}
                 out.inflight[i] = [item for item in fl if id(item) not in gone]
                 link.inflight -= len(done)
-                if len(done) == 1:
-                    _, slot, w = done[0]
-                    msg = m.Ready(out.request_id, out.nonces[i], self.stage, slot, w.offset_bytes, w.nbytes)
-                else:
-                    msg = m.Readies(out.request_id, out.nonces[i], self.stage, tuple(s for _, s, _ in done),
-                                    tuple(w.offset_bytes for _, _, w in done), tuple(w.nbytes for _, _, w in done))
+                last = not out.inflight[i] and not out.queues[i]   # this rank's part is complete: DONE rides along
+                msg = m.Readies(out.request_id, out.nonces[i], self.stage, tuple(s for _, s, _ in done),
+                                tuple(w.offset_bytes for _, _, w in done), tuple(w.nbytes for _, _, w in done),
+                                len(out.plan.writes(link.rank)) if last else -1)
+                if last:
+                    out.done_sent[i] = True
                 link.sock.send(m.encode(msg))
                 out.writes += len(done)
                 out.nbytes += sum(w.nbytes for _, _, w in done)
                 moved = True
             if out.error is None and not out.busy:
                 for i, link in enumerate(out.links):
-                    link.sock.send(m.encode(m.Done(out.request_id, out.nonces[i], self.stage,
-                                                   len(out.plan.writes(link.rank)), out.plan.buffer_bytes(link.rank))))
+                    if not out.done_sent[i]:   # a rank with no writes (or whose last READIES was not final)
+                        link.sock.send(m.encode(m.Done(out.request_id, out.nonces[i], self.stage,
+                                                       len(out.plan.writes(link.rank)), out.plan.buffer_bytes(link.rank))))
                 end = time.monotonic()
                 out.report = StageReport(out.request_id, self.stage, out.nbytes, out.writes, out.gather_s,
                                          end - (out.tt or end), out.credit_wait_s, end - out.t0, out.peak)
@@ -430,9 +446,12 @@ class PrefillStage:
     def _step(self, timeout_s: float) -> None:
         """One round over every started request (see ``progress``)."""
         drained = self._drain(self._links)
-        moved = self._pump()
-        moved = self._harvest() or moved
-        for out in self._active():
+        active = self._active()
+        moved = self._pump(active)
+        moved = self._harvest(active) or moved
+        for out in active:
+            if out.error is not None or out.report is not None:
+                continue
             try:
                 self._check(out.links, out.request_id, out.deadline, "sending")
             except m.HandoffError as exc:
@@ -498,14 +517,14 @@ class PrefillStage:
         first: a NOBLOCK recv on an empty socket raises, which costs tens of microseconds)."""
         handled = 0
         for link in links:
-            while link.monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            while int(link.monitor.get(zmq.EVENTS)) & _POLLIN:   # int: enum flag ops cost microseconds
                 try:
                     ev = recv_monitor_message(link.monitor, zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 if ev["event"] == zmq.EVENT_DISCONNECTED:
                     link.lost = "side channel disconnected"
-            while link.sock.get(zmq.EVENTS) & zmq.POLLIN:
+            while int(link.sock.get(zmq.EVENTS)) & _POLLIN:
                 try:
                     payload = link.sock.recv(zmq.NOBLOCK)
                 except zmq.Again:

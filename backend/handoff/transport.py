@@ -34,6 +34,7 @@ Implementations:
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import pickle
 import uuid
@@ -284,7 +285,8 @@ class IpcTransport:
                 stream.wait_event(after)
             else:
                 stream.wait_stream(torch.cuda.current_stream(src.device))
-        with torch.cuda.device(dev), torch.cuda.stream(stream):
+        here = dev.index == torch.cuda.current_device()
+        with contextlib.nullcontext() if here else torch.cuda.device(dev), torch.cuda.stream(stream):
             for s, d, n in coalesce(writes):
                 peer.target.narrow(0, d, n).copy_(src.narrow(0, s, n), non_blocking=True)
             ev = torch.cuda.Event()
