@@ -142,14 +142,20 @@ def decode_proc(conn, kind: str, device: str, slots: int, slot_bytes: int = 8 * 
     naive_desc = transport.expose(naive)
     conn.send(("ok", [dr.endpoint for dr in ranks]))
     ends: dict[str, float] = {}
-    pending: set[str] = set()
+    pending: dict[str, None] = {}   # in expect order
+
+    def _settle() -> None:
+        # requests complete in order: look at the oldest pending ones only (a cheap harness)
+        for rid in list(pending):
+            if any(dr.status(rid) == "pending" for dr in ranks):
+                break
+            del pending[rid]
+            ends[rid] = time.monotonic()
+
     while True:
         for dr in ranks:
             dr.poll(0)
-        for rid in list(pending):
-            if all(dr.status(rid) != "pending" for dr in ranks):
-                pending.discard(rid)
-                ends[rid] = time.monotonic()
+        _settle()
         if not conn.poll(0 if pending else 0.0005):
             continue
         cmd = conn.recv()
@@ -161,7 +167,7 @@ def decode_proc(conn, kind: str, device: str, slots: int, slot_bytes: int = 8 * 
             for rid in cmd[1]:
                 for r, dr in enumerate(ranks):
                     dr.expect(rid, kv[r][1], {0: StagePart(plan, 0)})
-                pending.add(rid)
+                pending[rid] = None
             conn.send(("ok", None))
         elif cmd[0] == "wait":
             def wait(rids=cmd[1]):
@@ -170,11 +176,8 @@ def decode_proc(conn, kind: str, device: str, slots: int, slot_bytes: int = 8 * 
                     if time.monotonic() > deadline:
                         raise TimeoutError("requests not ready within 120 s")
                     for dr in ranks:
-                        dr.poll(0.0002)
-                    for rid in list(pending):
-                        if all(dr.status(rid) != "pending" for dr in ranks):
-                            pending.discard(rid)
-                            ends[rid] = time.monotonic()
+                        dr.poll(0)
+                    _settle()
                 bad = [(rid, dr.error(rid)) for rid in rids for dr in ranks if dr.status(rid) != "ready"]
                 if bad:
                     raise RuntimeError(f"failed: {bad[:2]}")
@@ -421,7 +424,7 @@ def _start(ctx, target, *args):
 def run_tcp(args) -> dict:
     plan = SEED_PLAN
     ctx = mp.get_context("spawn")
-    dp, d, endpoints = _start(ctx, decode_proc, "mooncake", "cpu", args.slots)
+    dp, d, endpoints = _start(ctx, decode_proc, "mooncake", "cpu", args.slots or 8)
     pp, p, _ = _start(ctx, prefill_proc, "mooncake", "cpu", endpoints)
     try:
         large = []
@@ -499,7 +502,8 @@ def run_gpu(args) -> dict:
         raise SystemExit("--gpu needs 2 GPUs")
     ctx = mp.get_context("spawn")
     slot_bytes = plan.max_write_bytes // plan.record_bytes * plan.record_bytes   # slots sized to the plan's writes
-    dp, d, endpoints = _start(ctx, decode_proc, "ipc", "cuda:1", args.slots, slot_bytes)
+    slots = args.slots or 24   # credits for several requests in flight (3 writes per rank each)
+    dp, d, endpoints = _start(ctx, decode_proc, "ipc", "cuda:1", slots, slot_bytes)
     pp, p, _ = _start(ctx, prefill_proc, "ipc", "cuda:0", endpoints, args.staging_buffers)
     try:
         runs: dict[str, list] = {"pipelined": [], "sequential": []}
@@ -555,7 +559,7 @@ def run_gpu(args) -> dict:
         "plan": {"tokens": TOKENS, "layers": LAYERS, "record_bytes": RECORD, "ranks": RANKS,
                  "bytes": plan.total_bytes, "batched_writes": plan.batched_writes},
         "copy_on": os.environ.get("KVPOOL_IPC_COPY_ON", "src"),
-        "slots_per_rank": args.slots, "slot_bytes": slot_bytes, "staging_buffers": args.staging_buffers,
+        "slots_per_rank": slots, "slot_bytes": slot_bytes, "staging_buffers": args.staging_buffers,
         "handoff": best,
         "handoff_sequential": best_seq,
         "runs": runs,
@@ -576,12 +580,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpu", action="store_true", help="2-GPU mode: cuda:0 -> cuda:1 over CUDA IPC")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--slots", type=int, default=8, help="landing slots per decode rank (8 MiB each)")
+    ap.add_argument("--slots", type=int, default=None,
+                    help="landing slots per decode rank (8 MiB each; --gpu uses 24 unless given)")
     ap.add_argument("--batch", type=int, default=1000, help="per-token writes per engine batch (<= 1024)")
     ap.add_argument("--naive-writes", type=int, default=0, help="run only this many per-token writes, scaled")
     ap.add_argument("--requests", type=int, default=16, help="--gpu: requests back to back per round")
-    ap.add_argument("--staging-buffers", type=int, default=2,
-                    help="--gpu: prefill staging buffers (2: the next gather overlaps the writes)")
+    ap.add_argument("--staging-buffers", type=int, default=3,
+                    help="--gpu: prefill staging buffers (>= 2: the next gathers overlap the writes)")
     args = ap.parse_args()
     print(json.dumps(run_gpu(args) if args.gpu else run_tcp(args), indent=2, default=str))
 
