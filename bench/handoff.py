@@ -16,8 +16,10 @@
       * ``socket``: a plain TCP socket sending the same bytes (the loopback limit), same run.
 (b) ``--gpu`` on a 2-GPU machine: prefill stage on cuda:0, 4 decode ranks on cuda:1, in two
     processes, ``IpcTransport`` (CUDA IPC, copies over NVLink/PCIe): ``--requests`` handoffs back to
-    back; GB/s of gather + transfer + scatter against torch's own cuda:0 -> cuda:1 copy of the same
-    bytes in the same run (goal >= 0.8); the last request's decode KV is checked bit-exact.
+    back, pipelined (``start`` all, then ``finish``; ``--staging-buffers``) and sequential (``send``
+    each); GB/s of gather + transfer + scatter against torch's own cuda:0 -> cuda:1 copy of the same
+    bytes in the same run (goal >= 0.8), a per-request timeline, the writes alone and the bound
+    kernels' rates; the last request's decode KV is checked bit-exact.
 
 Prints one JSON object.
 """
