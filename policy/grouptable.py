@@ -115,6 +115,7 @@ class GroupTable:
         self._resident = IdList()  # groups holding objects (+ stale ones until the next pass)
         self._listed = np.zeros(n, dtype=bool)  # whether a group is in _resident
         self._bits = np.left_shift(np.uint64(1), np.arange(self.slots, dtype=np.uint64))
+        self._slot_masks: dict[tuple[int, ...], tuple[np.ndarray, np.uint64]] = {}
         if self.slots <= self._TABLE_SLOTS:
             masks = np.arange(1 << self.slots, dtype=np.uint64)
             has = (masks[:, None] & self._bits[None, :]) != 0
@@ -146,10 +147,16 @@ class GroupTable:
             return self._count_table[masks]
         return ((masks[:, None] & self._bits[None, :]) != 0).sum(axis=1)
 
-    def _slot_mask(self, slots: np.ndarray) -> np.uint64:
-        if slots.size and (slots.min() < 0 or slots.max() >= self.slots):
-            raise ValueError(f"slots must be in 0..{self.slots - 1}, got {slots.tolist()}")
-        return np.bitwise_or.reduce(self._bits[slots]) if slots.size else np.uint64(0)
+    def _slot_mask(self, slots: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.uint64]:
+        """(slots as an array, their bits OR-ed), memoized per slot list."""
+        key = (slots,) if isinstance(slots, (int, np.integer)) else tuple(int(x) for x in np.ravel(slots))
+        got = self._slot_masks.get(key)
+        if got is None:
+            if any(not 0 <= x < self.slots for x in key):
+                raise ValueError(f"slots must be in 0..{self.slots - 1}, got {list(key)}")
+            arr = np.asarray(key, dtype=np.int64)
+            got = self._slot_masks[key] = (arr, np.bitwise_or.reduce(self._bits[arr]) if key else np.uint64(0))
+        return got
 
     def _grow(self, max_gid: int) -> None:
         n = len(self._last)
@@ -177,7 +184,7 @@ class GroupTable:
     def lookup(self, gids: Sequence[int] | np.ndarray, slot: int, now: float) -> np.ndarray:
         """Presence of ``(g, slot)`` for each ``g``; present objects' groups count as read now."""
         ids = self._ids(gids)
-        hit = (self._mask[ids] & self._slot_mask(np.asarray([slot], dtype=np.int64))) != 0
+        hit = (self._mask[ids] & self._slot_mask(slot)[1]) != 0
         touched = ids[hit]
         if touched.size:
             self._last[touched] = now
@@ -215,7 +222,7 @@ class GroupTable:
         the rest rejected.
         """
         ids = self._ids(gids)
-        want = self._slot_mask(np.atleast_1d(np.asarray(slot, dtype=np.int64)))
+        want = self._slot_mask(slot)[1]
         if self._has_duplicates(ids):
             ids = ids[np.sort(np.unique(ids, return_index=True)[1])]
         missing = want & ~self._mask[ids]  # bits each group still lacks
@@ -227,8 +234,10 @@ class GroupTable:
         if need > 0:
             passes.append(self._evict(need, protect=ids, partial_ok=True))
         room = self.capacity_bytes - self.used_bytes
-        fits = np.cumsum(need_row) <= room
-        stored_rows = np.flatnonzero(fits & (need_row > 0))
+        if total <= room:  # everything fits (the common case: no cumulative sum needed)
+            stored_rows = np.flatnonzero(need_row)
+        else:
+            stored_rows = np.flatnonzero((np.cumsum(need_row) <= room) & (need_row > 0))
         stored = ids[stored_rows]
         if stored.size:
             fresh = self._mask[stored] == 0
@@ -246,7 +255,7 @@ class GroupTable:
         gone = np.concatenate([v for v, _ in passes]) if passes else np.zeros(0, dtype=np.int64)
         freed = sum(b for _, b in passes)
         n_new = int(self._objects_of(missing).sum())
-        n_stored = int(self._objects_of(missing[stored_rows]).sum())
+        n_stored = n_new if stored_rows.size == np.count_nonzero(need_row) else int(self._objects_of(missing[stored_rows]).sum())
         return PutOutcome(n_stored, n_new - n_stored, int(gone.size), freed, gone)
 
     def _has_duplicates(self, ids: np.ndarray) -> bool:
@@ -264,10 +273,10 @@ class GroupTable:
     def lookup_slots(self, gids: Sequence[int] | np.ndarray, slots: Sequence[int], now: float) -> np.ndarray:
         """Presence ``[slot index, chunk]`` for several slots in one check (recency as ``lookup``)."""
         ids = self._ids(gids)
-        slots = np.asarray(slots, dtype=np.int64)
+        slots, want = self._slot_mask(slots)
         masks = self._mask[ids]
         hit = (masks[None, :] & self._bits[slots][:, None]) != 0
-        touched = ids[(masks & self._slot_mask(slots)) != 0]
+        touched = ids[(masks & want) != 0]
         if touched.size:
             self._last[touched] = now
             self._count[touched] += 1
