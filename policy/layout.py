@@ -34,6 +34,21 @@ def rank_token_count(n_tokens: int, rank: int, ranks: int) -> int:
     return max(0, (n_tokens - rank + ranks - 1) // ranks)
 
 
+def rank_plan(tokens: int, layers: int, record_bytes: int, ranks: int,
+              max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES, token_start: int = 0) -> list[tuple[int, int]]:
+    """``(tokens, writes)`` of every decode rank for one stage's hand-off, as ``HandoffPlan``'s
+    ``rank_plan`` (same rules) without building and validating a plan: the simulator calls it
+    for every request. Arguments must be valid ``HandoffPlan`` fields."""
+    step = max_write_bytes // record_bytes * record_bytes
+    per_token = layers * record_bytes
+    end = token_start + tokens
+    out = []
+    for r in range(ranks):
+        n = max(0, (end - r + ranks - 1) // ranks) - max(0, (token_start - r + ranks - 1) // ranks)
+        out.append((n, -(-n * per_token // step)))
+    return out
+
+
 @dataclass(frozen=True)
 class Write:
     """One write of a staging buffer: ``nbytes`` starting at ``offset_bytes``."""
@@ -110,14 +125,7 @@ class HandoffPlan:
 
     def rank_plan(self) -> list[tuple[int, int]]:
         """``(tokens, writes)`` of every rank in one pass (what a simulator needs per request)."""
-        step = self.max_write_bytes // self.record_bytes * self.record_bytes
-        per_token = self.layers * self.record_bytes
-        end = self.token_start + self.tokens
-        out = []
-        for r in range(self.ranks):
-            n = rank_token_count(end, r, self.ranks) - rank_token_count(self.token_start, r, self.ranks)
-            out.append((n, -(-n * per_token // step)))
-        return out
+        return rank_plan(self.tokens, self.layers, self.record_bytes, self.ranks, self.max_write_bytes, self.token_start)
 
     def all_writes(self) -> list[Write]:
         """Every batched write, rank by rank."""

@@ -24,7 +24,7 @@ import simpy
 from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
 from kvpool.policy.chunks import namespace_for
 from kvpool.policy.hits import compute_hits
-from kvpool.policy.layout import HandoffPlan
+from kvpool.policy.layout import HandoffPlan, rank_plan
 from kvpool.policy.routing import choose_decode, make_router
 from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacity_tokens
 from kvpool.scenario.model import Scenario
@@ -125,6 +125,9 @@ class Simulation:
         self._distinct_stage_layers = sorted(set(self._stage_layers))
         self._stage_bpt = list(spec.stage_bytes_per_token)
         self._handoff_bpt = sum(self._stage_bpt)
+        for layers in self._distinct_stage_layers:  # the plan's checks, once (per request: rank_plan)
+            HandoffPlan(tokens=0, layers=layers, record_bytes=s.model.record_bytes, ranks=s.decode.dcp,
+                        max_write_bytes=s.handoff.max_write_bytes)
 
     # -- time series -----------------------------------------------------------------------
     def _decode_occupancy(self, now: float, _frac: float) -> None:
@@ -368,8 +371,7 @@ class Simulation:
         tokens = rec.in_tokens
         # the main records' write plan per distinct stage depth (the seed's landing path); the
         # stages' extra records (DSA index cache) ride along in the byte count
-        plans = {layers: HandoffPlan(tokens=tokens, layers=layers, record_bytes=self.s.model.record_bytes,
-                                     ranks=dcp, max_write_bytes=self.s.handoff.max_write_bytes).rank_plan()
+        plans = {layers: rank_plan(tokens, layers, self.s.model.record_bytes, dcp, self.s.handoff.max_write_bytes)
                  for layers in self._distinct_stage_layers}
         events = []
         rank_writes = [0] * dcp
