@@ -77,12 +77,7 @@ class KeySpace:
         new = digests_from_blocks(block_ids, block_tokens, n_tokens, self.chunk_tokens, parent, start_chunk=keep)
         self.hashed_chunks += len(new)
         gid = self._gid
-        new_ids = []
-        for d in new:
-            g = gid.get(d)
-            if g is None:
-                g = gid[d] = len(gid)
-            new_ids.append(g)
+        new_ids = [gid.setdefault(d, len(gid)) for d in new]  # a new digest gets the next id
         del st.digests[keep:]  # the thread's own list: extended in place
         st.digests.extend(new)
         gids = np.concatenate([st.gids[:keep], np.asarray(new_ids, dtype=np.int64)]) if new_ids else st.gids[:keep]
