@@ -38,11 +38,19 @@ def small():
     return load_scenario("mi355x-1p1d", ["workload.duration_s=300", "workload.warmup_requests=1"])
 
 
+# What this process and its children listened on before the runtime started (earlier tests of the
+# same pytest run may hold listeners of their own, e.g. an in-process transfer engine).
+BEFORE: dict[str, set] = {}
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A local runtime as ``kvpool sim run --executor ray`` starts it; yields its GCS address."""
     import ray
 
+    pids = _descendants(os.getpid()) | {os.getpid()}
+    BEFORE["pids"] = pids
+    BEFORE["sockets"] = {inode for inode, _ in _listening(pids)}
     with ex.runner("ray", workers=2) as r:
         assert r.executor == "ray" and ray.is_initialized()
         yield ray.get_runtime_context().gcs_address
@@ -73,8 +81,8 @@ def _descendants(root: int) -> set[int]:
     return out
 
 
-def _listening(pids: set[int]) -> list[str]:
-    """Local addresses of the TCP sockets in LISTEN state that ``pids`` hold (/proc/net/tcp, tcp6)."""
+def _listening(pids: set[int]) -> list[tuple[str, str]]:
+    """(inode, local address) of the TCP sockets in LISTEN state that ``pids`` hold (/proc/net/tcp, tcp6)."""
     inodes = set()
     for pid in pids:
         try:
@@ -89,7 +97,7 @@ def _listening(pids: set[int]) -> list[str]:
         for line in Path(table).read_text().splitlines()[1:]:
             f = line.split()
             if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
-                out.append(f[1].split(":")[0])
+                out.append((f[9], f[1].split(":")[0]))
     return out
 
 
@@ -102,7 +110,9 @@ def test_local_runtime_listens_on_loopback_only(cluster):
     assert cluster.startswith("127.0.0.1:")
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
     assert ray.cluster_resources()["CPU"] == 2  # workers=2
-    addrs = _listening(_descendants(os.getpid()) | {os.getpid()})
+    # the runtime's sockets: new ones of this process (the driver) and those of its new children
+    pids = (_descendants(os.getpid()) - BEFORE["pids"]) | {os.getpid()}
+    addrs = [a for inode, a in _listening(pids) if inode not in BEFORE["sockets"]]
     assert addrs and set(addrs) <= LOOPBACK, addrs
 
 
