@@ -70,6 +70,8 @@ class _Request:
     writes: int = 0
     scatter_s: float = 0.0
     end_s: float = 0.0
+    first_s: float = 0.0                         # first READY(IES) of the request handled (monotonic)
+    launched_s: float = 0.0                      # last scatter launched (monotonic)
 
 
 class DecodeRank:
@@ -169,6 +171,17 @@ class DecodeRank:
         self._check_complete(req)
         return nonce
 
+    @property
+    def scattering(self) -> bool:
+        """Scatters launched whose completion (and CREDIT) ``poll`` has not seen yet."""
+        return bool(self._events)
+
+    def times(self, request_id: str) -> tuple[float, float, float]:
+        """``(first READY handled, last scatter launched, ready)`` of a request, monotonic seconds
+        (0 where not reached yet): where its handoff time went on this rank."""
+        req = self._reqs[request_id]
+        return req.first_s, req.launched_s, req.end_s
+
     def status(self, request_id: str) -> str:
         """``"pending"``, ``"ready"`` or ``"failed"``."""
         return self._reqs[request_id].state
@@ -187,7 +200,8 @@ class DecodeRank:
         else:
             arrived = self._sock.poll(int(timeout_s * 1000), zmq.POLLIN)
         if arrived:
-            while handled < max_messages:
+            # EVENTS before each recv: a NOBLOCK recv on an empty socket raises (tens of microseconds)
+            while handled < max_messages and (handled == 0 or int(self._sock.get(zmq.EVENTS)) & _POLLIN):
                 try:
                     ident, payload = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -305,6 +319,8 @@ class DecodeRank:
             self._fail(req, f"stage {stage} sent a write ({off}, {n}) not in the plan", tell=True)
             return
         part = req.parts[stage]
+        if not req.first_s:
+            req.first_s = time.monotonic()
         t0 = time.perf_counter()
         try:
             self._scatter_op(part)(self.landing, req.block_ids, part.plan, self.rank,
@@ -314,6 +330,7 @@ class DecodeRank:
             self._fail(req, f"scatter of stage {stage}'s write failed: {exc}", tell=True)
             return
         req.scatter_s += time.perf_counter() - t0
+        req.launched_s = time.monotonic()
         req.landed[stage].update(offsets)
         req.nbytes += sum(n for _, _, n in landed)
         req.writes += len(landed)

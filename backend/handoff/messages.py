@@ -27,7 +27,7 @@ decode rank in ``Want``); a message whose nonce is not the current one is stale 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -127,6 +127,7 @@ class Fail:
     reason: str
 
 
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
 MESSAGES = {cls.__name__: cls for cls in (Attach, Landing, Want, Ready, Readies, Done, Credit, Abort, Fail)}
 _TUPLE_FIELDS = {name: [f.name for f in fields(cls) if "tuple" in str(f.type)] for name, cls in MESSAGES.items()}
 
@@ -136,7 +137,8 @@ def encode(msg: Any) -> bytes:
     name = type(msg).__name__
     if name not in MESSAGES:
         raise TypeError(f"not a handoff message: {msg!r}")
-    return json.dumps({"t": name, **asdict(msg)}, separators=(",", ":")).encode()
+    # vars(), not asdict(): the fields are plain values (asdict's deep copy cost ~20 us a READIES)
+    return _dumps({"t": name, **vars(msg)}).encode()
 
 
 def decode(data: bytes) -> Any:

@@ -167,6 +167,10 @@ class PrefillStage:
         self._owner: list[_Outgoing | None] = [None] * staging_buffers
         self._out: dict[str, _Outgoing] = {}
         self._gathers: OrderedDict[tuple, tuple] = OrderedDict()
+        self._plans: dict[HandoffPlan, tuple] = {}
+        group = getattr(transport, "submit_group", None)
+        self._submit_group = group if group is not None else (
+            lambda jobs, src, after=None: [transport.submit_writes(p, src, w, after) for p, w in jobs])
         self._last_progress = time.monotonic()
         self._poller: tuple[tuple, zmq.Poller] | None = None
         self.name = f"stage{stage}-{uuid.uuid4().hex[:8]}"
@@ -267,10 +271,10 @@ class PrefillStage:
             raise ValueError(f"plan has {plan.ranks} ranks, target has {target.ranks}")
         if plan.total_bytes > self.staging_bytes:
             raise ValueError(f"stage share {plan.total_bytes} B exceeds staging {self.staging_bytes} B")
+        writes, bases, biggest = self._plan_info(plan)
         for link in links:
-            too_big = [w for w in plan.writes(link.rank) if w.nbytes > link.slot_bytes]
-            if too_big:
-                raise ValueError(f"write of {too_big[0].nbytes} B exceeds rank {link.rank}'s {link.slot_bytes} B slots")
+            if biggest[link.rank] > link.slot_bytes:
+                raise ValueError(f"write of {biggest[link.rank]} B exceeds rank {link.rank}'s {link.slot_bytes} B slots")
         # 1. every rank has allocated pages and sent its nonce
         while not all(request_id in link.wants for link in links):
             self._check(links, request_id, deadline, "waiting for WANT")
@@ -292,8 +296,8 @@ class PrefillStage:
             after.record(torch.cuda.current_stream(staging.device))
         gather_s = time.monotonic() - tg
         out = _Outgoing(request_id, links, plan, nonces, staging, after,
-                        [deque(plan.writes(link.rank)) for link in links],
-                        [rank_buffer_offset_bytes(plan, link.rank) for link in links],
+                        [deque(writes[link.rank]) for link in links],
+                        [bases[link.rank] for link in links],
                         [[] for _ in links], t0, deadline, gather_s)
         self._owner[buf] = out
         self._out[request_id] = out
@@ -340,6 +344,19 @@ class PrefillStage:
             self._gathers.popitem(last=False)
         return op
 
+    def _plan_info(self, plan: HandoffPlan) -> tuple[list[list[Write]], list[int], list[int]]:
+        """Per rank: the plan's writes, the rank buffer's offset in staging, the largest write
+        (built once per plan: a request's start and READIES read them)."""
+        hit = self._plans.get(plan)
+        if hit is None:
+            writes = [plan.writes(r) for r in range(plan.ranks)]
+            hit = (writes, [rank_buffer_offset_bytes(plan, r) for r in range(plan.ranks)],
+                   [max((w.nbytes for w in ws), default=0) for ws in writes])
+            self._plans[plan] = hit
+            if len(self._plans) > 64:
+                self._plans.pop(next(iter(self._plans)))
+        return hit
+
     def _free_buffer(self) -> int | None:
         for i, owner in enumerate(self._owner):
             if owner is None or not owner.busy:
@@ -350,31 +367,33 @@ class PrefillStage:
         return [o for o in self._out.values() if o.error is None and o.report is None]
 
     def _pump(self, active: list[_Outgoing] | None = None) -> bool:
-        """Submit queued writes (start order) into the credits the ranks hold; True if any."""
+        """Submit queued writes (start order) into the credits the ranks hold, one transport call
+        per request for all its ranks (``submit_group``); True if any."""
         moved = False
         for out in self._active() if active is None else active:
             if out.error is not None:
                 continue
+            jobs, meta = [], []
             for i, link in enumerate(out.links):
                 q = out.queues[i]
                 n = min(len(q), len(link.credits), self.max_inflight_per_peer - link.inflight)
                 if n <= 0:
                     continue
-                batch = []
-                for _ in range(n):
-                    slot = link.credits.popleft()
-                    w = q.popleft()
-                    batch.append((slot, w))
-                if not out.tt:
-                    out.tt = time.monotonic()
-                handles = self.transport.submit_writes(
-                    link.peer, out.staging,
-                    [(out.bases[i] + w.offset_bytes, slot * link.slot_bytes, w.nbytes) for slot, w in batch], out.after)
+                batch = [(link.credits.popleft(), q.popleft()) for _ in range(n)]
+                base, sb = out.bases[i], link.slot_bytes
+                jobs.append((link.peer, [(base + w.offset_bytes, slot * sb, w.nbytes) for slot, w in batch]))
+                meta.append((i, link, batch))
+            if not jobs:
+                continue
+            if not out.tt:
+                out.tt = time.monotonic()
+            group = self._submit_group(jobs, out.staging, out.after)
+            for (i, link, batch), handles in zip(meta, group):
                 out.inflight[i].extend((h, slot, w) for h, (slot, w) in zip(handles, batch))
-                link.inflight += n
-                self.submitted_writes += n
+                link.inflight += len(batch)
+                self.submitted_writes += len(batch)
                 out.peak = max(out.peak, link.inflight)
-                moved = True
+            moved = True
         return moved
 
     def _harvest(self, active: list[_Outgoing] | None = None) -> bool:
@@ -418,7 +437,7 @@ class PrefillStage:
                 last = not out.inflight[i] and not out.queues[i]   # this rank's part is complete: DONE rides along
                 msg = m.Readies(out.request_id, out.nonces[i], self.stage, tuple(s for _, s, _ in done),
                                 tuple(w.offset_bytes for _, _, w in done), tuple(w.nbytes for _, _, w in done),
-                                len(out.plan.writes(link.rank)) if last else -1)
+                                len(self._plan_info(out.plan)[0][link.rank]) if last else -1)
                 if last:
                     out.done_sent[i] = True
                 link.sock.send(m.encode(msg))
@@ -429,7 +448,8 @@ class PrefillStage:
                 for i, link in enumerate(out.links):
                     if not out.done_sent[i]:   # a rank with no writes (or whose last READIES was not final)
                         link.sock.send(m.encode(m.Done(out.request_id, out.nonces[i], self.stage,
-                                                       len(out.plan.writes(link.rank)), out.plan.buffer_bytes(link.rank))))
+                                                       len(self._plan_info(out.plan)[0][link.rank]),
+                                                       out.plan.buffer_bytes(link.rank))))
                 end = time.monotonic()
                 out.report = StageReport(out.request_id, self.stage, out.nbytes, out.writes, out.gather_s,
                                          end - (out.tt or end), out.credit_wait_s, end - out.t0, out.peak)

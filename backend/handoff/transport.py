@@ -13,6 +13,9 @@ Primitives, grouped by caller:
             ``(src_offset, dst_offset, nbytes)``, one handle each; ``after`` is a GPU event the
             source bytes are ready at (the gather that filled them). A transport may merge writes
             that are adjacent on both sides into one copy and complete them together.
+        ``submit_group([(peer, writes), ...], src, after=None) -> [[handle, ...], ...]``  the
+            writes of one request to several peers in one call (``submit_writes`` per peer, or
+            one stream switch and one completion for all of them: ``IpcTransport``)
         ``poll(handle) -> 1 done | 0 running | -1 failed``  (never polls a finished handle twice)
     Both: ``close()``.
 
@@ -78,6 +81,8 @@ class Transport(Protocol):
                     sizes: list[int]) -> WriteHandle: ...
     def submit_writes(self, peer: Peer, src: torch.Tensor, writes: list[tuple[int, int, int]],
                       after: Any = None) -> list[WriteHandle]: ...
+    def submit_group(self, jobs: list[tuple[Peer, list[tuple[int, int, int]]]], src: torch.Tensor,
+                     after: Any = None) -> list[list[WriteHandle]]: ...
     def poll(self, handle: WriteHandle) -> int: ...
     def close(self) -> None: ...
 
@@ -152,6 +157,9 @@ class LocalTransport:
     def submit_writes(self, peer, src, writes, after=None) -> list[WriteHandle]:
         return [self.submit(peer, src, s, d, n) for s, d, n in writes]
 
+    def submit_group(self, jobs, src, after=None) -> list[list[WriteHandle]]:
+        return [self.submit_writes(peer, src, writes, after) for peer, writes in jobs]
+
     def poll(self, handle: WriteHandle) -> int:
         return handle.state
 
@@ -174,7 +182,8 @@ class IpcTransport:
 
     def __init__(self, copy_on: str = "src") -> None:
         """``copy_on``: issue GPU copies on a stream of the source (``"src"``) or destination
-        (``"dst"``) device."""
+        (``"dst"``) device. One copy stream per device: spreading a group's copies over 2 streams
+        measured 0.39 of the device copy against 0.69 with one (H200 x2, 2026-11-29)."""
         if copy_on not in ("src", "dst"):
             raise ValueError(f"copy_on must be 'src' or 'dst', got {copy_on!r}")
         self.copy_on = copy_on
@@ -269,14 +278,33 @@ class IpcTransport:
         """All ``writes`` on the copy stream, adjacent ones merged into one ``copy_``, one event
         for the lot (every handle completes with it). GPU sources wait for ``after`` (else for the
         source device's current stream) on the device, not on the host."""
-        for _, d, n in writes:
-            _check_range(peer, d, n)
-        if not (src.is_cuda or peer.target.is_cuda):
-            for s, d, n in coalesce(writes):
-                peer.target.narrow(0, d, n).copy_(src.narrow(0, s, n))
-            return [WriteHandle(None, DONE) for _ in writes]
+        return self.submit_group([(peer, writes)], src, after)[0]
+
+    def submit_group(self, jobs, src, after=None) -> list[list[WriteHandle]]:
+        """``submit_writes`` to several peers in one go: one stream switch, one wait for ``after``,
+        the merged copies of every peer, **one** event that completes every handle (what a stage
+        sends to all decode ranks for one request costs one call and one completion)."""
+        for peer, writes in jobs:
+            for _, d, n in writes:
+                _check_range(peer, d, n)
+        gpu = src.is_cuda or any(peer.target.is_cuda for peer, _ in jobs)
+        if not gpu:
+            out = []
+            for peer, writes in jobs:
+                for s, d, n in coalesce(writes):
+                    peer.target.narrow(0, d, n).copy_(src.narrow(0, s, n))
+                out.append([WriteHandle(None, DONE) for _ in writes])
+            return out
+        if src.is_cuda and self.copy_on == "src":
+            return self._submit_on(src.device, jobs, src, after)
+        # copies issued on the peers' devices: one group (stream, event) per peer
+        return [self._submit_one(peer, src, writes, after) for peer, writes in jobs]
+
+    def _submit_one(self, peer, src, writes, after) -> list[WriteHandle]:
         use_src = src.is_cuda and (self.copy_on == "src" or not peer.target.is_cuda)
-        dev = src.device if use_src else peer.target.device
+        return self._submit_on(src.device if use_src else peer.target.device, [(peer, writes)], src, after)[0]
+
+    def _submit_on(self, dev, jobs, src, after) -> list[list[WriteHandle]]:
         stream = self._streams.get(dev.index)
         if stream is None:
             stream = self._streams[dev.index] = torch.cuda.Stream(device=dev)
@@ -286,12 +314,14 @@ class IpcTransport:
             else:
                 stream.wait_stream(torch.cuda.current_stream(src.device))
         here = dev.index == torch.cuda.current_device()
+        copies = [(peer.target.narrow(0, d, n), src.narrow(0, s, n)) for peer, writes in jobs
+                  for s, d, n in coalesce(writes)]
         with contextlib.nullcontext() if here else torch.cuda.device(dev), torch.cuda.stream(stream):
-            for s, d, n in coalesce(writes):
-                peer.target.narrow(0, d, n).copy_(src.narrow(0, s, n), non_blocking=True)
+            for dst, s in copies:
+                dst.copy_(s, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(stream)
-        return [WriteHandle(ev) for _ in writes]
+        return [[WriteHandle(ev) for _ in writes] for _, writes in jobs]
 
     def poll(self, handle: WriteHandle) -> int:
         if handle.state == RUNNING and handle.token.query():
@@ -384,6 +414,11 @@ class MooncakeTransport:
         host-synchronized on ``after`` first (the engine reads memory outside any stream)."""
         _wait_host(after)
         return [self.submit(peer, src, s, d, n) for s, d, n in writes]
+
+    def submit_group(self, jobs, src, after=None) -> list[list[WriteHandle]]:
+        """``submit_writes`` per peer (one engine write per planned write), one host wait first."""
+        _wait_host(after)
+        return [self.submit_writes(peer, src, writes) for peer, writes in jobs]
 
     def submit_many(self, peer, src, src_offsets, dst_offsets, sizes) -> WriteHandle:
         base = src.data_ptr()

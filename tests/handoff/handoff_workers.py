@@ -267,6 +267,9 @@ class FaultyTransport:
     def submit_writes(self, peer, src, writes, after=None):
         return [self.submit(peer, src, s, d, n) for s, d, n in writes]
 
+    def submit_group(self, jobs, src, after=None):
+        return [self.submit_writes(peer, src, writes, after) for peer, writes in jobs]
+
     def submit(self, peer, src, src_offset_bytes, dst_offset_bytes, nbytes):
         from kvpool.backend.handoff.transport import FAILED, WriteHandle
 

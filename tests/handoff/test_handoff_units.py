@@ -194,3 +194,24 @@ def test_abort_quarantines_slots_then_credits_them_back():
     finally:
         fake.close()
         dr.close()
+
+
+@pytest.mark.parametrize("kind", ["local", "ipc"])
+def test_submit_group_writes_every_peer_and_completes_them_together(kind):
+    from kvpool.backend.handoff.transport import DONE
+
+    t = make_transport(kind)
+    src = torch.arange(64, dtype=torch.uint8)
+    t.register_source(src)
+    pools = [t.allocate(32) for _ in range(2)]
+    peers = [t.open(t.expose(p)) for p in pools]
+    for p in pools:
+        p.zero_()
+    jobs = [(peers[0], [(0, 0, 8), (8, 8, 8)]), (peers[1], [(32, 16, 8)])]
+    handles = t.submit_group(jobs, src)
+    assert [len(h) for h in handles] == [2, 1]
+    assert all(t.poll(h) == DONE for hs in handles for h in hs)
+    assert pools[0][:16].tolist() == list(range(16)) and pools[1][16:24].tolist() == list(range(32, 40))
+    with pytest.raises(ValueError):
+        t.submit_group([(peers[0], [(0, 30, 8)])], src)   # past the peer's pool
+    t.close()
