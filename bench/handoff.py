@@ -14,12 +14,14 @@
       * ``large_writes_only``: the same 12 writes alone (staging -> the ranks' buffers through the
         engine, all in flight, no gather/scatter/side channel): the like-for-like comparison.
       * ``socket``: a plain TCP socket sending the same bytes (the loopback limit), same run.
-(b) ``--gpu`` on a 2-GPU machine: prefill stage on cuda:0, 4 decode ranks on cuda:1, in two
-    processes, ``IpcTransport`` (CUDA IPC, copies over NVLink/PCIe): ``--requests`` handoffs back to
-    back, pipelined (``start`` all, then ``finish``; ``--staging-buffers``) and sequential (``send``
-    each); GB/s of gather + transfer + scatter against torch's own cuda:0 -> cuda:1 copy of the same
-    bytes in the same run (goal >= 0.8), a per-request timeline, the writes alone and the bound
-    kernels' rates; the last request's decode KV is checked bit-exact.
+(b) ``--gpu`` on a 2-GPU machine: prefill stage on cuda:0, 4 decode ranks on cuda:1 (one process
+    per rank; ``--decode-procs 1`` puts them in one), ``IpcTransport`` (CUDA IPC, copies over
+    NVLink/PCIe): ``--requests`` handoffs back to back, pipelined (``start`` all, then ``finish``;
+    ``--staging-buffers``) and sequential (``send`` each); GB/s of gather + transfer + scatter,
+    best and median rounds, against torch's own cuda:0 -> cuda:1 copy of the same bytes in the same
+    run (best of 3; goal >= 0.8), the data path alone (no host waits), a per-request timeline with
+    decode-side timestamps, the writes alone and the bound kernels' rates; the last request's
+    decode KV is checked bit-exact.
 
 Prints one JSON object.
 """
