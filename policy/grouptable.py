@@ -149,7 +149,12 @@ class GroupTable:
 
     def _slot_mask(self, slots: int | Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.uint64]:
         """(slots as an array, their bits OR-ed), memoized per slot list."""
-        key = (slots,) if isinstance(slots, (int, np.integer)) else tuple(int(x) for x in np.ravel(slots))
+        if isinstance(slots, (int, np.integer)):
+            key = (int(slots),)
+        elif isinstance(slots, (list, tuple)):
+            key = tuple(slots)
+        else:
+            key = tuple(np.ravel(slots).tolist())
         got = self._slot_masks.get(key)
         if got is None:
             if any(not 0 <= x < self.slots for x in key):
