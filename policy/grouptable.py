@@ -201,26 +201,28 @@ class GroupTable:
         return gid < len(self._last) and bool(self._mask[gid] & self._bits[slot])
 
     # -- pins --------------------------------------------------------------------------------
-    def pin(self, gids: Sequence[int] | np.ndarray) -> None:
-        """Protect groups from eviction (loads in flight); nests."""
+    def pin(self, gids: Sequence[int] | np.ndarray, *, unique: bool = False) -> None:
+        """Protect groups from eviction (loads in flight); nests. ``unique``: the caller knows
+        ``gids`` has no repeats (skips the check)."""
         ids = self._ids(gids)
-        if self._has_duplicates(ids):
+        if not unique and self._has_duplicates(ids):
             np.add.at(self._pins, ids, 1)
         else:
             self._pins[ids] += 1
 
-    def unpin(self, gids: Sequence[int] | np.ndarray) -> None:
+    def unpin(self, gids: Sequence[int] | np.ndarray, *, unique: bool = False) -> None:
         ids = self._ids(gids)
-        if self._has_duplicates(ids):
+        if not unique and self._has_duplicates(ids):
             np.subtract.at(self._pins, ids, 1)
         else:
             self._pins[ids] -= 1
         self._pins[ids] = np.maximum(self._pins[ids], 0)
 
     # -- writes ------------------------------------------------------------------------------
-    def put(self, gids: Sequence[int] | np.ndarray, slot: int | Sequence[int], now: float) -> PutOutcome:
+    def put(self, gids: Sequence[int] | np.ndarray, slot: int | Sequence[int], now: float, *,
+            unique: bool = False) -> PutOutcome:
         """Store ``(g, slot)`` for each ``g`` in order (for each slot, when several are given);
-        evicts first when they would not fit.
+        evicts first when they would not fit. ``unique``: the caller knows ``gids`` has no repeats.
 
         Objects already present are left as they are (their groups count as written now). When
         eviction cannot make room for all new objects, the leading groups that fit are stored and
@@ -228,7 +230,7 @@ class GroupTable:
         """
         ids = self._ids(gids)
         want = self._slot_mask(slot)[1]
-        if self._has_duplicates(ids):
+        if not unique and self._has_duplicates(ids):
             ids = ids[np.sort(np.unique(ids, return_index=True)[1])]
         missing = want & ~self._mask[ids]  # bits each group still lacks
         need_row = self._bytes_of(missing)  # bytes each group still needs

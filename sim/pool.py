@@ -59,6 +59,7 @@ class SimPool:
                 row.append(GroupTable(per_table, sizes, p.eviction_policy,
                                       high_watermark=p.high_watermark, evict_ratio=p.evict_ratio))
             self.tables.append(row)
+        self._parts_memo: dict[int, list[tuple[int, list[int], list[int]]]] = {}
         self.ssd: list[GroupTable] | None = None
         if p.ssd.enabled and p.ssd.gib_per_server > 0:
             ssd_total = int(p.ssd.gib_per_server * GIB * self.servers)
@@ -91,15 +92,24 @@ class SimPool:
     def lookup(self, server: int, ranks: int, gids: np.ndarray, now: float) -> list[np.ndarray]:
         """Presence of every rank's object for each chunk: one batched check per part."""
         out: list[np.ndarray | None] = [None] * ranks
-        g = self._group(server)
-        for q, members in enumerate(self.part_ranks):
-            mine = [r for r in members if r < ranks]
-            if not mine:
-                continue
-            hit = self.tables[g][q].lookup_slots(gids, [self.part_ranks[q].index(r) for r in mine], now)
+        row = self.tables[self._group(server)]
+        for q, slots, mine in self._parts_of(ranks):
+            hit = row[q].lookup_slots(gids, slots, now)
             for i, r in enumerate(mine):
                 out[r] = hit[i]
         return out
+
+    def _parts_of(self, ranks: int) -> list[tuple[int, list[int], list[int]]]:
+        """(part, slots, ranks) of every part that ranks ``0 .. ranks-1`` use, memoized."""
+        got = self._parts_memo.get(ranks)
+        if got is None:
+            got = []
+            for q, members in enumerate(self.part_ranks):
+                mine = [r for r in members if r < ranks]
+                if mine:
+                    got.append((q, [members.index(r) for r in mine], mine))
+            self._parts_memo[ranks] = got
+        return got
 
     def ssd_lookup(self, server: int, gids: np.ndarray, now: float) -> np.ndarray | None:
         if self.ssd is None:
@@ -108,26 +118,24 @@ class SimPool:
 
     def save(self, server: int, ranks: int, gids: np.ndarray, now: float) -> None:
         """Put every rank's objects of ``gids`` (one batched put per part); groups evicted from
-        DRAM demote to the SSD tier when there is one."""
+        DRAM demote to the SSD tier when there is one. ``gids`` (here and in ``pin``/``unpin``)
+        are one prompt's chunk groups: distinct, as every chunk's key chains its whole prefix."""
         g = self._group(server)
-        for q, members in enumerate(self.part_ranks):
-            slots = [i for i, r in enumerate(members) if r < ranks]
-            if not slots:
-                continue
-            out = self.tables[g][q].put(gids, slots, now)
+        for q, slots, _ in self._parts_of(ranks):
+            out = self.tables[g][q].put(gids, slots, now, unique=True)
             if self.ssd is not None and out.evicted_ids.size:
                 self.ssd[g].put(out.evicted_ids, 0, now)
 
     def _tables_of(self, server: int, ranks: int) -> list[GroupTable]:
         """The distinct tables that ranks ``0 .. ranks-1`` of an instance on ``server`` use."""
-        g = self._group(server)
-        return [self.tables[g][q] for q, members in enumerate(self.part_ranks) if any(r < ranks for r in members)]
+        row = self.tables[self._group(server)]
+        return [row[q] for q, _, _ in self._parts_of(ranks)]
 
     def pin(self, server: int, ranks: int, gids: np.ndarray) -> None:
         """Protect the groups of ``gids`` in every part the instance's ranks use (loads in flight)."""
         for t in self._tables_of(server, ranks):
-            t.pin(gids)
+            t.pin(gids, unique=True)
 
     def unpin(self, server: int, ranks: int, gids: np.ndarray) -> None:
         for t in self._tables_of(server, ranks):
-            t.unpin(gids)
+            t.unpin(gids, unique=True)
