@@ -27,6 +27,13 @@ ORDERS = ("lru", "lfu", "fifo")
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
 
+def grown(a: np.ndarray, size: int) -> np.ndarray:
+    """``a`` zero-padded to ``size`` entries (a fresh zeroed buffer: only ``a``'s part is touched)."""
+    out = np.zeros(size, dtype=a.dtype)
+    out[: a.size] = a
+    return out
+
+
 class IdList:
     """An append-mostly list of integer ids in a numpy buffer (amortized O(1) appends)."""
 
@@ -167,15 +174,9 @@ class GroupTable:
         n = len(self._last)
         if max_gid < n:
             return
-        new = max(max_gid + 1, 2 * n)
-        pad = new - n
-        self._mask = np.concatenate([self._mask, np.zeros(pad, dtype=np.uint64)])
-        self._last = np.concatenate([self._last, np.zeros(pad)])
-        self._count = np.concatenate([self._count, np.zeros(pad, dtype=np.int64)])
-        self._inserted = np.concatenate([self._inserted, np.zeros(pad, dtype=np.int64)])
-        self._pins = np.concatenate([self._pins, np.zeros(pad, dtype=np.int32)])
-        self._mark = np.concatenate([self._mark, np.zeros(pad, dtype=np.int32)])
-        self._listed = np.concatenate([self._listed, np.zeros(pad, dtype=bool)])
+        new = max(max_gid + 1, 4 * n)
+        for name in ("_mask", "_last", "_count", "_inserted", "_pins", "_mark", "_listed"):
+            setattr(self, name, grown(getattr(self, name), new))
 
     def _ids(self, gids: Sequence[int] | np.ndarray) -> np.ndarray:
         ids = np.asarray(gids, dtype=np.int64)

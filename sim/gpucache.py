@@ -23,6 +23,8 @@ from collections import deque
 
 import numpy as np
 
+from kvpool.policy.grouptable import grown
+
 
 class GPUPrefixCache:
     def __init__(self, capacity_tokens: int | None, *, evict_fraction: float = 0.05, initial: int = 1 << 16) -> None:
@@ -43,9 +45,9 @@ class GPUPrefixCache:
         n = len(self.held)
         if max_id < n:
             return
-        new = max(max_id + 1, 2 * n)
-        self.held = np.concatenate([self.held, np.zeros(new - n, dtype=bool)])
-        self._last = np.concatenate([self._last, np.zeros(new - n)])
+        new = max(max_id + 1, 4 * n)
+        self.held = grown(self.held, new)
+        self._last = grown(self._last, new)
 
     def hit_blocks(self, ids: np.ndarray, now: float) -> int:
         """Leading blocks of ``ids`` held; they count as used now."""
