@@ -240,8 +240,7 @@ class DecodeInstance:
             self.env.timeout(self._step).callbacks.append(lambda _e, ev=seq.first: ev.succeed() if not ev.triggered else None)
         self._new.clear()
         wait = max(0.0, (running[0][0] - self._clock) / self.tokens_per_step * self._step)
-        version = self._version
-        self.env.timeout(wait).callbacks.append(lambda _e: self._wake(version))
+        self.env.timeout(wait, self._version).callbacks.append(self._wake)
 
     def _finish(self, seq: _Seq) -> None:
         self.reserved_tokens -= seq.reserved
@@ -250,8 +249,8 @@ class DecodeInstance:
             seq.first.succeed()
         seq.done.succeed()
 
-    def _wake(self, version: int) -> None:
-        if version != self._version:
+    def _wake(self, ev: simpy.Event) -> None:
+        if ev.value != self._version:  # a later reschedule superseded this wake-up
             return
         self._advance()
         running = self._running

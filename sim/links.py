@@ -63,17 +63,24 @@ class FairLink:
     def transfer(self, nbytes: int, writes: int = 1) -> simpy.Event:
         """An event that succeeds when ``nbytes`` in ``writes`` writes have crossed the link."""
         env = self.env
-        done = env.event()
+        done = simpy.Event(env)
         if nbytes <= 0:
             done.succeed()
             return done
         self.bytes_moved += int(nbytes)
         work = float(nbytes) + writes * self._write_bytes + self._latency_bytes
-        self._advance()
+        now = env.now
+        active = self._active
+        if active:  # advance the clock (inlined _advance: this runs for every transfer)
+            dt = now - self._last
+            if dt > 0:
+                self._virtual += self.bytes_per_s * dt / len(active)
+                self.busy_s += dt
+        self._last = now
         self._seq += 1
-        heapq.heappush(self._active, (self._virtual + work, self._seq, done))
+        heapq.heappush(active, (self._virtual + work, self._seq, done))
         # everyone slows down, so only this transfer can finish before the pending wake-up
-        if env.now + work * len(self._active) / self.bytes_per_s < self._wake_at:
+        if now + work * len(active) / self.bytes_per_s < self._wake_at:
             self._reschedule()
         return done
 
@@ -93,12 +100,11 @@ class FairLink:
             self._virtual = 0.0
             return
         wait = max(0.0, (active[0][0] - self._virtual) * len(active) / self.bytes_per_s)
-        version = self._version
         self._wake_at = self.env.now + wait
-        self.env.timeout(wait).callbacks.append(lambda _ev: self._wake(version))
+        self.env.timeout(wait, self._version).callbacks.append(self._wake)
 
-    def _wake(self, version: int) -> None:
-        if version != self._version:
+    def _wake(self, ev: simpy.Event) -> None:
+        if ev.value != self._version:  # a later reschedule superseded this wake-up
             return
         self._wake_at = float("inf")
         self._advance()
