@@ -270,15 +270,7 @@ def prepare_scatter(
     check_plan_caches(plan, geom)
     check_flat(landing, 0, geom.device, "landing")
     row0, rows = scatter_rows(plan, rank, offset_bytes, landing.numel())
-    if rows:
-        positions = plan.rank_positions(rank)
-        first_page = positions[0] // plan.ranks // geom.page_tokens
-        pages = positions[-1] // plan.ranks // geom.page_tokens + 1
-        check_block_ids(block_ids, pages, geom.device)
-        if validate:
-            check_block_bounds(block_ids, pages, geom.num_blocks, unique=True, first=first_page)
-    else:
-        check_block_ids(block_ids, 0, geom.device)
+    check_rank_pages(geom, block_ids, plan, rank, bool(rows), validate)
     return geom, row0, rows
 
 
@@ -306,13 +298,20 @@ def prepare_scatter_segments(
         row0, rows = scatter_rows(plan, rank, off, n)
         if rows:
             out.append((lo, row0, rows))
-    if out:
-        positions = plan.rank_positions(rank)
-        first_page = positions[0] // plan.ranks // geom.page_tokens
-        pages = positions[-1] // plan.ranks // geom.page_tokens + 1
-        check_block_ids(block_ids, pages, geom.device)
-        if validate:
-            check_block_bounds(block_ids, pages, geom.num_blocks, unique=True, first=first_page)
-    else:
-        check_block_ids(block_ids, 0, geom.device)
+    check_rank_pages(geom, block_ids, plan, rank, bool(out), validate)
     return out
+
+
+def check_rank_pages(geom: CacheGeometry, block_ids: torch.Tensor, plan: HandoffPlan, rank: int,
+                     any_rows: bool, validate: bool) -> None:
+    """The block table of a scatter into ``rank``'s pages: long enough for the pages its tokens
+    touch (none when no row lands) and, with ``validate``, distinct in-range blocks."""
+    if not any_rows:
+        check_block_ids(block_ids, 0, geom.device)
+        return
+    positions = plan.rank_positions(rank)
+    first_page = positions[0] // plan.ranks // geom.page_tokens
+    pages = positions[-1] // plan.ranks // geom.page_tokens + 1
+    check_block_ids(block_ids, pages, geom.device)
+    if validate:
+        check_block_bounds(block_ids, pages, geom.num_blocks, unique=True, first=first_page)

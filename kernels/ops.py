@@ -167,19 +167,23 @@ def scatter_dcp(
     ref.scatter_dcp_ref(landing, caches, block_ids, plan, rank, row0)
 
 
-class GatherDcp:
-    """``gather_dcp`` bound to one list of caches (a prefill stage's layers).
-
-    The caches are checked and their address table built once, here; each call checks only its
-    own arguments (plan, block table, ``out``) and launches. Same contract and bytes as
-    ``gather_dcp``. The caches must keep their storage, shapes and strides while bound.
-    """
+class _BoundCaches:
+    """Caches checked once and, on a GPU, their Triton launcher built once."""
 
     def __init__(self, caches: Sequence[torch.Tensor], backend: Backend = "auto") -> None:
         self.geom = ck.check_caches(caches)
         self.caches = list(caches)
         self.triton = _use_triton(self.geom.device, backend)
         self._launcher = tri.DcpLauncher(self.caches, tri._use_interpreter(self.geom.device, None)) if self.triton else None
+
+
+class GatherDcp(_BoundCaches):
+    """``gather_dcp`` bound to one list of caches (a prefill stage's layers).
+
+    The caches are checked and their address table built once, here; each call checks only its
+    own arguments (plan, block table, ``out``) and launches. Same contract and bytes as
+    ``gather_dcp``. The caches must keep their storage, shapes and strides while bound.
+    """
 
     def __call__(
         self, block_ids: torch.Tensor, plan: HandoffPlan, out: torch.Tensor | None = None, validate: bool = True
@@ -191,7 +195,7 @@ class GatherDcp:
         return ref.gather_dcp_ref(self.caches, block_ids, plan, out)
 
 
-class ScatterDcp:
+class ScatterDcp(_BoundCaches):
     """``scatter_dcp`` bound to one list of caches (a decode rank's layers of one prefill stage),
     taking several landed slices of a rank buffer at once.
 
@@ -200,12 +204,6 @@ class ScatterDcp:
     buffer (whole records). On a GPU all segments go in one launch. The caches are checked once,
     here, and must keep their storage, shapes and strides while bound.
     """
-
-    def __init__(self, caches: Sequence[torch.Tensor], backend: Backend = "auto") -> None:
-        self.geom = ck.check_caches(caches)
-        self.caches = list(caches)
-        self.triton = _use_triton(self.geom.device, backend)
-        self._launcher = tri.DcpLauncher(self.caches, tri._use_interpreter(self.geom.device, None)) if self.triton else None
 
     def __call__(
         self,
