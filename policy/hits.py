@@ -96,7 +96,12 @@ def compute_hits(
     last = prompt_tokens - 1  # the last token is always computed
     gpu = min(max(0, gpu_hit_tokens), last) // page_tokens * page_tokens
 
-    runs = [leading_run(p) for p in stage_present] if stage_present else []
+    if isinstance(stage_present, np.ndarray) and stage_present.ndim == 2 and stage_present.size:
+        # [stage, chunk] in one array: every stage's leading run in a few vector operations
+        miss = ~stage_present.astype(bool, copy=False)
+        runs = np.where(miss.any(axis=1), miss.argmax(axis=1), stage_present.shape[1]).tolist()
+    else:
+        runs = [leading_run(p) for p in stage_present] if stage_present is not None and len(stage_present) else []
     common = min(runs) if runs else 0
     common = min(common, prompt_tokens // chunk_tokens)
     stranded = sum(r - common for r in runs) if runs else 0

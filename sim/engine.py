@@ -253,7 +253,7 @@ class Simulation:
         on_ssd = self.pool.ssd_lookup(p.server, gids, env.now) if present is not None else None
         if on_ssd is not None:  # a chunk on the SSD tier counts for every stage
             in_dram = np.logical_and.reduce(present)
-            present = [x | on_ssd for x in present]
+            present = present | on_ssd  # [rank, chunk]
         hits = compute_hits(req.in_tokens, gpu_hit, present, chunk_tokens=self.chunk_tokens,
                             page_tokens=self.s.model.page_tokens, min_load_tokens=self.s.pool.min_load_tokens)
         rec.gpu_tokens = hits.gpu_tokens

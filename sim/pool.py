@@ -89,14 +89,17 @@ class SimPool:
         g = self._group(server)
         return PartRef(self.tables[g][q], self.part_ranks[q].index(rank), -1 if self.mode == "shared" else server, q)
 
-    def lookup(self, server: int, ranks: int, gids: np.ndarray, now: float) -> list[np.ndarray]:
-        """Presence of every rank's object for each chunk: one batched check per part."""
-        out: list[np.ndarray | None] = [None] * ranks
+    def lookup(self, server: int, ranks: int, gids: np.ndarray, now: float) -> np.ndarray:
+        """Presence ``[rank, chunk]`` of every rank's object for each chunk: one batched check per
+        part (rank ``r`` is row ``r``)."""
         row = self.tables[self._group(server)]
-        for q, slots, mine in self._parts_of(ranks):
-            hit = row[q].lookup_slots(gids, slots, now)
-            for i, r in enumerate(mine):
-                out[r] = hit[i]
+        parts = self._parts_of(ranks)
+        if len(parts) == 1 and parts[0][2] == list(range(ranks)):  # one part holds every rank, in order
+            q, slots, _ = parts[0]
+            return row[q].lookup_slots(gids, slots, now)
+        out = np.zeros((ranks, len(gids)), dtype=bool)
+        for q, slots, mine in parts:
+            out[mine] = row[q].lookup_slots(gids, slots, now)
         return out
 
     def _parts_of(self, ranks: int) -> list[tuple[int, list[int], list[int]]]:

@@ -89,3 +89,20 @@ def test_leading_run_numpy_matches_python(bits):
     import numpy as np
 
     assert leading_run(np.array(bits, dtype=bool)) == leading_run(bits)
+
+
+@given(
+    st.integers(1, 40 * C),
+    st.integers(0, 40 * C),
+    st.integers(1, 4).flatmap(lambda n: st.lists(st.lists(st.booleans(), min_size=40, max_size=40),
+                                                  min_size=n, max_size=n)),
+    st.sampled_from([0, 1024]),
+)
+def test_a_stage_by_chunk_array_gives_the_same_split_as_lists(prompt, gpu, stages, min_load):
+    import numpy as np
+
+    stages = [s[: prompt // C] for s in stages]
+    as_lists = compute_hits(prompt, gpu, stages, chunk_tokens=C, min_load_tokens=min_load)
+    as_array = compute_hits(prompt, gpu, np.array(stages, dtype=bool).reshape(len(stages), -1),
+                            chunk_tokens=C, min_load_tokens=min_load)
+    assert as_array == as_lists
