@@ -130,10 +130,14 @@ class LoadOutcome:
     failed_stages: tuple[int, ...]
 
 
-def aggregate_load(plan: LoadPlan, reports: Sequence[StageReport]) -> LoadOutcome:
-    """All-stage, failure-dominant outcome of a load; ``reports[s]`` is stage ``s``'s report."""
+def _check_stage_order(plan: LoadPlan | SavePlan, reports: Sequence[StageReport | StageSaveReport]) -> None:
     if len(reports) != len(plan.stages) or any(r.stage != s for s, r in enumerate(reports)):
         raise ValueError(f"need one report per stage in stage order, got stages {[r.stage for r in reports]}")
+
+
+def aggregate_load(plan: LoadPlan, reports: Sequence[StageReport]) -> LoadOutcome:
+    """All-stage, failure-dominant outcome of a load; ``reports[s]`` is stage ``s``'s report."""
+    _check_stage_order(plan, reports)
     failed = tuple(r.stage for r in reports if not r.ok)
     return LoadOutcome(
         request_id=plan.request_id,
@@ -195,8 +199,7 @@ class SaveOutcome:
 
 def aggregate_save(plan: SavePlan, reports: Sequence[StageSaveReport]) -> SaveOutcome:
     """All-stage outcome of a save; ``reports[s]`` is stage ``s``'s report."""
-    if len(reports) != len(plan.stages) or any(r.stage != s for s, r in enumerate(reports)):
-        raise ValueError(f"need one report per stage in stage order, got stages {[r.stage for r in reports]}")
+    _check_stage_order(plan, reports)
     failed = tuple(r.stage for r in reports if not r.ok)
     return SaveOutcome(
         request_id=plan.request_id,

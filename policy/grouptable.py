@@ -191,11 +191,14 @@ class GroupTable:
         """Presence of ``(g, slot)`` for each ``g``; present objects' groups count as read now."""
         ids = self._ids(gids)
         hit = (self._mask[ids] & self._slot_mask(slot)[1]) != 0
-        touched = ids[hit]
+        self._touch(ids[hit], now)
+        return hit
+
+    def _touch(self, touched: np.ndarray, now: float) -> None:
+        """Groups read now (a lookup found objects of theirs): recency and read count."""
         if touched.size:
             self._last[touched] = now
             self._count[touched] += 1
-        return hit
 
     def contains(self, gid: int, slot: int) -> bool:
         """Presence without touching recency."""
@@ -284,10 +287,7 @@ class GroupTable:
         slots, want = self._slot_mask(slots)
         masks = self._mask[ids]
         hit = (masks[None, :] & self._bits[slots][:, None]) != 0
-        touched = ids[(masks & want) != 0]
-        if touched.size:
-            self._last[touched] = now
-            self._count[touched] += 1
+        self._touch(ids[(masks & want) != 0], now)
         return hit
 
     def remove_groups(self, gids: Sequence[int] | np.ndarray) -> int:

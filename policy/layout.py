@@ -44,7 +44,7 @@ def rank_plan(tokens: int, layers: int, record_bytes: int, ranks: int,
     end = token_start + tokens
     out = []
     for r in range(ranks):
-        n = max(0, (end - r + ranks - 1) // ranks) - max(0, (token_start - r + ranks - 1) // ranks)
+        n = rank_token_count(end, r, ranks) - rank_token_count(token_start, r, ranks)
         out.append((n, -(-n * per_token // step)))
     return out
 

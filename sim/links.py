@@ -69,18 +69,12 @@ class FairLink:
             return done
         self.bytes_moved += int(nbytes)
         work = float(nbytes) + writes * self._write_bytes + self._latency_bytes
-        now = env.now
+        self._advance()
         active = self._active
-        if active:  # advance the clock (inlined _advance: this runs for every transfer)
-            dt = now - self._last
-            if dt > 0:
-                self._virtual += self.bytes_per_s * dt / len(active)
-                self.busy_s += dt
-        self._last = now
         self._seq += 1
         heapq.heappush(active, (self._virtual + work, self._seq, done))
         # everyone slows down, so only this transfer can finish before the pending wake-up
-        if now + work * len(active) / self.bytes_per_s < self._wake_at:
+        if env.now + work * len(active) / self.bytes_per_s < self._wake_at:
             self._reschedule()
         return done
 

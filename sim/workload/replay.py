@@ -346,6 +346,11 @@ class AgentXReplay:
         self._pushes += 1
         heapq.heappush(self._dues, (due, play.lane, j, self._pushes, play))
 
+    def _shift_dues(self, play: _Play, shift: float) -> None:
+        """Advance every pending timer of ``play`` by ``shift`` seconds (the idle caps)."""
+        for j, due in list(play.pending.items()):
+            self._set_due(play, j, due - shift)
+
     def _barrier(self, now_s: float) -> None:
         self.profile_start_s = now_s
         if not self._held:
@@ -362,8 +367,7 @@ class AgentXReplay:
             return
         shift = min(play.pending.values()) - now_s - self.idle_cap_s
         if shift > 0:
-            for j, due in list(play.pending.items()):
-                self._set_due(play, j, due - shift)
+            self._shift_dues(play, shift)
 
     def _cap_system(self, now_s: float) -> None:
         if self.system_idle_cap_s is None or self._inflight:
@@ -374,8 +378,7 @@ class AgentXReplay:
         shift = min(min(p.pending.values()) for p in plays) - now_s - self.system_idle_cap_s
         if shift > 0:
             for p in plays:
-                for j, due in list(p.pending.items()):
-                    self._set_due(p, j, due - shift)
+                self._shift_dues(p, shift)
 
     def _wake(self, now_s: float) -> Wake:
         self._cap_system(now_s)
