@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
 
@@ -143,29 +143,12 @@ def digests_from_blocks(
     first = max(0, start_chunk)
     if first >= keyable:
         return []
-    lo, hi = first * chunk_tokens, keyable * chunk_tokens
-    # Piece boundaries: every chunk and block boundary in [lo, hi); piece i is [cuts[i], cuts[i+1]).
-    if chunk_tokens % block_tokens == 0:  # whole blocks per chunk (Weka: 4 x 64)
-        cuts = np.arange(lo, hi, block_tokens, dtype=np.int64)
-    elif block_tokens % chunk_tokens == 0:  # chunks inside one block (Mooncake: 512 / 256)
-        cuts = np.arange(lo, hi, chunk_tokens, dtype=np.int64)
-    else:
-        cuts = np.union1d(np.arange(lo, hi, chunk_tokens, dtype=np.int64),
-                          np.arange(-(-lo // block_tokens) * block_tokens, hi, block_tokens, dtype=np.int64))
-    ends = np.append(cuts[1:], hi)
-    blocks = cuts // block_tokens
-    ids = _as_u64(block_ids, int(blocks[0]), int(blocks[-1]) + 1)[blocks - blocks[0]]
-    pieces = np.empty(cuts.size, dtype=[("id", "<u8"), ("off", "<u4"), ("take", "<u4")])
-    pieces["id"] = ids
-    pieces["off"] = cuts - blocks * block_tokens
-    pieces["take"] = ends - cuts
-    raw = pieces.tobytes()
-    bounds = np.searchsorted(cuts, np.arange(lo, hi + 1, chunk_tokens, dtype=np.int64)) * pieces.itemsize
+    raw, bounds = _block_pieces(block_ids, block_tokens, chunk_tokens, first, keyable)
     head = b"B" + struct.pack("<I", block_tokens)
     out: list[ChunkDigest] = []
     parent = seed
     hasher = _CHAIN_HASHER  # _link, inlined: this loop runs once per chunk of every prompt
-    for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+    for a, b in bounds:
         h = hasher.copy()
         h.update(parent)
         h.update(head)
@@ -173,6 +156,46 @@ def digests_from_blocks(
         parent = h.digest()
         out.append(parent)
     return out
+
+
+_PIECE = np.dtype([("id", "<u8"), ("off", "<u4"), ("take", "<u4")])  # one block piece, 16 bytes
+
+
+def _block_pieces(block_ids: Sequence[int], block_tokens: int, chunk_tokens: int, first: int,
+                  keyable: int) -> tuple[bytes, Iterable[tuple[int, int]]]:
+    """The block pieces of chunks ``first .. keyable-1`` as packed ``_PIECE`` records, and each
+    chunk's byte range ``(a, b)`` in them.
+
+    When chunks and blocks align (a chunk is whole blocks, or a block is whole chunks) every chunk
+    has the same number of pieces and a piece's offset and length follow from its position, so the
+    records are filled as pairs of u64 (id; offset | length << 32) in a few array operations."""
+    lo, hi = first * chunk_tokens, keyable * chunk_tokens
+    if chunk_tokens % block_tokens == 0:  # whole blocks per chunk (Weka: 4 x 64)
+        per = chunk_tokens // block_tokens
+        rec = np.empty((hi - lo) // block_tokens * 2, dtype="<u8")
+        rec[0::2] = _as_u64(block_ids, first * per, keyable * per)
+        rec[1::2] = block_tokens << 32  # offset 0, the whole block
+    elif block_tokens % chunk_tokens == 0:  # chunks inside one block (Mooncake: 512 / 256)
+        per = 1
+        cuts = np.arange(lo, hi, chunk_tokens, dtype=np.int64)
+        blocks = cuts // block_tokens
+        rec = np.empty(cuts.size * 2, dtype="<u8")
+        rec[0::2] = _as_u64(block_ids, int(blocks[0]), int(blocks[-1]) + 1)[blocks - blocks[0]]
+        rec[1::2] = (cuts - blocks * block_tokens) | (chunk_tokens << 32)
+    else:  # piece boundaries: every chunk and block boundary in [lo, hi)
+        cuts = np.union1d(np.arange(lo, hi, chunk_tokens, dtype=np.int64),
+                          np.arange(-(-lo // block_tokens) * block_tokens, hi, block_tokens, dtype=np.int64))
+        ends = np.append(cuts[1:], hi)
+        blocks = cuts // block_tokens
+        pieces = np.empty(cuts.size, dtype=_PIECE)
+        pieces["id"] = _as_u64(block_ids, int(blocks[0]), int(blocks[-1]) + 1)[blocks - blocks[0]]
+        pieces["off"] = cuts - blocks * block_tokens
+        pieces["take"] = ends - cuts
+        bounds = np.searchsorted(cuts, np.arange(lo, hi + 1, chunk_tokens, dtype=np.int64)) * _PIECE.itemsize
+        return pieces.tobytes(), zip(bounds[:-1].tolist(), bounds[1:].tolist())
+    step = per * _PIECE.itemsize
+    raw = rec.tobytes()
+    return raw, ((a, a + step) for a in range(0, len(raw), step))
 
 
 def _as_u64(block_ids: Sequence[int] | np.ndarray, start: int, stop: int) -> np.ndarray:

@@ -5,6 +5,7 @@ import json
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -120,3 +121,38 @@ def test_continuing_a_chain_equals_computing_it_whole(block_ids, start):
     start = min(start, len(whole))
     parent = whole[start - 1] if start else SEED
     assert digests_from_blocks(block_ids, 64, n, 256, parent, start_chunk=start) == whole[start:]
+
+
+def _blocks_reference(block_ids, block_tokens, n_tokens, chunk_tokens, seed):
+    """The documented block payload, chunk by chunk, token range by token range (no arrays)."""
+    out, parent = [], seed
+    full_blocks = min(n_tokens, len(block_ids) * block_tokens) // block_tokens
+    for c in range(min(n_tokens // chunk_tokens, full_blocks * block_tokens // chunk_tokens)):
+        payload = b"B" + struct.pack("<I", block_tokens)
+        t, end = c * chunk_tokens, (c + 1) * chunk_tokens
+        while t < end:
+            b, off = divmod(t, block_tokens)
+            take = min(block_tokens - off, end - t)
+            payload += struct.pack("<QII", block_ids[b], off, take)
+            t += take
+        h = hashlib.blake2b(digest_size=16, person=CHAIN_PERSON)
+        h.update(parent)
+        h.update(payload)
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=24), st.sampled_from([(64, 256), (512, 256), (96, 256), (256, 256), (16, 64)]),
+       st.integers(0, 600), st.integers(0, 6))
+def test_block_digests_equal_the_documented_payload(block_ids, sizes, short, start):
+    """Every layout (chunks of whole blocks, blocks of whole chunks, neither) against the payload
+    rule written out directly; a continued chain gives the tail of the whole one."""
+    block_tokens, chunk_tokens = sizes
+    n_tokens = max(0, len(block_ids) * block_tokens - short)
+    want = _blocks_reference(block_ids, block_tokens, n_tokens, chunk_tokens, SEED)
+    assert digests_from_blocks(block_ids, block_tokens, n_tokens, chunk_tokens, SEED) == want
+    start = min(start, len(want))
+    parent = want[start - 1] if start else SEED
+    assert digests_from_blocks(block_ids, block_tokens, n_tokens, chunk_tokens, parent, start_chunk=start) == want[start:]
+    assert digests_from_blocks(np.asarray(block_ids, dtype=np.uint64), block_tokens, n_tokens, chunk_tokens, SEED) == want
