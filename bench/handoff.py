@@ -19,9 +19,13 @@
     NVLink/PCIe): ``--requests`` handoffs back to back, pipelined (``start`` all, then ``finish``;
     ``--staging-buffers``) and sequential (``send`` each); GB/s of gather + transfer + scatter,
     best and median rounds, against torch's own cuda:0 -> cuda:1 copy of the same bytes in the same
-    run (best of 3; goal >= 0.8), the data path alone (no host waits), a per-request timeline with
-    decode-side timestamps, the writes alone and the bound kernels' rates; the last request's
-    decode KV is checked bit-exact.
+    run (best of 3; goal >= 0.8), the sustained rate of each round (from its first quarter's last
+    request ready to its last: pipeline fill left out) and its first request's latency, the data
+    path alone (no host waits), a per-request timeline with decode-side timestamps, the writes
+    alone and the bound kernels' rates; the last request's decode KV is checked bit-exact.
+    READIES carry the copies' interprocess events (device fences) unless ``--no-fences``.
+    ``--mps`` runs the GPU processes under a private NVIDIA MPS daemon: the 4 decode processes then
+    share cuda:1 without time-slicing, the nearest a 2-GPU machine gets to one rank per GPU.
 
 Prints one JSON object.
 """
@@ -29,10 +33,12 @@ Prints one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -243,7 +249,8 @@ def _socket_server(nbytes: int, reps: int) -> int:
 
 # ---- prefill process ---------------------------------------------------------------------------
 
-def prefill_proc(conn, kind: str, device: str, endpoints: list[str], staging_buffers: int = 1) -> None:
+def prefill_proc(conn, kind: str, device: str, endpoints: list[str], staging_buffers: int = 1,
+                 device_fences: bool = True) -> None:
     prof = _profiler()
     if device != "cpu":
         torch.cuda.set_device(device)
@@ -251,7 +258,7 @@ def prefill_proc(conn, kind: str, device: str, endpoints: list[str], staging_buf
     plan = SEED_PLAN
     caches, table = prefill_kv(plan, device)
     stage = PrefillStage(0, transport, staging_bytes=plan.total_bytes, device=device, validate=False,
-                         credit_timeout_s=30.0, staging_buffers=staging_buffers)
+                         credit_timeout_s=30.0, staging_buffers=staging_buffers, device_fences=device_fences)
     target = stage.connect(endpoints)
     conn.send(("ok", None))
     while True:
@@ -609,7 +616,7 @@ def run_gpu(args) -> dict:
     by_rank = {r: ep for g, e in zip(groups, eps) for r, ep in zip(g, e)}
     endpoints = [by_rank[r] for r in range(RANKS)]
     d0 = ds[next(i for i, g in enumerate(groups) if 0 in g)]
-    pp, p, _ = _start(ctx, prefill_proc, "ipc", "cuda:0", endpoints, args.staging_buffers)
+    pp, p, _ = _start(ctx, prefill_proc, "ipc", "cuda:0", endpoints, args.staging_buffers, not args.no_fences)
     try:
         runs: dict[str, list] = {"pipelined": [], "sequential": []}
         for rnd in range(args.reps):
@@ -635,8 +642,16 @@ def run_gpu(args) -> dict:
                 for rid in rids:
                     tt = max((x for w in waits for x in w["times"][rid]), key=lambda x: x[2])
                     detail.append([round((x - t0) * 1e3, 3) for x in (sent_at[rid], *tt)])
+                # sustained rate: from the first quarter's last request ready to the last request
+                # ready (the pipeline's fill and the first request's latency left out)
+                order = sorted(ends[rid] for rid in rids)
+                k0 = len(order) // 4
+                steady = ((len(order) - 1 - k0) * plan.total_bytes / (order[-1] - order[k0]) / 1e9
+                          if len(order) > k0 + 1 and order[-1] > order[k0] else 0.0)
                 runs[mode].append({"requests": len(rids), "s": total_s,
                                    "gbps": len(rids) * plan.total_bytes / total_s / 1e9,
+                                   "sustained_gbps": steady,
+                                   "first_ready_ms": round((order[0] - sent["start_s"]) * 1e3, 3),
                                    "want_handling_s_before_clock": sent["want_s"],
                                    "timeline_ms": timeline,
                                    "readies_sent_first_handled_launched_ready_ms": detail,
@@ -682,8 +697,12 @@ def run_gpu(args) -> dict:
         rates = sorted(x["gbps"] for x in rounds)
         later = sorted(x["gbps"] for x in rounds[1:]) or rates   # round 1 includes Triton compilation
         med = later[len(later) // 2] if len(later) % 2 else (later[len(later) // 2 - 1] + later[len(later) // 2]) / 2
+        sus = sorted(x["sustained_gbps"] for x in rounds[1:]) or [x["sustained_gbps"] for x in rounds]
+        sus_med = sus[len(sus) // 2] if len(sus) % 2 else (sus[len(sus) // 2 - 1] + sus[len(sus) // 2]) / 2
         return {"best_gbps": rates[-1], "median_gbps_after_round_1": med,
                 "best_ratio": rates[-1] / copy["gbps"], "median_ratio_after_round_1": med / copy["gbps"],
+                "sustained_median_ratio_after_round_1": sus_med / copy["gbps"],
+                "first_ready_ms_after_round_1": [x["first_ready_ms"] for x in rounds[1:]],
                 "all_gbps": [round(x["gbps"], 1) for x in rounds]}
 
     best = max(runs["pipelined"], key=lambda x: x["gbps"])
@@ -695,6 +714,7 @@ def run_gpu(args) -> dict:
                  "bytes": plan.total_bytes, "batched_writes": plan.batched_writes},
         "copy_on": os.environ.get("KVPOOL_IPC_COPY_ON", "src"),
         "slots_per_rank": slots, "slot_bytes": slot_bytes, "staging_buffers": args.staging_buffers,
+        "device_fences": not args.no_fences,
         "decode_processes": procs, "ranks_per_decode_process": groups,
         "pipelined": summary(runs["pipelined"]),
         "sequential": summary(runs["sequential"]),
@@ -708,6 +728,7 @@ def run_gpu(args) -> dict:
         "data_path_ceiling": {"best_gbps": max(c["gbps"] for c in ceiling),
                               "best_ratio": max(c["gbps"] for c in ceiling) / copy["gbps"], "runs": ceiling},
         "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+        "requests_per_round": args.requests,
         "device_copy": copy,
         "device_copy_all_gbps": [round(c["gbps"], 1) for c in copies],
         "kernels": kern,
@@ -726,13 +747,42 @@ def main() -> None:
                     help="landing slots per decode rank (8 MiB each; --gpu uses 24 unless given)")
     ap.add_argument("--batch", type=int, default=1000, help="per-token writes per engine batch (<= 1024)")
     ap.add_argument("--naive-writes", type=int, default=0, help="run only this many per-token writes, scaled")
-    ap.add_argument("--requests", type=int, default=16, help="--gpu: requests back to back per round")
+    ap.add_argument("--requests", type=int, default=64, help="--gpu: requests back to back per round")
     ap.add_argument("--decode-procs", type=int, default=RANKS,
                     help="--gpu: decode processes on cuda:1 (default one per rank, as deployed; 1: all ranks in one)")
-    ap.add_argument("--staging-buffers", type=int, default=3,
+    ap.add_argument("--staging-buffers", type=int, default=6,
                     help="--gpu: prefill staging buffers (>= 2: the next gathers overlap the writes)")
+    ap.add_argument("--no-fences", action="store_true",
+                    help="--gpu: READY only after the stage saw each copy complete (no interprocess events)")
+    ap.add_argument("--mps", action="store_true",
+                    help="--gpu: run under a private NVIDIA MPS daemon (started and stopped here), so the 4 decode "
+                         "processes sharing cuda:1 run concurrently instead of time-sliced, as one rank per GPU would")
     args = ap.parse_args()
-    print(json.dumps(run_gpu(args) if args.gpu else run_tcp(args), indent=2, default=str))
+    with _mps(args.gpu and args.mps):
+        print(json.dumps(run_gpu(args) if args.gpu else run_tcp(args), indent=2, default=str))
+
+
+@contextlib.contextmanager
+def _mps(enabled: bool):
+    """A private CUDA MPS control daemon (own pipe and log folders) for the run, quit afterwards.
+    Must start before any process of the run creates a CUDA context."""
+    if not enabled:
+        yield
+        return
+    dirs = {"CUDA_MPS_PIPE_DIRECTORY": tempfile.mkdtemp(prefix="kvpool-mps-pipe-"),
+            "CUDA_MPS_LOG_DIRECTORY": tempfile.mkdtemp(prefix="kvpool-mps-log-")}
+    env = {**os.environ, **dirs}
+    try:
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env=env, check=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SystemExit(f"--mps: cannot start nvidia-cuda-mps-control: {exc}") from None
+    os.environ.update(dirs)
+    try:
+        yield
+    finally:
+        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=env, timeout=30, check=False)
+        for k in dirs:
+            os.environ.pop(k, None)
 
 
 if __name__ == "__main__":

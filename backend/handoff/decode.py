@@ -8,12 +8,16 @@ Primitives, in call order (one thread drives a ``DecodeRank``; nothing here star
     ``expect(request_id, block_ids, parts)``  pages are allocated: tell every stage to send (WANT).
     ``poll(timeout_s)``  handle side-channel messages: a READY (or a READIES batch) is scattered
         straight from its slots with ``kernels.ScatterDcp`` (one launch per message), then the slots
-        are credited back to their stage (one CREDIT per message).
+        are credited back to their stage (one CREDIT per message). A READIES with a ``fence`` (sent
+        at submit time over a transport with device-side completion) is accepted at once and
+        scattered when ``poll`` sees the fence complete (``transport.open_fence(...).query()``:
+        a host check, so a writer that dies never blocks this rank's stream).
     ``wait(request_id, timeout_s) -> HandoffResult``  poll until every stage's part has been
         scattered (ready for decode); raises ``HandoffError`` on a failure or at the deadline.
     ``forget(request_id)``, ``close()`` (closes the socket and the transport).
 
-Faults: an ABORT names the slots whose writes failed; they are quarantined (never scattered, never
+Faults: a request that fails while fenced writes are pending quarantines their slots (their bytes
+may still land). An ABORT names the slots whose writes failed; they are quarantined (never scattered, never
 credited) for ``quarantine_s`` (longer than the engine's transfer timeouts, so no late byte can land
 after the slot is reused), then credited back. A READY whose nonce is stale, or for a request that
 failed or was forgotten, is dropped and its slot credited back. A request whose deadline passes in
@@ -130,6 +134,8 @@ class DecodeRank:
         self._reqs: dict[str, _Request] = {}
         self._quarantine: dict[int, float] = {}   # slot -> release time
         self._events: list[tuple[object, int, tuple[int, ...], _Request]] = []  # (event, stage, slots, request)
+        self._fenced: list[tuple[object, int, list[tuple[int, int, int]], _Request]] = []  # (fence, stage, landed, request)
+        self.fenced_readies = 0
         self._scatters: dict[tuple[int, int], ScatterDcp] = {}     # (layer_start, layers) -> bound scatter
         self.dropped_readies = 0
         self.landed_writes = 0
@@ -173,8 +179,9 @@ class DecodeRank:
 
     @property
     def scattering(self) -> bool:
-        """Scatters launched whose completion (and CREDIT) ``poll`` has not seen yet."""
-        return bool(self._events)
+        """Scatters launched, or fenced writes accepted, whose completion ``poll`` has not seen yet
+        (the caller should keep polling rather than sleep)."""
+        return bool(self._events or self._fenced)
 
     def times(self, request_id: str) -> tuple[float, float, float]:
         """``(first READY handled, last scatter launched, ready)`` of a request, monotonic seconds
@@ -225,7 +232,7 @@ class DecodeRank:
             if left <= 0:
                 self._fail(req, f"not ready within {timeout_s:.3g} s on decode rank {self.rank}", tell=True)
                 break
-            self.poll(min(left, 0.01 if self._events else 0.05))
+            self.poll(min(left, 0.0 if self._fenced else 0.01 if self._events else 0.05))
         if req.state == FAILED:
             raise m.HandoffError(f"request {request_id}: {req.error}", request_id)
         return HandoffResult(request_id, self.rank, req.nbytes, req.writes, req.end_s - req.t_start,
@@ -264,7 +271,8 @@ class DecodeRank:
             self._ready(msg.request_id, msg.nonce, msg.stage, [(msg.slot, msg.offset_bytes, msg.nbytes)])
         elif isinstance(msg, m.Readies):
             if len(msg.slots) == len(msg.offsets) == len(msg.sizes):
-                self._ready(msg.request_id, msg.nonce, msg.stage, list(zip(msg.slots, msg.offsets, msg.sizes)))
+                self._ready(msg.request_id, msg.nonce, msg.stage, list(zip(msg.slots, msg.offsets, msg.sizes)),
+                            msg.fence)
             if msg.done_writes >= 0:
                 self._done(msg.request_id, msg.nonce, msg.stage, msg.done_writes)
         elif isinstance(msg, m.Done):
@@ -296,9 +304,11 @@ class DecodeRank:
             if req.state == PENDING and msg.stage in req.parts:
                 self._send(msg.stage, m.Want(req.request_id, req.nonce, self.rank))
 
-    def _ready(self, request_id: str, nonce: int, stage: int, landed: list[tuple[int, int, int]]) -> None:
-        """Writes ``(slot, offset_bytes, nbytes)`` of one request and stage have landed: scatter them
-        (one launch), credit their slots back once the scatter has finished."""
+    def _ready(self, request_id: str, nonce: int, stage: int, landed: list[tuple[int, int, int]],
+               fence: str = "") -> None:
+        """Writes ``(slot, offset_bytes, nbytes)`` of one request and stage have landed (or will,
+        once ``fence`` completes): scatter them (one launch), credit their slots back once the
+        scatter has finished."""
         own = self.stage_slots(stage) if 0 <= stage < self.stages else range(0)
         landed = [x for x in landed if x[0] in own and x[0] not in self._quarantine]
         if not landed:
@@ -318,9 +328,30 @@ class DecodeRank:
             off, n = bad[0] if bad else (offsets[0], landed[0][2])
             self._fail(req, f"stage {stage} sent a write ({off}, {n}) not in the plan", tell=True)
             return
-        part = req.parts[stage]
         if not req.first_s:
             req.first_s = time.monotonic()
+        req.landed[stage].update(offsets)
+        req.nbytes += sum(n for _, _, n in landed)
+        req.writes += len(landed)
+        self.landed_writes += len(landed)
+        if fence:
+            try:
+                ev = self.transport.open_fence(fence, self.device)
+            except (AttributeError, RuntimeError, ValueError) as exc:
+                self._quarantine_slots(slots)
+                self._fail(req, f"stage {stage}'s fence cannot be opened: {exc}", tell=True)
+                return
+            self.fenced_readies += 1
+            req.unfinished += 1
+            self._fenced.append((ev, stage, landed, req))
+            return
+        self._scatter(req, stage, landed)
+
+    def _scatter(self, req: _Request, stage: int, landed: list[tuple[int, int, int]]) -> None:
+        """Launch the scatter of landed writes (one kernel launch); credit the slots back when it
+        has finished (CPU: now)."""
+        slots = tuple(slot for slot, _, _ in landed)
+        part = req.parts[stage]
         t0 = time.perf_counter()
         try:
             self._scatter_op(part)(self.landing, req.block_ids, part.plan, self.rank,
@@ -331,10 +362,6 @@ class DecodeRank:
             return
         req.scatter_s += time.perf_counter() - t0
         req.launched_s = time.monotonic()
-        req.landed[stage].update(offsets)
-        req.nbytes += sum(n for _, _, n in landed)
-        req.writes += len(landed)
-        self.landed_writes += len(landed)
         if self.device.type == "cpu":
             self._send(stage, m.Credit(slots))
             self._check_complete(req)
@@ -352,7 +379,35 @@ class DecodeRank:
                                                   backend=self.backend)
         return op
 
+    def _finish_fences(self) -> None:
+        """Scatter the fenced writes that have landed; a failed request's slots are quarantined."""
+        keep = []
+        for item in self._fenced:
+            ev, stage, landed, req = item
+            if req.state != PENDING:   # failed meanwhile (_fail quarantined the slots)
+                continue
+            try:
+                done = ev.query()
+            except RuntimeError as exc:   # the writer's context is gone
+                req.unfinished -= 1
+                self._quarantine_slots(tuple(slot for slot, _, _ in landed))
+                self._fail(req, f"stage {stage}'s fence failed: {exc}", tell=True)
+                continue
+            if not done:
+                keep.append(item)
+                continue
+            req.unfinished -= 1
+            self._scatter(req, stage, landed)
+        self._fenced = keep
+
+    def _quarantine_slots(self, slots: tuple[int, ...]) -> None:
+        until = time.monotonic() + self.quarantine_s
+        for slot in slots:
+            self._quarantine[slot] = until
+
     def _finish_events(self) -> None:
+        if self._fenced:
+            self._finish_fences()
         if not self._events:
             return
         keep = []
@@ -381,6 +436,11 @@ class DecodeRank:
             return
         req.state = FAILED
         req.error = reason
+        pending = [x for x in self._fenced if x[3] is req]
+        if pending:   # accepted writes that may still land: never scattered, slots out of use
+            self._fenced = [x for x in self._fenced if x[3] is not req]
+            for _, _, landed, _ in pending:
+                self._quarantine_slots(tuple(slot for slot, _, _ in landed))
         if tell:
             for stage in req.parts:
                 self._send(stage, m.Fail(req.request_id, req.nonce, self.rank, reason))

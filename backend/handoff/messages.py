@@ -12,7 +12,10 @@ Every message is a frozen dataclass sent as one JSON object over pyzmq (``encode
     prefill stage -> decode rank   ``Readies``  several READYs of one request in one message
                                                 (the writes that completed together); the
                                                 stage's last one to a rank carries its DONE
-                                                (``done_writes`` >= 0) instead of a ``Done``
+                                                (``done_writes`` >= 0) instead of a ``Done``.
+                                                With a ``fence`` (a transport's device-side
+                                                completion token) it is sent at submit time and
+                                                the writes have landed once the fence completes
     prefill stage -> decode rank   ``Done``     per request: the stage sent ``writes`` writes
     decode rank  -> prefill stage  ``Credit``   slots free again (after scatter, or quarantine end)
     prefill stage -> decode rank   ``Abort``    the stage's part failed; ``quarantined`` slots may
@@ -94,6 +97,7 @@ class Readies:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     done_writes: int = -1      # >= 0: also the stage's DONE for this rank (writes sent in all)
+    fence: str = ""            # non-empty: landed once this transport fence completes (not yet now)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ Primitives, in call order (one thread drives a ``PrefillStage``; nothing here st
         WANT, gather, then for each write of ``plan.writes(r)`` (in the plan's order, ranks
         interleaved): take a credit (a free slot of rank r), submit one write of exactly that
         write's bytes into the slot, and on completion send READY; finally DONE to every rank.
-        The number of writes is exactly ``plan.batched_writes``.
+        The number of writes is exactly ``plan.batched_writes``. Over a transport with device-side
+        completion (``fence``: CUDA/HIP IPC), READY goes out at submit time with the fence, and
+        the rank scatters once the fence completes: the copy's completion does not wait for this
+        stage's next poll and a side-channel hop.
 
 Bounds and faults (every wait is bounded):
     * at most ``max_inflight_per_peer`` writes in flight to one rank (validated <= 1024, the engine's
@@ -103,6 +106,7 @@ class _Outgoing:
     error: m.HandoffError | None = None
     report: StageReport | None = None
     done_sent: list[bool] = field(default_factory=list)
+    announced: set[int] = field(default_factory=set)   # ids of handles whose READY went out with a fence
 
     def __post_init__(self) -> None:
         self.done_sent = [False] * len(self.links)
@@ -127,6 +131,8 @@ class PrefillStage:
         validate, backend: passed to ``gather_dcp``.
         staging_buffers: staging buffers of ``staging_bytes`` each. With 2 or more, the gather of
             the next started request runs while the previous one's writes are in flight.
+        device_fences: send READY at submit time with the transport's fence where it has one
+            (``False``: always after this stage has seen the write complete).
     """
 
     def __init__(
@@ -143,6 +149,7 @@ class PrefillStage:
         validate: bool = True,
         backend: str = "auto",
         staging_buffers: int = 1,
+        device_fences: bool = True,
     ) -> None:
         if staging_buffers < 1:
             raise ValueError(f"staging_buffers must be >= 1, got {staging_buffers}")
@@ -171,6 +178,7 @@ class PrefillStage:
         group = getattr(transport, "submit_group", None)
         self._submit_group = group if group is not None else (
             lambda jobs, src, after=None: [transport.submit_writes(p, src, w, after) for p, w in jobs])
+        self._fence = getattr(transport, "fence", None) if device_fences else None
         self._last_progress = time.monotonic()
         self._poller: tuple[tuple, zmq.Poller] | None = None
         self.name = f"stage{stage}-{uuid.uuid4().hex[:8]}"
@@ -393,8 +401,22 @@ class PrefillStage:
                 link.inflight += len(batch)
                 self.submitted_writes += len(batch)
                 out.peak = max(out.peak, link.inflight)
+                token = self._fence(handles[-1]) if self._fence is not None and handles else None
+                if token:   # one stream: the last handle's fence covers the batch
+                    out.announced.update(id(h) for h in handles)
+                    self._send_readies(out, i, link, batch, not out.queues[i], token)
             moved = True
         return moved
+
+    def _send_readies(self, out: _Outgoing, i: int, link: RankLink, landed: list[tuple[int, Write]],
+                      last: bool, fence: str = "") -> None:
+        """READIES of ``landed`` ``(slot, write)`` to rank ``i``; ``last``: it carries the DONE."""
+        msg = m.Readies(out.request_id, out.nonces[i], self.stage, tuple(s for s, _ in landed),
+                        tuple(w.offset_bytes for _, w in landed), tuple(w.nbytes for _, w in landed),
+                        len(self._plan_info(out.plan)[0][link.rank]) if last else -1, fence)
+        if last:
+            out.done_sent[i] = True
+        link.sock.send(m.encode(msg))
 
     def _harvest(self, active: list[_Outgoing] | None = None) -> bool:
         """Poll in-flight writes; READY the completed ones (one message per rank), DONE finished
@@ -435,12 +457,9 @@ class PrefillStage:
                 out.inflight[i] = [item for item in fl if id(item) not in gone]
                 link.inflight -= len(done)
                 last = not out.inflight[i] and not out.queues[i]   # this rank's part is complete: DONE rides along
-                msg = m.Readies(out.request_id, out.nonces[i], self.stage, tuple(s for _, s, _ in done),
-                                tuple(w.offset_bytes for _, _, w in done), tuple(w.nbytes for _, _, w in done),
-                                len(self._plan_info(out.plan)[0][link.rank]) if last else -1)
-                if last:
-                    out.done_sent[i] = True
-                link.sock.send(m.encode(msg))
+                unannounced = [(slot, w) for h, slot, w in done if id(h) not in out.announced]
+                if unannounced or (last and not out.done_sent[i]):
+                    self._send_readies(out, i, link, unannounced, last)
                 out.writes += len(done)
                 out.nbytes += sum(w.nbytes for _, _, w in done)
                 moved = True

@@ -17,6 +17,12 @@ Primitives, grouped by caller:
             writes of one request to several peers in one call (``submit_writes`` per peer, or
             one stream switch and one completion for all of them: ``IpcTransport``)
         ``poll(handle) -> 1 done | 0 running | -1 failed``  (never polls a finished handle twice)
+    Optional, device-side completion (``IpcTransport`` on GPUs; ``None``/absent elsewhere):
+        ``fence(handle) -> str | None``   a token another process can open to learn, without this
+            process, when the write has landed (a CUDA/HIP interprocess event). The stage sends it
+            in READIES at submit time, so the completion does not wait for the stage's own poll.
+    Decode rank, for a fence token: ``open_fence(token, device) -> event`` (``query()`` is True
+        once the write and every earlier write of the same writer have landed).
     Both: ``close()``.
 
 Offsets are bytes from the start of the exposed / registered tensor; sources are 1-D contiguous
@@ -175,18 +181,31 @@ class IpcTransport:
     The GPU descriptor carries torch's IPC handle (``torch.multiprocessing.reductions.reduce_tensor``)
     pickled and base64-encoded: the side channel runs on 127.0.0.1 between processes of one
     deployment, so the pickle is trusted input. GPU copies run on one side stream per source device;
-    ``poll`` queries the copy's event, so a READY is sent only after the bytes are in the peer's memory.
+    ``poll`` queries the copy's event.
+
+    GPU completions are interprocess events from a ring of ``fence_events`` per copy stream, so a
+    decode rank can query them itself (``fence``/``open_fence``): the stage's READIES go out at
+    submit time. Reusing a ring event is safe because one stream runs every copy in order: an event
+    re-recorded by a later group completes after every earlier copy (a query can only wait longer).
     """
 
     name = "ipc"
 
-    def __init__(self, copy_on: str = "src") -> None:
+    def __init__(self, copy_on: str = "src", fence_events: int = 64) -> None:
         """``copy_on``: issue GPU copies on a stream of the source (``"src"``) or destination
         (``"dst"``) device. One copy stream per device: spreading a group's copies over 2 streams
-        measured 0.39 of the device copy against 0.69 with one (H200 x2, 2026-11-29)."""
+        measured 0.39 of the device copy against 0.69 with one (H200 x2, 2026-11-29).
+        ``fence_events``: interprocess completion events per copy stream (reused in turn)."""
         if copy_on not in ("src", "dst"):
             raise ValueError(f"copy_on must be 'src' or 'dst', got {copy_on!r}")
+        if fence_events < 1:
+            raise ValueError(f"fence_events must be >= 1, got {fence_events}")
         self.copy_on = copy_on
+        self.fence_events = fence_events
+        self._rings: dict[int, list[Any]] = {}        # device index -> its interprocess events
+        self._ring_next: dict[int, int] = {}
+        self._fence_tokens: dict[int, str] = {}       # id(event) -> exported handle (base64)
+        self._fences_opened: dict[str, Any] = {}      # token -> event opened in this process
         self._shms: list[Any] = []       # our shared-memory segments (unlinked at close)
         self._opened: list[Any] = []     # peers' segments we attached
         self._streams: dict[int, torch.cuda.Stream] = {}
@@ -264,7 +283,7 @@ class IpcTransport:
             stream.wait_stream(torch.cuda.current_stream(src.device))  # the gather that filled ``src``
         with torch.cuda.device(dev), torch.cuda.stream(stream):
             dst.copy_(s, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = self._ring_event(dev.index)
             ev.record(stream)
         return WriteHandle(ev)
 
@@ -319,9 +338,36 @@ class IpcTransport:
         with contextlib.nullcontext() if here else torch.cuda.device(dev), torch.cuda.stream(stream):
             for dst, s in copies:
                 dst.copy_(s, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = self._ring_event(dev.index)
             ev.record(stream)
         return [[WriteHandle(ev) for _ in writes] for _, writes in jobs]
+
+    def _ring_event(self, device_index: int) -> Any:
+        ring = self._rings.setdefault(device_index, [])
+        i = self._ring_next.get(device_index, 0)
+        self._ring_next[device_index] = (i + 1) % self.fence_events
+        if i == len(ring):
+            ring.append(torch.cuda.Event(interprocess=True))
+        return ring[i]
+
+    def fence(self, handle: WriteHandle) -> str | None:
+        """The handle's completion as a token another process can ``open_fence`` (GPU copies;
+        ``None`` for CPU copies, which are complete at submit)."""
+        ev = handle.token
+        if ev is None:
+            return None
+        tok = self._fence_tokens.get(id(ev))
+        if tok is None:
+            tok = self._fence_tokens[id(ev)] = base64.b64encode(ev.ipc_handle()).decode()
+        return tok
+
+    def open_fence(self, token: str, device: torch.device | str) -> Any:
+        """The writer's completion event for ``token`` (opened once per process, then reused)."""
+        ev = self._fences_opened.get(token)
+        if ev is None:
+            ev = torch.cuda.Event.from_ipc_handle(torch.device(device), base64.b64decode(token))
+            self._fences_opened[token] = ev
+        return ev
 
     def poll(self, handle: WriteHandle) -> int:
         if handle.state == RUNNING and handle.token.query():

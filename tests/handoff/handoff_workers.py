@@ -179,7 +179,7 @@ def decode_main(conn, rank: int, g: Geom, kind: str, opts: dict) -> None:
                         conn.send(("ok", actual_rank_kv(replace(g, **cmd[2]), caches, rank, cmd[1])))
                     elif cmd[0] == "state":
                         conn.send(("ok", {"quarantined": dr.quarantined_slots, "dropped": dr.dropped_readies,
-                                          "landed": dr.landed_writes}))
+                                          "landed": dr.landed_writes, "fenced": dr.fenced_readies}))
                     elif cmd[0] == "forget":
                         dr.forget(cmd[1])
                         conn.send(("ok", None))
@@ -204,7 +204,8 @@ def prefill_main(conn, stage: int, g: Geom, kind: str, endpoints: list[str], opt
         transport = FaultyTransport(transport, opts["fail_write"])
     ps = PrefillStage(stage, transport, staging_bytes=g.plan().total_bytes, device=device,
                       staging_buffers=opts.get("staging_buffers", 1), max_inflight_per_peer=opts.get("max_inflight", 64),
-                      credit_timeout_s=opts.get("credit_timeout_s", 5.0), peer_timeout_s=opts.get("peer_timeout_s", 2.0))
+                      credit_timeout_s=opts.get("credit_timeout_s", 5.0), peer_timeout_s=opts.get("peer_timeout_s", 2.0),
+                      device_fences=opts.get("device_fences", True))
     targets = {}
     try:
         targets["a"] = ps.connect(endpoints)

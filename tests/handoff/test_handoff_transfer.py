@@ -93,6 +93,36 @@ def test_pipelined_requests_over_ipc(cluster):
     assert call(p, ("credits", "a")) == [g.slots] * g.ranks
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fences", [True, False])
+def test_pipelined_requests_over_gpu_ipc(cluster, fences):
+    """GPU IPC between processes on one GPU, four requests pipelined with 2 slots per rank. With
+    device fences every READIES goes out at submit time carrying the copy's interprocess event and
+    the ranks scatter after it completes; without, after the stage saw the copy complete. Both land
+    every request with the plan's writes, the last request's KV bit-exact, all credits back."""
+    g = Geom(tokens=701, stages=1, ranks=2, slots=2, max_write_bytes=16 * 1024)
+    decodes = cluster.decodes(g, "ipc", device="cuda:0")
+    dconns = [c for _, c, _ in decodes]
+    (_, p, _), = cluster.prefills(g, "ipc", [ep for _, _, ep in decodes], staging_buffers=2, device="cuda:0",
+                                  device_fences=fences)
+    items = [(f"gpu-{i}", 20 + i) for i in range(4)]
+    for rid, seed in items:
+        for conn in dconns:
+            call(conn, ("expect", rid, seed, {}))
+    reports = call(p, ("send_many", items, "a", 30.0), 60)
+    assert all(r.handoff_writes == g.plan().batched_writes for r in reports), reports
+    for rid, _ in items:
+        for r, conn in enumerate(dconns):
+            assert call(conn, ("wait", rid, 20), 30).handoff_writes == len(g.plan().writes(r))
+    for r, conn in enumerate(dconns):
+        assert call(conn, ("kv", items[-1][1], {})).equal(expected_rank_kv(g, r, items[-1][1]))
+        state = call(conn, ("state",))
+        writes = len(g.plan().writes(r)) * len(items)
+        assert state["landed"] == writes and state["quarantined"] == []
+        assert (state["fenced"] > 0) == fences   # one per READIES message when fenced
+    assert call(p, ("credits", "a")) == [g.slots] * g.ranks
+
+
 def test_inflight_bound_validated():
     from kvpool.backend.handoff import LocalTransport, PrefillStage
 
