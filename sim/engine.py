@@ -30,7 +30,7 @@ from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacit
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
-from kvpool.sim.gpucache import GPUPrefixCache
+from kvpool.sim.gpucache import GPUPrefixCache, LogEntry
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
 from kvpool.sim.links import FairLink
@@ -118,6 +118,8 @@ class Simulation:
         self._gate_waiters: deque[tuple[object, simpy.Event]] = deque()
         self.records: list[RequestRecord] = []
         self._session_max_block: dict[str, int] = {}
+        # per (play, thread): the prefill instance and GPU cache log entry of its last insert
+        self._thread_entry: dict[tuple[int, int], tuple[int, LogEntry | None]] = {}
         ssd = s.pool.ssd
         self.ssd_links = [FairLink(env, ssd.read_gb_s_per_server * 1e9, name=f"ssd{i}") for i in range(s.cluster.servers)]
         self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus
@@ -236,8 +238,11 @@ class Simulation:
         finally:
             if self.gate is not None and not rec.rejected:
                 self._release_gate(rec.key)
-        if d.scope and req.index == len(d.session.requests) - 1:
-            self.keys.forget_scope(d.scope)
+        if req.index == len(d.session.requests) - 1:
+            if d.scope:
+                self.keys.forget_scope(d.scope)
+            for key in [k for k in self._thread_entry if k[0] == d.play]:
+                del self._thread_entry[key]
 
     def _prefill(self, d, rec: RequestRecord, p: PrefillInstance):
         env = self.env
@@ -245,9 +250,13 @@ class Simulation:
         session = d.session
         bt = session.block_tokens
         blocks = d.block_ids()
-        gblocks = self.keys.global_blocks(blocks, d.scope, self._max_block_id(session))
+        max_block = self._max_block_id(session)
+        off = self.keys.block_offset(d.scope, max_block)
+        gblocks = np.add(blocks, off, dtype=np.int64)  # ids in the GPU cache (keys.global_blocks)
         full_blocks = min(gblocks.size, req.in_tokens // bt)
-        gpu_hit = p.cache.hit_blocks(gblocks[:full_blocks], env.now) * bt
+        prompt = gblocks[:full_blocks]
+        run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block)
+        gpu_hit = run * bt
         gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
         present = self.pool.lookup(p.server, p.ranks, gids, env.now) if self.pool is not None and gids.size else None
         on_ssd = self.pool.ssd_lookup(p.server, gids, env.now) if present is not None else None
@@ -276,7 +285,11 @@ class Simulation:
         yield p.compute(rec.computed_tokens, req.in_tokens - rec.computed_tokens)  # context: every reused token
         rec.prefill_end_s = env.now
         p.outstanding_tokens -= req.in_tokens
-        p.cache.insert(gblocks[:full_blocks], env.now, bt)
+        thread_key = (d.play, req.thread)
+        last = self._thread_entry.get(thread_key)  # (prefill index, the thread's last insert)
+        entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block,
+                               replaces=(hit_entry, last[1]) if last is not None and last[0] == p.index else (hit_entry,))
+        self._thread_entry[thread_key] = (p.index, entry)
         if self.pool is not None and gids.size:
             new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids
             if new.size:

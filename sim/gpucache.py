@@ -8,6 +8,13 @@ Contract:
       exceeds its capacity, least recently used blocks go first, and among blocks used at the same
       moment the deepest ones (a prefix loses its tail first), until ``evict_fraction`` of the
       capacity is free; the blocks being inserted are never victims.
+    * ``use(ids, now)`` is ``hit_blocks`` that also returns the use's log entry, and ``insert``
+      returns its own; ``insert(..., replaces=entries)`` names earlier entries (of this cache) that
+      the caller expects to be prefixes of ``ids`` (the same request's hit, the thread's previous
+      prompt). Those that are, and are older than ``now``, hold no live block any more; eviction
+      skips them without looking at their blocks. This changes no result, only the work.
+    * ``max_id`` (optional, in ``use``/``hit_blocks``/``insert``): a bound on ``ids`` the caller
+      knows (its id range), which saves a pass over ``ids``.
     * Capacity is in tokens (``None``: unbounded, the trace-ceiling check); it holds
       ``capacity_tokens // block_tokens`` blocks of the first workload it sees.
 
@@ -26,6 +33,19 @@ import numpy as np
 from kvpool.policy.grouptable import grown
 
 
+class LogEntry:
+    """One logged use: its moment, its blocks in use order, their depths (``None``: 0..n-1) and
+    whether a later use of a superset made every block of it stale (``dead``)."""
+
+    __slots__ = ("t", "ids", "depth", "dead")
+
+    def __init__(self, t: float, ids: np.ndarray, depth: np.ndarray | None = None) -> None:
+        self.t = t
+        self.ids = ids
+        self.depth = depth
+        self.dead = False
+
+
 class GPUPrefixCache:
     def __init__(self, capacity_tokens: int | None, *, evict_fraction: float = 0.05, initial: int = 1 << 16) -> None:
         if capacity_tokens is not None and capacity_tokens < 0:
@@ -37,8 +57,7 @@ class GPUPrefixCache:
         self._last = np.zeros(initial, dtype=np.float64)
         self.blocks = 0
         self.evicted_blocks = 0
-        # (time, ids, depths or None for 0..n-1); only kept when the capacity is bounded
-        self._log: deque[tuple[float, np.ndarray, np.ndarray | None]] = deque()
+        self._log: deque[LogEntry] = deque()  # only kept when the capacity is bounded
         self._bounded = capacity_tokens is not None
 
     def _grow(self, max_id: int) -> None:
@@ -49,42 +68,60 @@ class GPUPrefixCache:
         self.held = grown(self.held, new)
         self._last = grown(self._last, new)
 
-    def hit_blocks(self, ids: np.ndarray, now: float) -> int:
+    def hit_blocks(self, ids: np.ndarray, now: float, max_id: int | None = None) -> int:
         """Leading blocks of ``ids`` held; they count as used now."""
+        return self.use(ids, now, max_id)[0]
+
+    def use(self, ids: np.ndarray, now: float, max_id: int | None = None) -> tuple[int, LogEntry | None]:
+        """``hit_blocks`` and the log entry of the use (``None`` when nothing was used or the
+        capacity is unbounded)."""
         if not ids.size:
-            return 0
-        self._grow(int(np.maximum.reduce(ids)))
+            return 0, None
+        self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
         miss = np.flatnonzero(~self.held[ids])
         run = int(miss[0]) if miss.size else int(ids.size)
+        entry = None
         if run:
             used = ids[:run]
             self._last[used] = now
             if self._bounded:
-                self._log.append((now, used, None))
-        return run
+                entry = LogEntry(now, used)
+                self._log.append(entry)
+        return run, entry
 
-    def insert(self, ids: np.ndarray, now: float, block_tokens: int) -> None:
-        """Hold ``ids`` (a prompt's full blocks, in order) as used now; evict if over capacity."""
+    def insert(self, ids: np.ndarray, now: float, block_tokens: int, *, replaces: tuple[LogEntry | None, ...] = (),
+               max_id: int | None = None) -> LogEntry | None:
+        """Hold ``ids`` (a prompt's full blocks, in order) as used now; evict if over capacity.
+        Returns the insert's log entry (``None``: unbounded); see ``replaces`` in the module
+        docstring."""
         if not ids.size:
-            return
+            return None
         if self.capacity_tokens is not None and self.capacity_blocks is None:
             self.capacity_blocks = self.capacity_tokens // block_tokens
-        self._grow(int(np.maximum.reduce(ids)))
+        self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
         if self.capacity_blocks is not None and ids.size > self.capacity_blocks:
             ids = ids[: self.capacity_blocks]
-        self.blocks += int(np.count_nonzero(~self.held[ids]))
-        self.held[ids] = True
+        held = self.held
+        self.blocks += ids.size - int(np.count_nonzero(held[ids]))
+        held[ids] = True
         self._last[ids] = now
+        entry = None
         if self._bounded:
-            self._log.append((now, ids, None))
+            for old in replaces:
+                if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead \
+                        and np.array_equal(old.ids, ids[: old.ids.size]):
+                    old.dead = True  # every block of it was used again now: none is live there
+            entry = LogEntry(now, ids)
+            self._log.append(entry)
         if self.capacity_blocks is not None and self.blocks > self.capacity_blocks:
             self._evict(ids, now)
+        return entry
 
     def _evict(self, protect: np.ndarray, now: float) -> None:
         cap = self.capacity_blocks or 0
         target = self.blocks - cap + int(cap * self.evict_fraction)
         log = self._log
-        skipped: list[tuple[float, np.ndarray, np.ndarray | None]] = []  # protected entries of `now`
+        skipped: list[LogEntry] = []  # protected entries of `now`
         while target > 0 and log:
             ids, depth, t = self._oldest_moment()
             if t == now and protect.size:
@@ -92,10 +129,10 @@ class GPUPrefixCache:
                 guard[protect] = True
                 keep = guard[ids]
                 if keep.any():
-                    skipped.append((t, ids[keep][::-1].copy(), depth[keep][::-1].copy()))
+                    skipped.append(LogEntry(t, ids[keep][::-1].copy(), depth[keep][::-1].copy()))
                     ids, depth = ids[~keep], depth[~keep]
             if ids.size > target:  # the shallower rest goes back, in depth order
-                log.appendleft((t, ids[target:][::-1].copy(), depth[target:][::-1].copy()))
+                log.appendleft(LogEntry(t, ids[target:][::-1].copy(), depth[target:][::-1].copy()))
                 ids = ids[:target]
             self.held[ids] = False
             self.blocks -= int(ids.size)
@@ -105,19 +142,26 @@ class GPUPrefixCache:
 
     def _oldest_moment(self) -> tuple[np.ndarray, np.ndarray, float]:
         """Pop the log's entries of its oldest moment: their live blocks, deepest first, with
-        their depths, and the moment."""
+        their depths, and the moment (entries marked dead are dropped unread)."""
         log = self._log
-        t = log[0][0]
+        while log[0].dead:
+            log.popleft()
+            if not log:
+                return self._NONE + (0.0,)
+        t = log[0].t
         entries = []
-        while log and log[0][0] == t:
-            entries.append(log.popleft())
+        while log and log[0].t == t:
+            e = log.popleft()
+            if not e.dead:
+                entries.append(e)
         if len(entries) == 1:  # an entry lies in depth order: deepest first is its reverse
-            _, ids, depth = entries[0]
+            e = entries[0]
+            ids = e.ids
             live = self.held[ids] & (self._last[ids] == t)
-            depth = np.arange(ids.size) if depth is None else depth
+            depth = np.arange(ids.size) if e.depth is None else e.depth
             return ids[live][::-1], depth[live][::-1], t
-        ids = np.concatenate([e[1] for e in entries])
-        depth = np.concatenate([np.arange(e[1].size) if e[2] is None else e[2] for e in entries])
+        ids = np.concatenate([e.ids for e in entries])
+        depth = np.concatenate([np.arange(e.ids.size) if e.depth is None else e.depth for e in entries])
         live = self.held[ids] & (self._last[ids] == t)
         ids, depth = ids[live], depth[live]
         order = np.argsort(-depth, kind="stable")
@@ -125,3 +169,5 @@ class GPUPrefixCache:
         _, first = np.unique(ids, return_index=True)  # a block logged twice at one moment counts once
         first.sort()
         return ids[first], depth[first], t
+
+    _NONE = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))

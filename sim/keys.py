@@ -45,18 +45,23 @@ class KeySpace:
     def groups(self) -> int:
         return len(self._gid)
 
-    def global_blocks(self, block_ids: np.ndarray, scope: str, max_id: int) -> np.ndarray:
-        """Dense global ids of ``block_ids``; ``max_id`` bounds every id the scope will use."""
-        ids = block_ids.astype(np.int64, copy=False)
+    def block_offset(self, scope: str, max_id: int) -> int:
+        """Where ``scope``'s block ids start in the dense global range; ``max_id`` bounds every
+        id the scope will use (an error when it exceeds what the scope has reserved)."""
         got = self._scope_offsets.get(scope)
         if got is None:
             size = _GLOBAL_RESERVE if not scope else max_id + 1
             got = self._scope_offsets[scope] = (self._next_block, size)
             self._next_block += size
         off, size = got
-        if ids.size and int(ids.max()) >= size:
-            raise ValueError(f"block id {int(ids.max())} beyond the {size} ids reserved for scope {scope!r}")
-        return ids + off
+        if max_id >= size:
+            raise ValueError(f"block id {max_id} beyond the {size} ids reserved for scope {scope!r}")
+        return off
+
+    def global_blocks(self, block_ids: np.ndarray, scope: str, max_id: int) -> np.ndarray:
+        """Dense global ids of ``block_ids`` (each at most ``max_id``, which bounds every id the
+        scope will use)."""
+        return np.add(block_ids, self.block_offset(scope, max_id), dtype=np.int64)
 
     def chunk_gids(self, scope: str, thread: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int) -> np.ndarray:
         """Group ids of the request's keyable chunks (policy.chunks rules), in order.

@@ -79,3 +79,42 @@ def test_matches_a_direct_lru_model(ops, frac):
             ref.insert(p, float(i))
         assert set(np.flatnonzero(c.held).tolist()) == set(ref.used)
         assert c.blocks == len(ref.used)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.booleans()), min_size=1, max_size=50),
+       st.sampled_from([0.0, 0.05, 0.25]))
+def test_replaced_entries_change_nothing(turns, frac):
+    """Threads whose prompts grow (sometimes diverging): a cache told which earlier entries each
+    insert replaces holds, hits and evicts exactly what a cache that is not told does."""
+    plain, told = GPUPrefixCache(40 * 64, evict_fraction=frac), GPUPrefixCache(40 * 64, evict_fraction=frac)
+    prompts: dict[int, list[int]] = {}
+    last: dict[int, object] = {}
+    fresh = 1000
+    for i, (thread, grow, diverge) in enumerate(turns):
+        p = list(prompts.get(thread, [thread * 100]))
+        if diverge and len(p) > 1:
+            p = p[: len(p) // 2]
+        p += list(range(fresh, fresh + grow))
+        fresh += grow
+        prompts[thread] = p
+        ids = np.array(p)
+        now = 2.0 * i
+        run, hit = told.use(ids, now)
+        assert plain.hit_blocks(ids, now) == run
+        plain.insert(ids, now + 1, 64)
+        last[thread] = told.insert(ids, now + 1, 64, replaces=(hit, last.get(thread)))
+        assert np.array_equal(plain.held, told.held)
+        assert np.array_equal(plain._last, told._last)
+        assert (plain.blocks, plain.evicted_blocks) == (told.blocks, told.evicted_blocks)
+
+
+def test_a_replaced_entry_must_be_a_prefix():
+    c = GPUPrefixCache(100 * 64)
+    a = c.insert(np.array([1, 2, 3]), 0.0, 64)
+    b = c.insert(np.array([1, 2, 3, 4]), 1.0, 64, replaces=(a,))
+    assert a.dead and not b.dead
+    d = c.insert(np.array([1, 9, 3, 4, 5]), 2.0, 64, replaces=(b,))
+    assert not b.dead and not d.dead  # [1, 2, 3, 4] is not a prefix: block 2 is still live there
+    e = c.insert(np.array([1, 9, 3, 4, 5]), 2.0, 64, replaces=(d,))
+    assert not d.dead and not e.dead  # same moment: nothing is stale yet
