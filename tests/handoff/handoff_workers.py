@@ -202,6 +202,8 @@ def prefill_main(conn, stage: int, g: Geom, kind: str, endpoints: list[str], opt
     transport = make_transport(kind)
     if opts.get("fail_write") is not None:
         transport = FaultyTransport(transport, opts["fail_write"])
+    if opts.get("die_on_poll"):
+        transport = DyingTransport(transport)
     ps = PrefillStage(stage, transport, staging_bytes=g.plan().total_bytes, device=device,
                       staging_buffers=opts.get("staging_buffers", 1), max_inflight_per_peer=opts.get("max_inflight", 64),
                       credit_timeout_s=opts.get("credit_timeout_s", 5.0), peer_timeout_s=opts.get("peer_timeout_s", 2.0),
@@ -281,3 +283,19 @@ class FaultyTransport:
                 time.sleep(0.001)
             return WriteHandle(None, FAILED)
         return h
+
+
+class DyingTransport:
+    """Wraps a transport; the process exits (no cleanup) the first time the stage polls a write:
+    after its first writes were submitted (and, with fences, their READIES sent)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.name = inner.name
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def poll(self, handle):
+        time.sleep(0.3)   # let ZMQ's I/O thread deliver the READIES already sent
+        os._exit(9)

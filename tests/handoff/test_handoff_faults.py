@@ -108,3 +108,26 @@ def test_failed_write_quarantines_its_slot_until_released(cluster):
         assert time.monotonic() < deadline, "quarantined slots never came back"
         time.sleep(0.1)
     assert call(d, ("state",))["quarantined"] == []
+
+
+@pytest.mark.gpu
+def test_stage_dies_after_fenced_readies(cluster):
+    """GPU IPC with device fences: the stage dies right after its first writes and their READIES
+    (fences) went out. Each rank either scatters what landed or fails the request at its deadline;
+    nothing hangs, and the rank keeps answering."""
+    g = Geom(tokens=701, stages=1, ranks=2, slots=2, max_write_bytes=16 * 1024)
+    decodes = cluster.decodes(g, "ipc", device="cuda:0")
+    dconns = [c for _, c, _ in decodes]
+    (pp, p, _), = cluster.prefills(g, "ipc", [ep for _, _, ep in decodes], device="cuda:0", die_on_poll=True)
+    for conn in dconns:
+        call(conn, ("expect", "dies", 3, {}))
+    p.send(("send", "dies", 3, "a", 10.0, {}))
+    pp.join(30)
+    assert pp.exitcode == 9
+    t0 = time.monotonic()
+    for conn in dconns:
+        with pytest.raises(RuntimeError, match="not ready within|fence"):   # later writes never come
+            call(conn, ("wait", "dies", 3), 15)
+        state = call(conn, ("state",))
+        assert state["fenced"] >= 1 and state["landed"] >= 1
+    assert time.monotonic() - t0 < 15
