@@ -25,6 +25,8 @@ import numpy as np
 
 ORDERS = ("lru", "lfu", "fifo")
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce
+_NO_IDS = np.zeros(0, dtype=np.int64)
+_NO_IDS.flags.writeable = False
 
 
 def grown(a: np.ndarray, size: int) -> np.ndarray:
@@ -236,6 +238,8 @@ class GroupTable:
         want = self._slot_mask(slot)[1]
         if not unique and self._has_duplicates(ids):
             ids = ids[np.sort(np.unique(ids, return_index=True)[1])]
+        if want and self._bytes_table is not None and self._all_new(ids):
+            return self._put_new(ids, want, now)  # no object of these groups yet (a prompt's new chunks)
         missing = want & ~self._mask[ids]  # bits each group still lacks
         need_row = self._bytes_of(missing)  # bytes each group still needs
         self._last[ids] = now
@@ -268,6 +272,43 @@ class GroupTable:
         n_new = int(self._objects_of(missing).sum())
         n_stored = n_new if stored_rows.size == np.count_nonzero(need_row) else int(self._objects_of(missing[stored_rows]).sum())
         return PutOutcome(n_stored, n_new - n_stored, int(gone.size), freed, gone)
+
+    def _all_new(self, ids: np.ndarray) -> bool:
+        """Whether no group of ``ids`` (non-empty) holds an object."""
+        return bool(ids.size) and not self._mask[ids].any()
+
+    def _put_new(self, ids: np.ndarray, want: np.uint64, now: float) -> PutOutcome:
+        """``put`` of distinct groups none of which holds an object yet: every group needs the
+        same bytes, so what fits is a leading count, not a cumulative sum (same outcome)."""
+        size = int(self._bytes_table[want])
+        objects = int(self._count_table[want])
+        n = int(ids.size)
+        self._last[ids] = now
+        passes: list[tuple[np.ndarray, int]] = []
+        total = n * size
+        need = self.used_bytes + total - self.capacity_bytes
+        if need > 0:
+            passes.append(self._evict(need, protect=ids, partial_ok=True))
+        room = self.capacity_bytes - self.used_bytes
+        k = n if total <= room else max(0, min(n, room // size))
+        stored = ids[:k] if k < n else ids
+        if k:
+            joining = stored[~self._listed[stored]]
+            self._listed[joining] = True
+            self._resident.extend(joining)
+            self._inserted[stored] = np.arange(self._seq + 1, self._seq + 1 + k)
+            self._seq += k
+            self._count[stored] = 0
+            self._mask[stored] = want
+            self.used_bytes += k * size
+        if self.used_bytes > self.high_watermark * self.capacity_bytes:
+            passes.append(self._evict(0, protect=ids))
+        if passes:
+            gone = np.concatenate([v for v, _ in passes])
+            freed = sum(b for _, b in passes)
+        else:
+            gone, freed = _NO_IDS, 0
+        return PutOutcome(k * objects, (n - k) * objects, int(gone.size), freed, gone)
 
     def _has_duplicates(self, ids: np.ndarray) -> bool:
         """O(n) duplicate check with a scratch array (ids are already in range): with a repeated

@@ -130,3 +130,38 @@ def test_reinserted_groups_are_never_double_counted(ops):
     for i, (g, s) in enumerate(ops):
         t.put([g], s, float(i))
         assert t.used_bytes == int((t.present @ t.slot_bytes).sum()) <= 200
+
+
+class _GeneralPut(GroupTable):
+    """The table without its shortcut for puts of groups that hold nothing yet."""
+
+    def _all_new(self, ids):
+        return False
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "read", "pin", "unpin"]),
+                          st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True),
+                          st.sampled_from([[0], [1], [0, 1, 2], [0, 1, 2, 3]])), max_size=60),
+       st.sampled_from(ORDERS), st.sampled_from([(0.9, 0.05), (1.0, 0.01), (0.5, 0.3)]))
+def test_new_group_puts_equal_the_general_path(ops, order, marks):
+    """Batched puts of new groups (the simulator's saves) decide exactly as the general path:
+    same outcomes, contents, recency, insertion order and evictions."""
+    hw, ratio = marks
+    fast, ref = (cls(900, [10, 20, 30, 40], order, high_watermark=hw, evict_ratio=ratio) for cls in (GroupTable, _GeneralPut))
+    for i, (op, gids, slots) in enumerate(ops):
+        now = float(i)
+        if op == "put":
+            assert fast.put(gids, slots, now, unique=True) == ref.put(gids, slots, now, unique=True)
+        elif op == "read":
+            assert (fast.lookup_slots(gids, slots, now) == ref.lookup_slots(gids, slots, now)).all()
+        elif op == "pin":
+            fast.pin(gids, unique=True)
+            ref.pin(gids, unique=True)
+        else:
+            fast.unpin(gids, unique=True)
+            ref.unpin(gids, unique=True)
+        for name in ("_mask", "_last", "_count", "_inserted", "_pins", "_listed"):
+            assert np.array_equal(getattr(fast, name), getattr(ref, name)), name
+        assert (fast.used_bytes, fast.evicted_groups, fast._seq) == (ref.used_bytes, ref.evicted_groups, ref._seq)
+        assert np.array_equal(fast._resident.view(), ref._resident.view())
