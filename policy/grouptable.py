@@ -331,6 +331,25 @@ class GroupTable:
         self._touch(ids[(masks & want) != 0], now)
         return hit
 
+    def lookup_runs(self, gids: Sequence[int] | np.ndarray, slots: Sequence[int], now: float) -> list[int]:
+        """For each of ``slots``, how many leading groups of ``gids`` hold its object (the leading
+        runs of ``lookup_slots``' rows, recency as ``lookup``) without building the rows."""
+        ids = self._ids(gids)
+        slots, want = self._slot_mask(slots)
+        got = self._mask[ids] & want
+        self._touch(ids[got != 0], now)
+        short = np.flatnonzero(got != want)  # groups missing at least one of the slots
+        if not short.size:
+            return [int(ids.size)] * slots.size
+        first = int(short[0])
+        if not got[first]:  # missing every slot there: every run ends at it
+            return [first] * slots.size
+        runs = []
+        for bit in self._bits[slots]:
+            gap = np.flatnonzero((got[first:] & bit) == 0)
+            runs.append(first + int(gap[0]) if gap.size else int(ids.size))
+        return runs
+
     def remove_groups(self, gids: Sequence[int] | np.ndarray) -> int:
         """Drop whole groups; returns bytes freed."""
         ids = self._ids(gids)

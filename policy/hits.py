@@ -75,6 +75,7 @@ def compute_hits(
     chunk_tokens: int = 256,
     page_tokens: int = 16,
     min_load_tokens: int = 0,
+    stage_runs: Sequence[int] | None = None,
 ) -> HitResult:
     """Split a prompt into GPU / pool / computed tokens.
 
@@ -86,6 +87,8 @@ def compute_hits(
         chunk_tokens: tokens per chunk (a multiple of ``page_tokens``).
         page_tokens: tokens per GPU page.
         min_load_tokens: loads shorter than this are recomputed instead.
+        stage_runs: instead of ``stage_present``, each stage's leading run (``leading_run`` of its
+            row) when the caller has them already (the simulated pool counts them in place).
     """
     if prompt_tokens < 0:
         raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
@@ -96,7 +99,9 @@ def compute_hits(
     last = prompt_tokens - 1  # the last token is always computed
     gpu = min(max(0, gpu_hit_tokens), last) // page_tokens * page_tokens
 
-    if isinstance(stage_present, np.ndarray) and stage_present.ndim == 2 and stage_present.size:
+    if stage_runs is not None:
+        runs = list(stage_runs)
+    elif isinstance(stage_present, np.ndarray) and stage_present.ndim == 2 and stage_present.size:
         # [stage, chunk] in one array: every stage's leading run in a few vector operations
         miss = ~stage_present.astype(bool, copy=False)
         runs = np.where(miss.any(axis=1), miss.argmax(axis=1), stage_present.shape[1]).tolist()

@@ -126,6 +126,8 @@ class Simulation:
         self._stage_layers = [len(spec.stage_layer_ids(st)) for st in range(spec.stages)]
         self._distinct_stage_layers = sorted(set(self._stage_layers))
         self._stage_bpt = list(spec.stage_bytes_per_token)
+        self._page_tokens = s.model.page_tokens
+        self._min_load_tokens = s.pool.min_load_tokens
         self._handoff_bpt = sum(self._stage_bpt)
         for layers in self._distinct_stage_layers:  # the plan's checks, once (per request: rank_plan)
             HandoffPlan(tokens=0, layers=layers, record_bytes=s.model.record_bytes, ranks=s.decode.dcp,
@@ -258,13 +260,17 @@ class Simulation:
         run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block)
         gpu_hit = run * bt
         gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
-        present = self.pool.lookup(p.server, p.ranks, gids, env.now) if self.pool is not None and gids.size else None
-        on_ssd = self.pool.ssd_lookup(p.server, gids, env.now) if present is not None else None
-        if on_ssd is not None:  # a chunk on the SSD tier counts for every stage
-            in_dram = np.logical_and.reduce(present)
-            present = present | on_ssd  # [rank, chunk]
-        hits = compute_hits(req.in_tokens, gpu_hit, present, chunk_tokens=self.chunk_tokens,
-                            page_tokens=self.s.model.page_tokens, min_load_tokens=self.s.pool.min_load_tokens)
+        present = runs = on_ssd = None
+        if self.pool is not None and gids.size:
+            if self.pool.ssd is None:  # each rank's leading run is all the hit needs
+                runs = self.pool.lookup_runs(p.server, p.ranks, gids, env.now)
+            else:  # a chunk on the SSD tier counts for every stage
+                present = self.pool.lookup(p.server, p.ranks, gids, env.now)
+                on_ssd = self.pool.ssd_lookup(p.server, gids, env.now)
+                in_dram = np.logical_and.reduce(present)
+                present = present | on_ssd  # [rank, chunk]
+        hits = compute_hits(req.in_tokens, gpu_hit, present, chunk_tokens=self.chunk_tokens, page_tokens=self._page_tokens,
+                            min_load_tokens=self._min_load_tokens, stage_runs=runs)
         rec.gpu_tokens = hits.gpu_tokens
         rec.pool_tokens = hits.pool_tokens
         rec.computed_tokens = hits.computed_tokens

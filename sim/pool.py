@@ -102,6 +102,19 @@ class SimPool:
             out[mine] = row[q].lookup_slots(gids, slots, now)
         return out
 
+    def lookup_runs(self, server: int, ranks: int, gids: np.ndarray, now: float) -> list[int]:
+        """Per rank, how many leading chunks of ``gids`` hold its object: the leading runs of
+        ``lookup``'s rows (same recency), without building them."""
+        row = self.tables[self._group(server)]
+        parts = self._parts_of(ranks)
+        if len(parts) == 1:
+            return row[parts[0][0]].lookup_runs(gids, parts[0][1], now)  # ranks in slot order
+        out = [0] * ranks
+        for q, slots, mine in parts:
+            for r, run in zip(mine, row[q].lookup_runs(gids, slots, now)):
+                out[r] = run
+        return out
+
     def _parts_of(self, ranks: int) -> list[tuple[int, list[int], list[int]]]:
         """(part, slots, ranks) of every part that ranks ``0 .. ranks-1`` use, memoized."""
         got = self._parts_memo.get(ranks)

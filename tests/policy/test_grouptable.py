@@ -165,3 +165,21 @@ def test_new_group_puts_equal_the_general_path(ops, order, marks):
             assert np.array_equal(getattr(fast, name), getattr(ref, name)), name
         assert (fast.used_bytes, fast.evicted_groups, fast._seq) == (ref.used_bytes, ref.evicted_groups, ref._seq)
         assert np.array_equal(fast._resident.view(), ref._resident.view())
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 30), min_size=1, max_size=8, unique=True),
+                          st.sampled_from([[0], [1], [2, 3], [0, 1, 2, 3]])), max_size=30),
+       st.lists(st.integers(0, 30), min_size=1, max_size=20), st.sampled_from([[0], [3, 1], [0, 1, 2, 3]]))
+def test_lookup_runs_are_the_leading_runs_of_lookup_slots(puts, query, slots):
+    """Per slot, the leading run of the rows ``lookup_slots`` returns; recency and read counts
+    change the same way."""
+    from kvpool.policy.hits import leading_run
+
+    a, b = GroupTable(10_000, [10, 20, 30, 40]), GroupTable(10_000, [10, 20, 30, 40])
+    for i, (gids, s) in enumerate(puts):
+        a.put(gids, s, float(i))
+        b.put(gids, s, float(i))
+    rows = a.lookup_slots(query, slots, 99.0)
+    assert b.lookup_runs(query, slots, 99.0) == [leading_run(r) for r in rows]
+    assert np.array_equal(a._last, b._last) and np.array_equal(a._count, b._count)

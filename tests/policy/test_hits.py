@@ -1,5 +1,6 @@
 """policy.hits: the all-stage rule, chunk alignment, minimum load, the last token."""
 
+import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -106,3 +107,13 @@ def test_a_stage_by_chunk_array_gives_the_same_split_as_lists(prompt, gpu, stage
     as_array = compute_hits(prompt, gpu, np.array(stages, dtype=bool).reshape(len(stages), -1),
                             chunk_tokens=C, min_load_tokens=min_load)
     assert as_array == as_lists
+
+
+@given(st.lists(st.lists(st.booleans(), min_size=6, max_size=6), min_size=1, max_size=4),
+       st.integers(0, 2000), st.integers(0, 2000), st.integers(0, 600))
+def test_stage_runs_decide_as_the_presence_rows(rows, prompt, gpu, min_load):
+    """Given each stage's leading run instead of its row, the split is the same."""
+    present = np.array(rows, dtype=bool)
+    runs = [leading_run(r) for r in rows]
+    kw = dict(chunk_tokens=256, page_tokens=16, min_load_tokens=min_load)
+    assert compute_hits(prompt, gpu, None, stage_runs=runs, **kw) == compute_hits(prompt, gpu, present, **kw)
