@@ -21,9 +21,10 @@ the link is idle, which keeps the tags small against float rounding.
 
 from __future__ import annotations
 
-import heapq
+from heapq import heappop, heappush
 
 import simpy
+from simpy.events import Event, Timeout
 
 _EPS_S = 1e-9  # completions this close are due now (float rounding; keeps every wait > 0)
 
@@ -63,23 +64,28 @@ class FairLink:
     def transfer(self, nbytes: int, writes: int = 1) -> simpy.Event:
         """An event that succeeds when ``nbytes`` in ``writes`` writes have crossed the link."""
         env = self.env
-        done = simpy.Event(env)
+        done = Event(env)
         if nbytes <= 0:
             done.succeed()
             return done
         self.bytes_moved += int(nbytes)
         work = float(nbytes) + writes * self._write_bytes + self._latency_bytes
-        self._advance()
         active = self._active
+        now = env._now
+        dt = now - self._last  # the clock's advance (_advance, inlined: this runs per transfer)
+        if dt > 0 and active:
+            self._virtual += self.bytes_per_s * dt / len(active)
+            self.busy_s += dt
+        self._last = now
         self._seq += 1
-        heapq.heappush(active, (self._virtual + work, self._seq, done))
+        heappush(active, (self._virtual + work, self._seq, done))
         # everyone slows down, so only this transfer can finish before the pending wake-up
-        if env.now + work * len(active) / self.bytes_per_s < self._wake_at:
+        if now + work * len(active) / self.bytes_per_s < self._wake_at:
             self._reschedule()
         return done
 
     def _advance(self) -> None:
-        now = self.env.now
+        now = self.env._now
         dt = now - self._last
         if dt > 0 and self._active:
             self._virtual += self.bytes_per_s * dt / len(self._active)
@@ -94,16 +100,17 @@ class FairLink:
             self._virtual = 0.0
             return
         wait = max(0.0, (active[0][0] - self._virtual) * len(active) / self.bytes_per_s)
-        self._wake_at = self.env.now + wait
-        self.env.timeout(wait, self._version).callbacks.append(self._wake)
+        env = self.env
+        self._wake_at = env._now + wait
+        Timeout(env, wait, self._version).callbacks.append(self._wake)
 
     def _wake(self, ev: simpy.Event) -> None:
-        if ev.value != self._version:  # a later reschedule superseded this wake-up
+        if ev._value != self._version:  # a later reschedule superseded this wake-up
             return
         self._wake_at = float("inf")
         self._advance()
         active = self._active
         due = self._virtual + _EPS_S * self.bytes_per_s / len(active)
         while active and active[0][0] <= due:  # none when an arrival made this wake-up early
-            heapq.heappop(active)[2].succeed()
+            heappop(active)[2].succeed()
         self._reschedule()
