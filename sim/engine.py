@@ -61,6 +61,28 @@ def join(env: simpy.Environment, events: list[simpy.Event]) -> simpy.Event:
 
 
 @dataclass
+class _PlayState:
+    """What a play's next requests reuse, per thread: its last request's block ids (a later
+    prompt's prefix references end there) and the GPU cache entry of its last insert on a prefill
+    instance. Dropped when the play's last request is served."""
+
+    blocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> block ids
+    last_request: dict[int, int] = field(default_factory=dict)  # thread -> request index
+    gpu_entry: dict[int, tuple[int, LogEntry | None]] = field(default_factory=dict)  # thread -> (prefill, entry)
+
+    def block_ids(self, d) -> np.ndarray:
+        """Dispatch ``d``'s block ids, kept as its thread's latest."""
+        req = d.request
+        blocks = d.session.blocks.block_ids(req.index, self.blocks)
+        old = self.last_request.get(req.thread)
+        if old is not None:
+            self.blocks.pop(old, None)
+        self.blocks[req.index] = blocks
+        self.last_request[req.thread] = req.index
+        return blocks
+
+
+@dataclass
 class Timeline:
     """Time series sampled during the run (for plots)."""
 
@@ -118,8 +140,7 @@ class Simulation:
         self._gate_waiters: deque[tuple[object, simpy.Event]] = deque()
         self.records: list[RequestRecord] = []
         self._session_max_block: dict[str, int] = {}
-        # per (play, thread): the prefill instance and GPU cache log entry of its last insert
-        self._thread_entry: dict[tuple[int, int], tuple[int, LogEntry | None]] = {}
+        self._plays: dict[int, _PlayState] = {}
         ssd = s.pool.ssd
         self.ssd_links = [FairLink(env, ssd.read_gb_s_per_server * 1e9, name=f"ssd{i}") for i in range(s.cluster.servers)]
         self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus
@@ -243,15 +264,17 @@ class Simulation:
         if req.index == len(d.session.requests) - 1:
             if d.scope:
                 self.keys.forget_scope(d.scope)
-            for key in [k for k in self._thread_entry if k[0] == d.play]:
-                del self._thread_entry[key]
+            self._plays.pop(d.play, None)
 
     def _prefill(self, d, rec: RequestRecord, p: PrefillInstance):
         env = self.env
         req = d.request
         session = d.session
         bt = session.block_tokens
-        blocks = d.block_ids()
+        play = self._plays.get(d.play)
+        if play is None:
+            play = self._plays[d.play] = _PlayState()
+        blocks = play.block_ids(d)
         max_block = self._max_block_id(session)
         off = self.keys.block_offset(d.scope, max_block)
         gblocks = np.add(blocks, off, dtype=np.int64)  # ids in the GPU cache (keys.global_blocks)
@@ -291,11 +314,10 @@ class Simulation:
         yield p.compute(rec.computed_tokens, req.in_tokens - rec.computed_tokens)  # context: every reused token
         rec.prefill_end_s = env.now
         p.outstanding_tokens -= req.in_tokens
-        thread_key = (d.play, req.thread)
-        last = self._thread_entry.get(thread_key)  # (prefill index, the thread's last insert)
+        last = play.gpu_entry.get(req.thread)  # (prefill index, the thread's last insert)
         entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block,
                                replaces=(hit_entry, last[1]) if last is not None and last[0] == p.index else (hit_entry,))
-        self._thread_entry[thread_key] = (p.index, entry)
+        play.gpu_entry[req.thread] = (p.index, entry)
         if self.pool is not None and gids.size:
             new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids
             if new.size:

@@ -21,7 +21,7 @@ Everything is a plain value: no SimPy, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -123,12 +123,19 @@ class BlockStore:
     tail: np.ndarray
     prev_lcp: np.ndarray
 
-    def block_ids(self, i: int) -> np.ndarray:
-        """The full block id list of request ``i`` (a fresh array)."""
+    def block_ids(self, i: int, known: Mapping[int, np.ndarray] | None = None) -> np.ndarray:
+        """The full block id list of request ``i`` (a fresh array). ``known``: block id lists of
+        other requests the caller already has (by request index); the walk along the prefix
+        references stops at the first of them."""
         need = int(self.n_blocks[i])
         out = np.empty(need, dtype=self.tail.dtype)
         r = i
         while need > 0:
+            if known and r != i:
+                got = known.get(r)
+                if got is not None:  # its first `need` ids are this request's
+                    out[:need] = got[:need]
+                    break
             lcp = int(self.lcp[r])
             if need > lcp:
                 start = int(self.off[r])

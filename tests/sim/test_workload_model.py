@@ -69,6 +69,11 @@ def test_block_ids_roundtrip_through_the_compact_store_and_keyframes():
     for i, r in enumerate(reqs):
         assert s.block_ids(i).tolist() == r["hash_ids"]
     assert s.blocks.nbytes() < 8 * sum(len(r["hash_ids"]) for r in reqs) / 4
+    # with other requests' lists at hand (any subset), the walk stops there: the same lists
+    for keep in (range(0, 150, 2), range(0, 150, 7), range(150)):
+        known = {i: s.block_ids(i) for i in keep}
+        for i, r in enumerate(reqs):
+            assert s.blocks.block_ids(i, known).tolist() == r["hash_ids"]
 
 
 def test_weka_writer_roundtrips_deps_and_ids():
