@@ -780,7 +780,11 @@ def _mps(enabled: bool):
     try:
         yield
     finally:
-        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env=env, timeout=30, check=False)
+        # the daemon quits once its last client is gone: this process holds a context until exit,
+        # so ask without waiting for it
+        quit_ = subprocess.Popen(["nvidia-cuda-mps-control"], stdin=subprocess.PIPE, env=env, start_new_session=True)
+        quit_.stdin.write(b"quit\n")
+        quit_.stdin.close()
         for k in dirs:
             os.environ.pop(k, None)
 
