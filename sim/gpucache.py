@@ -19,7 +19,8 @@ Contract:
       ``capacity_tokens // block_tokens`` blocks of the first workload it sees.
 
 Implementation: every use (a hit's leading run, an insert) is logged as ``(time, ids)`` in time
-order; a block's live entry is the one whose time equals its last use. Eviction consumes the log
+order; a block's live entry is the one whose time equals its last use (an evicted block's last
+use is set to -1, before any moment). Eviction consumes the log
 from its oldest end, so a pass costs what it evicts plus the stale entries it skips, not a scan of
 the whole cache. Within one moment, a block's depth is its position in its entry.
 """
@@ -31,6 +32,10 @@ from collections import deque
 import numpy as np
 
 from kvpool.policy.grouptable import grown
+
+
+_EVICTED = -1.0  # the last use of an evicted block: no moment, so a log entry's live blocks are
+# those whose last use is the entry's moment (held follows)
 
 
 class LogEntry:
@@ -135,6 +140,7 @@ class GPUPrefixCache:
                 log.appendleft(LogEntry(t, ids[target:][::-1].copy(), depth[target:][::-1].copy()))
                 ids = ids[:target]
             self.held[ids] = False
+            self._last[ids] = _EVICTED
             self.blocks -= int(ids.size)
             self.evicted_blocks += int(ids.size)
             target -= int(ids.size)
@@ -157,12 +163,11 @@ class GPUPrefixCache:
         if len(entries) == 1:  # an entry lies in depth order: deepest first is its reverse
             e = entries[0]
             ids = e.ids
-            live = self.held[ids] & (self._last[ids] == t)
-            depth = np.arange(ids.size) if e.depth is None else e.depth
-            return ids[live][::-1], depth[live][::-1], t
+            pos = np.flatnonzero(self._last[ids] == t)[::-1]
+            return ids[pos], pos if e.depth is None else e.depth[pos], t
         ids = np.concatenate([e.ids for e in entries])
         depth = np.concatenate([np.arange(e.ids.size) if e.depth is None else e.depth for e in entries])
-        live = self.held[ids] & (self._last[ids] == t)
+        live = self._last[ids] == t
         ids, depth = ids[live], depth[live]
         order = np.argsort(-depth, kind="stable")
         ids, depth = ids[order], depth[order]
