@@ -180,9 +180,14 @@ class GroupTable:
         for name in ("_mask", "_last", "_count", "_inserted", "_pins", "_mark", "_listed"):
             setattr(self, name, grown(getattr(self, name), new))
 
-    def _ids(self, gids: Sequence[int] | np.ndarray) -> np.ndarray:
+    def _ids(self, gids: Sequence[int] | np.ndarray, max_gid: int | None = None) -> np.ndarray:
+        """``gids`` as an int64 array, checked (>= 0) and with the tables grown to hold them;
+        ``max_gid``: a bound the caller knows, for ids it knows are valid (no pass over them)."""
         ids = np.asarray(gids, dtype=np.int64)
-        if ids.size:  # the ufunc reductions directly: ndarray.min/max add a Python-level wrapper
+        if max_gid is not None:
+            if max_gid >= len(self._last):
+                self._grow(max_gid)
+        elif ids.size:  # the ufunc reductions directly: ndarray.min/max add a Python-level wrapper
             if _MIN(ids) < 0:
                 raise ValueError("group ids must be >= 0")
             self._grow(int(_MAX(ids)))
@@ -207,17 +212,18 @@ class GroupTable:
         return gid < len(self._last) and bool(self._mask[gid] & self._bits[slot])
 
     # -- pins --------------------------------------------------------------------------------
-    def pin(self, gids: Sequence[int] | np.ndarray, *, unique: bool = False) -> None:
+    def pin(self, gids: Sequence[int] | np.ndarray, *, unique: bool = False, max_gid: int | None = None) -> None:
         """Protect groups from eviction (loads in flight); nests. ``unique``: the caller knows
-        ``gids`` has no repeats (skips the check)."""
-        ids = self._ids(gids)
+        ``gids`` has no repeats (skips the check). ``max_gid`` (here and in ``unpin``, ``put``,
+        ``lookup_runs``): a bound on ``gids`` the caller knows, which skips their range check."""
+        ids = self._ids(gids, max_gid)
         if not unique and self._has_duplicates(ids):
             np.add.at(self._pins, ids, 1)
         else:
             self._pins[ids] += 1
 
-    def unpin(self, gids: Sequence[int] | np.ndarray, *, unique: bool = False) -> None:
-        ids = self._ids(gids)
+    def unpin(self, gids: Sequence[int] | np.ndarray, *, unique: bool = False, max_gid: int | None = None) -> None:
+        ids = self._ids(gids, max_gid)
         if not unique and self._has_duplicates(ids):
             np.subtract.at(self._pins, ids, 1)
         else:
@@ -226,7 +232,7 @@ class GroupTable:
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, gids: Sequence[int] | np.ndarray, slot: int | Sequence[int], now: float, *,
-            unique: bool = False) -> PutOutcome:
+            unique: bool = False, max_gid: int | None = None) -> PutOutcome:
         """Store ``(g, slot)`` for each ``g`` in order (for each slot, when several are given);
         evicts first when they would not fit. ``unique``: the caller knows ``gids`` has no repeats.
 
@@ -234,7 +240,7 @@ class GroupTable:
         eviction cannot make room for all new objects, the leading groups that fit are stored and
         the rest rejected.
         """
-        ids = self._ids(gids)
+        ids = self._ids(gids, max_gid)
         want = self._slot_mask(slot)[1]
         if not unique and self._has_duplicates(ids):
             ids = ids[np.sort(np.unique(ids, return_index=True)[1])]
@@ -331,10 +337,11 @@ class GroupTable:
         self._touch(ids[(masks & want) != 0], now)
         return hit
 
-    def lookup_runs(self, gids: Sequence[int] | np.ndarray, slots: Sequence[int], now: float) -> list[int]:
+    def lookup_runs(self, gids: Sequence[int] | np.ndarray, slots: Sequence[int], now: float, *,
+                    max_gid: int | None = None) -> list[int]:
         """For each of ``slots``, how many leading groups of ``gids`` hold its object (the leading
         runs of ``lookup_slots``' rows, recency as ``lookup``) without building the rows."""
-        ids = self._ids(gids)
+        ids = self._ids(gids, max_gid)
         slots, want = self._slot_mask(slots)
         got = self._mask[ids] & want
         self._touch(ids[got != 0], now)

@@ -286,7 +286,7 @@ class Simulation:
         present = runs = on_ssd = None
         if self.pool is not None and gids.size:
             if self.pool.ssd is None:  # each rank's leading run is all the hit needs
-                runs = self.pool.lookup_runs(p.server, p.ranks, gids, env.now)
+                runs = self.pool.lookup_runs(p.server, p.ranks, gids, env.now, self.keys.groups - 1)
             else:  # a chunk on the SSD tier counts for every stage
                 present = self.pool.lookup(p.server, p.ranks, gids, env.now)
                 on_ssd = self.pool.ssd_lookup(p.server, gids, env.now)
@@ -306,11 +306,11 @@ class Simulation:
                 rec.pool_tokens -= rec.ssd_tokens
                 yield self.ssd_links[p.server].transfer(int(ssd_ids.size) * sum(self.rank_bytes), int(ssd_ids.size))
                 self.pool.save(p.server, p.ranks, ssd_ids, env.now)  # promoted back to DRAM
-            self.pool.pin(p.server, p.ranks, load_ids)
+            self.pool.pin(p.server, p.ranks, load_ids, self.keys.groups - 1)  # every id is below keys.groups
             try:
                 yield self._restore(rec, p, load_ids.size)
             finally:
-                self.pool.unpin(p.server, p.ranks, load_ids)
+                self.pool.unpin(p.server, p.ranks, load_ids, self.keys.groups - 1)
         yield p.compute(rec.computed_tokens, req.in_tokens - rec.computed_tokens)  # context: every reused token
         rec.prefill_end_s = env.now
         p.outstanding_tokens -= req.in_tokens
@@ -393,7 +393,7 @@ class Simulation:
         nbytes = [gids.size * b for b in self.rank_bytes]
 
         def put(_e) -> None:
-            self.pool.save(p.server, p.ranks, gids, env.now)
+            self.pool.save(p.server, p.ranks, gids, env.now, self.keys.groups - 1)
             rec.save_bytes += sum(nbytes)
             self._sample_pool()
 

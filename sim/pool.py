@@ -102,16 +102,17 @@ class SimPool:
             out[mine] = row[q].lookup_slots(gids, slots, now)
         return out
 
-    def lookup_runs(self, server: int, ranks: int, gids: np.ndarray, now: float) -> list[int]:
+    def lookup_runs(self, server: int, ranks: int, gids: np.ndarray, now: float, max_gid: int | None = None) -> list[int]:
         """Per rank, how many leading chunks of ``gids`` hold its object: the leading runs of
-        ``lookup``'s rows (same recency), without building them."""
+        ``lookup``'s rows (same recency), without building them. ``max_gid`` (here and in
+        ``save``, ``pin``, ``unpin``): a bound on ``gids`` the caller knows (``GroupTable``)."""
         row = self.tables[self._group(server)]
         parts = self._parts_of(ranks)
         if len(parts) == 1:
-            return row[parts[0][0]].lookup_runs(gids, parts[0][1], now)  # ranks in slot order
+            return row[parts[0][0]].lookup_runs(gids, parts[0][1], now, max_gid=max_gid)  # ranks in slot order
         out = [0] * ranks
         for q, slots, mine in parts:
-            for r, run in zip(mine, row[q].lookup_runs(gids, slots, now)):
+            for r, run in zip(mine, row[q].lookup_runs(gids, slots, now, max_gid=max_gid)):
                 out[r] = run
         return out
 
@@ -132,13 +133,13 @@ class SimPool:
             return None
         return self.ssd[self._group(server)].lookup(gids, 0, now)
 
-    def save(self, server: int, ranks: int, gids: np.ndarray, now: float) -> None:
+    def save(self, server: int, ranks: int, gids: np.ndarray, now: float, max_gid: int | None = None) -> None:
         """Put every rank's objects of ``gids`` (one batched put per part); groups evicted from
         DRAM demote to the SSD tier when there is one. ``gids`` (here and in ``pin``/``unpin``)
         are one prompt's chunk groups: distinct, as every chunk's key chains its whole prefix."""
         g = self._group(server)
         for q, slots, _ in self._parts_of(ranks):
-            out = self.tables[g][q].put(gids, slots, now, unique=True)
+            out = self.tables[g][q].put(gids, slots, now, unique=True, max_gid=max_gid)
             if self.ssd is not None and out.evicted_ids.size:
                 self.ssd[g].put(out.evicted_ids, 0, now)
 
@@ -147,11 +148,11 @@ class SimPool:
         row = self.tables[self._group(server)]
         return [row[q] for q, _, _ in self._parts_of(ranks)]
 
-    def pin(self, server: int, ranks: int, gids: np.ndarray) -> None:
+    def pin(self, server: int, ranks: int, gids: np.ndarray, max_gid: int | None = None) -> None:
         """Protect the groups of ``gids`` in every part the instance's ranks use (loads in flight)."""
         for t in self._tables_of(server, ranks):
-            t.pin(gids, unique=True)
+            t.pin(gids, unique=True, max_gid=max_gid)
 
-    def unpin(self, server: int, ranks: int, gids: np.ndarray) -> None:
+    def unpin(self, server: int, ranks: int, gids: np.ndarray, max_gid: int | None = None) -> None:
         for t in self._tables_of(server, ranks):
-            t.unpin(gids, unique=True)
+            t.unpin(gids, unique=True, max_gid=max_gid)
