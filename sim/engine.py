@@ -125,6 +125,7 @@ class Simulation:
                             cache=GPUPrefixCache(cache_tokens), load_workers=s.cost.load_workers_per_stage)
             for i, pl in enumerate(self.layout.prefill)
         ]
+        self._rank_nics = [self._nics_of(p) for p in self.prefills]
         self.decodes = [
             DecodeInstance(env, i, pl.server, pl.gpus, capacity_tokens=decode_kv_capacity_tokens(s),
                            max_seqs=s.decode.max_seqs, tokens_per_step=s.decode.mtp_accept_tokens, cost=self.cost,
@@ -195,8 +196,16 @@ class Simulation:
         while not w.done:
             w = kick.value
             kick = env.event()
-            timer = [env.timeout(max(0.0, w.next_due_s - env.now))] if w.next_due_s is not None else []
-            yield env.any_of([kick, *timer])
+            woken = env.event()  # env.any_of([kick, timer]) without building a condition value
+
+            def wake(_e, woken=woken) -> None:
+                if not woken.triggered:
+                    woken.succeed()
+
+            kick.callbacks.append(wake)
+            if w.next_due_s is not None:
+                env.timeout(max(0.0, w.next_due_s - env.now)).callbacks.append(wake)
+            yield woken
             if not kick.triggered:
                 handle(replay.poll(env.now))
 
@@ -335,18 +344,29 @@ class Simulation:
         """Transfers between the pool and prefill rank ``rank``, as one event: its own NIC carries
         every byte; in a shared multi-server pool, the remote servers' NICs on the same rail carry
         their share."""
-        gpu = p.rank_gpu(rank)
-        own = self.net.nic[gpu].transfer(nbytes, writes)
-        if self.pool is None or self.pool.mode != "shared" or self.s.cluster.servers == 1:
-            return own
-        events = [own]
+        own, remotes = self._rank_nics[p.index][rank]
+        done = own.transfer(nbytes, writes)
+        if not remotes:
+            return done
+        events = [done]
         servers = self.s.cluster.servers
         share = nbytes // servers
-        rail = gpu % self.s.cluster.gpus_per_server
-        for srv in range(servers):
-            if srv != p.server and share:
-                events.append(self.net.rail_nic(srv, rail).transfer(share, max(1, writes // servers)))
+        if share:
+            for link in remotes:
+                events.append(link.transfer(share, max(1, writes // servers)))
         return join(self.env, events)
+
+    def _nics_of(self, p: PrefillInstance) -> list[tuple[FairLink, list[FairLink]]]:
+        """Per rank of ``p``: its own NIC and, in a shared multi-server pool, the NICs of the other
+        servers on its rail (in server order), which carry their share of its pool traffic."""
+        out = []
+        shared = self.pool is not None and self.pool.mode == "shared" and self.s.cluster.servers > 1
+        for rank in range(p.ranks):
+            gpu = p.rank_gpu(rank)
+            rail = gpu % self.s.cluster.gpus_per_server
+            remotes = [self.net.rail_nic(srv, rail) for srv in range(self.s.cluster.servers) if srv != p.server] if shared else []
+            out.append((self.net.nic[gpu], remotes))
+        return out
 
     def _restore(self, rec: RequestRecord, p: PrefillInstance, chunks: int) -> simpy.Event:
         """Every rank loads its objects of ``chunks`` chunks on its load worker, after the forwards
