@@ -24,7 +24,8 @@
     path alone (no host waits), a per-request timeline with decode-side timestamps, the writes
     alone and the bound kernels' rates; the last request's decode KV is checked bit-exact.
     READIES carry the copies' interprocess events (device fences) unless ``--no-fences``.
-    ``--mps`` runs the GPU processes under a private NVIDIA MPS daemon: the 4 decode processes then
+    ``--tokens`` sets the request size (default the seed's 8,192; a whole agentic prompt, as the
+    decode receives it, is 100K+ tokens). ``--mps`` runs the GPU processes under a private NVIDIA MPS daemon: the 4 decode processes then
     share cuda:1 without time-slicing, the nearest a 2-GPU machine gets to one rank per GPU.
 
 Prints one JSON object.
@@ -140,7 +141,7 @@ def _dump_profile(prof, name: str) -> None:
 
 
 def decode_proc(conn, kind: str, device: str, slots: int, slot_bytes: int = 8 * MIB,
-                here: list[int] | None = None) -> None:
+                here: list[int] | None = None, tokens: int = TOKENS) -> None:
     """Decode ranks ``here`` (default: all) in this process; the one holding rank 0 also holds the
     buffer of the writes-only and per-token measurements."""
     here = list(range(RANKS)) if here is None else list(here)
@@ -148,7 +149,7 @@ def decode_proc(conn, kind: str, device: str, slots: int, slot_bytes: int = 8 * 
     if device != "cpu":
         torch.cuda.set_device(device)
     transport = _transport(kind)
-    plan = SEED_PLAN
+    plan = HandoffPlan(tokens, LAYERS, RECORD, RANKS)
     kv = {r: decode_kv(plan, r, device) for r in here}
     ranks = [DecodeRank(r, kv[r][0], transport, stages=1, slots=slots, slot_bytes=slot_bytes, validate=False)
              for r in here]
@@ -250,12 +251,12 @@ def _socket_server(nbytes: int, reps: int) -> int:
 # ---- prefill process ---------------------------------------------------------------------------
 
 def prefill_proc(conn, kind: str, device: str, endpoints: list[str], staging_buffers: int = 1,
-                 device_fences: bool = True) -> None:
+                 device_fences: bool = True, tokens: int = TOKENS) -> None:
     prof = _profiler()
     if device != "cpu":
         torch.cuda.set_device(device)
     transport = _transport(kind)
-    plan = SEED_PLAN
+    plan = HandoffPlan(tokens, LAYERS, RECORD, RANKS)
     caches, table = prefill_kv(plan, device)
     stage = PrefillStage(0, transport, staging_bytes=plan.total_bytes, device=device, validate=False,
                          credit_timeout_s=30.0, staging_buffers=staging_buffers, device_fences=device_fences)
@@ -604,19 +605,21 @@ def _start_all(ctx, target, arg_lists):
 
 
 def run_gpu(args) -> dict:
-    plan = SEED_PLAN
+    plan = HandoffPlan(args.tokens, LAYERS, RECORD, RANKS)
     if torch.cuda.device_count() < 2:
         raise SystemExit("--gpu needs 2 GPUs")
     ctx = mp.get_context("spawn")
     slot_bytes = plan.max_write_bytes // plan.record_bytes * plan.record_bytes   # slots sized to the plan's writes
-    slots = args.slots or 24   # credits for several requests in flight (3 writes per rank each)
+    nw = max(len(plan.writes(r)) for r in range(RANKS))
+    slots = args.slots or max(24, 2 * nw)   # credits for several requests in flight (3 writes per rank each at 8,192 tokens)
     procs = max(1, min(args.decode_procs, RANKS))
     groups = [list(range(RANKS))[i::procs] for i in range(procs)]   # ranks per decode process
-    dps, ds, eps = _start_all(ctx, decode_proc, [("ipc", "cuda:1", slots, slot_bytes, g) for g in groups])
+    dps, ds, eps = _start_all(ctx, decode_proc, [("ipc", "cuda:1", slots, slot_bytes, g, args.tokens) for g in groups])
     by_rank = {r: ep for g, e in zip(groups, eps) for r, ep in zip(g, e)}
     endpoints = [by_rank[r] for r in range(RANKS)]
     d0 = ds[next(i for i, g in enumerate(groups) if 0 in g)]
-    pp, p, _ = _start(ctx, prefill_proc, "ipc", "cuda:0", endpoints, args.staging_buffers, not args.no_fences)
+    pp, p, _ = _start(ctx, prefill_proc, "ipc", "cuda:0", endpoints, args.staging_buffers, not args.no_fences,
+                      args.tokens)
     try:
         runs: dict[str, list] = {"pipelined": [], "sequential": []}
         for rnd in range(args.reps):
@@ -710,7 +713,7 @@ def run_gpu(args) -> dict:
     return {
         "mode": "gpu_ipc",
         "device": torch.cuda.get_device_name(0),
-        "plan": {"tokens": TOKENS, "layers": LAYERS, "record_bytes": RECORD, "ranks": RANKS,
+        "plan": {"tokens": plan.tokens, "layers": LAYERS, "record_bytes": RECORD, "ranks": RANKS,
                  "bytes": plan.total_bytes, "batched_writes": plan.batched_writes},
         "copy_on": os.environ.get("KVPOOL_IPC_COPY_ON", "src"),
         "slots_per_rank": slots, "slot_bytes": slot_bytes, "staging_buffers": args.staging_buffers,
@@ -752,6 +755,9 @@ def main() -> None:
                     help="--gpu: decode processes on cuda:1 (default one per rank, as deployed; 1: all ranks in one)")
     ap.add_argument("--staging-buffers", type=int, default=6,
                     help="--gpu: prefill staging buffers (>= 2: the next gathers overlap the writes)")
+    ap.add_argument("--tokens", type=int, default=TOKENS,
+                    help="--gpu: tokens per request (default the seed's 8,192-token example; a whole agentic "
+                         "prompt is 100K+ tokens, e.g. 131072)")
     ap.add_argument("--no-fences", action="store_true",
                     help="--gpu: READY only after the stage saw each copy complete (no interprocess events)")
     ap.add_argument("--mps", action="store_true",
