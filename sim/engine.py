@@ -149,6 +149,12 @@ class Simulation:
         self._distinct_stage_layers = sorted(set(self._stage_layers))
         self._stage_bpt = list(spec.stage_bytes_per_token)
         self._page_tokens = s.model.page_tokens
+        self._record_bytes = s.model.record_bytes
+        self._max_write_bytes = s.handoff.max_write_bytes
+        nic = self.net.nic
+        # hand-off links: each stage's first rank's NIC per prefill, each decode rank's NIC per decode
+        self._stage_nics = [[nic[p.rank_gpu(st * tp)] for st in range(spec.stages)] for p in self.prefills]
+        self._decode_nics = [[nic[d.gpus[r % len(d.gpus)]] for r in range(s.decode.dcp)] for d in self.decodes]
         self._min_load_tokens = s.pool.min_load_tokens
         self._handoff_bpt = sum(self._stage_bpt)
         for layers in self._distinct_stage_layers:  # the plan's checks, once (per request: rank_plan)
@@ -432,22 +438,23 @@ class Simulation:
         tokens = rec.in_tokens
         # the main records' write plan per distinct stage depth (the seed's landing path); the
         # stages' extra records (DSA index cache) ride along in the byte count
-        plans = {layers: rank_plan(tokens, layers, self.s.model.record_bytes, dcp, self.s.handoff.max_write_bytes)
-                 for layers in self._distinct_stage_layers}
+        record_bytes, max_write = self._record_bytes, self._max_write_bytes
+        plans = {layers: rank_plan(tokens, layers, record_bytes, dcp, max_write) for layers in self._distinct_stage_layers}
         events = []
         rank_writes = [0] * dcp
-        nic = self.net.nic
+        stage_nics = self._stage_nics[p.index]
         for stage, layers in enumerate(self._stage_layers):
             ranks = plans[layers]
-            writes = sum(w for _, w in ranks)
-            rec.handoff_writes += writes
-            events.append(nic[p.rank_gpu(stage * self.s.prefill.tp)].transfer(tokens * self._stage_bpt[stage], writes))
+            writes = 0
             for r, (_, w) in enumerate(ranks):
+                writes += w
                 rank_writes[r] += w
+            rec.handoff_writes += writes
+            events.append(stage_nics[stage].transfer(tokens * self._stage_bpt[stage], writes))
         rec.handoff_bytes += tokens * self._handoff_bpt
         rank_tokens = next(iter(plans.values()))  # a rank's token count does not depend on depth
-        for r in range(dcp):
-            events.append(nic[dec.gpus[r % len(dec.gpus)]].transfer(rank_tokens[r][0] * self._handoff_bpt, rank_writes[r]))
+        for r, link in enumerate(self._decode_nics[dec.index]):
+            events.append(link.transfer(rank_tokens[r][0] * self._handoff_bpt, rank_writes[r]))
         yield join(env, events)
         yield env.timeout(2 * self.cost.unpack_s(rec.handoff_bytes // self.spec.stages))  # gather + scatter
         rec.handoff_s = env.now - start
