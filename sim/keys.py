@@ -81,13 +81,20 @@ class KeySpace:
         parent = st.digests[keep - 1] if keep else seed
         new = digests_from_blocks(block_ids, block_tokens, n_tokens, self.chunk_tokens, parent, start_chunk=keep)
         self.hashed_chunks += len(new)
-        gid = self._gid
-        new_ids = [gid.setdefault(d, len(gid)) for d in new]  # a new digest gets the next id
         del st.digests[keep:]  # the thread's own list: extended in place
         st.digests.extend(new)
-        gids = np.concatenate([st.gids[:keep], np.asarray(new_ids, dtype=np.int64)]) if new_ids else st.gids[:keep]
+        gids = np.concatenate([st.gids[:keep], self._number(new)]) if new else st.gids[:keep]
         st.blocks, st.gids = block_ids, gids
         return gids
+
+    def _number(self, digests: list[bytes]) -> np.ndarray:
+        """Group ids of ``digests``: a digest seen before keeps its id, a new one gets the next."""
+        gid = self._gid
+        n0 = len(gid)
+        if gid.keys().isdisjoint(digests) and len(set(digests)) == len(digests):  # all new (the usual case)
+            gid.update(zip(digests, range(n0, n0 + len(digests))))
+            return np.arange(n0, n0 + len(digests), dtype=np.int64)
+        return np.asarray([gid.setdefault(d, len(gid)) for d in digests], dtype=np.int64)
 
     def forget_scope(self, scope: str) -> None:
         """Drop per-thread state of a finished play (its group ids stay valid)."""
