@@ -74,7 +74,8 @@ class KeySpace:
         n = min(st.blocks.size, block_ids.size)
         diff = np.flatnonzero(st.blocks[:n] != block_ids[:n])
         common_blocks = int(diff[0]) if diff.size else n
-        keep = min(len(st.digests), common_blocks * block_tokens // self.chunk_tokens)
+        keyable = min(n_tokens // self.chunk_tokens, n_tokens // block_tokens * block_tokens // self.chunk_tokens)
+        keep = min(len(st.digests), common_blocks * block_tokens // self.chunk_tokens, keyable)
         seed = self._seeds.get(scope)
         if seed is None:
             seed = self._seeds[scope] = chain_seed(self.namespace, scope)
