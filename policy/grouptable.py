@@ -117,7 +117,8 @@ class GroupTable:
         n = max(1, initial_groups)
         self._mask = np.zeros(n, dtype=np.uint64)
         self._last = np.zeros(n, dtype=np.float64)
-        self._count = np.zeros(n, dtype=np.int64)
+        self._count = np.zeros(n, dtype=np.int64)  # reads per group: kept for lfu, the order that uses them
+        self._counts_reads = order == "lfu"
         self._inserted = np.zeros(n, dtype=np.int64)
         self._pins = np.zeros(n, dtype=np.int32)
         self._mark = np.zeros(n, dtype=np.int32)
@@ -205,7 +206,8 @@ class GroupTable:
         """Groups read now (a lookup found objects of theirs): recency and read count."""
         if touched.size:
             self._last[touched] = now
-            self._count[touched] += 1
+            if self._counts_reads:
+                self._count[touched] += 1
 
     def contains(self, gid: int, slot: int) -> bool:
         """Presence without touching recency."""
