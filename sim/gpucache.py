@@ -34,6 +34,7 @@ import numpy as np
 from kvpool.policy.grouptable import grown
 
 
+_ALL = np.logical_and.reduce
 _EVICTED = -1.0  # the last use of an evicted block: no moment, so a log entry's live blocks are
 # those whose last use is the entry's moment (held follows)
 
@@ -114,7 +115,7 @@ class GPUPrefixCache:
         if self._bounded:
             for old in replaces:
                 if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead \
-                        and np.array_equal(old.ids, ids[: old.ids.size]):
+                        and _ALL(old.ids == ids[: old.ids.size]):
                     old.dead = True  # every block of it was used again now: none is live there
             entry = LogEntry(now, ids)
             self._log.append(entry)
@@ -163,7 +164,10 @@ class GPUPrefixCache:
         if len(entries) == 1:  # an entry lies in depth order: deepest first is its reverse
             e = entries[0]
             ids = e.ids
-            pos = np.flatnonzero(self._last[ids] == t)[::-1]
+            live = self._last[ids] == t
+            if _ALL(live):  # every block of it (the usual case): no gather needed
+                return ids[::-1], np.arange(ids.size - 1, -1, -1) if e.depth is None else e.depth[::-1], t
+            pos = np.flatnonzero(live)[::-1]
             return ids[pos], pos if e.depth is None else e.depth[pos], t
         ids = np.concatenate([e.ids for e in entries])
         depth = np.concatenate([np.arange(e.ids.size) if e.depth is None else e.depth for e in entries])
