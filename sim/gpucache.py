@@ -84,8 +84,10 @@ class GPUPrefixCache:
         if not ids.size:
             return 0, None
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
-        miss = np.flatnonzero(~self.held[ids])
-        run = int(miss[0]) if miss.size else int(ids.size)
+        held = self.held[ids]
+        run = int(held.argmin())  # the first block not held, or 0 when every one is
+        if held[run]:
+            run = int(ids.size)
         entry = None
         if run:
             used = ids[:run]

@@ -91,10 +91,6 @@ class KeySpace:
     def _number(self, digests: list[bytes]) -> np.ndarray:
         """Group ids of ``digests``: a digest seen before keeps its id, a new one gets the next."""
         gid = self._gid
-        n0 = len(gid)
-        if gid.keys().isdisjoint(digests) and len(set(digests)) == len(digests):  # all new (the usual case)
-            gid.update(zip(digests, range(n0, n0 + len(digests))))
-            return np.arange(n0, n0 + len(digests), dtype=np.int64)
         return np.asarray([gid.setdefault(d, len(gid)) for d in digests], dtype=np.int64)
 
     def forget_scope(self, scope: str) -> None:
