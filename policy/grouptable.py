@@ -283,7 +283,7 @@ class GroupTable:
 
     def _all_new(self, ids: np.ndarray) -> bool:
         """Whether no group of ``ids`` (non-empty) holds an object."""
-        return bool(ids.size) and not self._mask[ids].any()
+        return bool(ids.size) and not _MAX(self._mask[ids])  # the ufunc directly: .any() adds a wrapper
 
     def _put_new(self, ids: np.ndarray, want: np.uint64, now: float) -> PutOutcome:
         """``put`` of distinct groups none of which holds an object yet: every group needs the
