@@ -26,6 +26,7 @@ from heapq import heappop, heappush
 import simpy
 from simpy.events import Event, Timeout
 
+_INF = float("inf")
 _EPS_S = 1e-9  # completions this close are due now (float rounding; keeps every wait > 0)
 
 
@@ -55,7 +56,8 @@ class FairLink:
         self._virtual = 0.0
         self._last = env.now
         self._version = 0
-        self._wake_at = float("inf")
+        self._wake_at = _INF
+        self._wake_cb = self._wake  # bound once: a wake-up is scheduled per completion
 
     @property
     def active(self) -> int:
@@ -72,7 +74,7 @@ class FairLink:
         work = float(nbytes) + writes * self._write_bytes + self._latency_bytes
         active = self._active
         now = env._now
-        dt = now - self._last  # the clock's advance (_advance, inlined: this runs per transfer)
+        dt = now - self._last  # advance the virtual clock to now
         if dt > 0 and active:
             self._virtual += self.bytes_per_s * dt / len(active)
             self.busy_s += dt
@@ -84,33 +86,29 @@ class FairLink:
             self._reschedule()
         return done
 
-    def _advance(self) -> None:
-        now = self.env._now
-        dt = now - self._last
-        if dt > 0 and self._active:
-            self._virtual += self.bytes_per_s * dt / len(self._active)
-            self.busy_s += dt
-        self._last = now
-
     def _reschedule(self) -> None:
         self._version += 1
         active = self._active
         if not active:
-            self._wake_at = float("inf")
+            self._wake_at = _INF
             self._virtual = 0.0
             return
         wait = max(0.0, (active[0][0] - self._virtual) * len(active) / self.bytes_per_s)
         env = self.env
         self._wake_at = env._now + wait
-        Timeout(env, wait, self._version).callbacks.append(self._wake)
+        Timeout(env, wait, self._version).callbacks.append(self._wake_cb)
 
     def _wake(self, ev: simpy.Event) -> None:
         if ev._value != self._version:  # a later reschedule superseded this wake-up
             return
-        self._wake_at = float("inf")
-        self._advance()
         active = self._active
+        now = self.env._now
+        dt = now - self._last  # advance the virtual clock to now
+        if dt > 0 and active:
+            self._virtual += self.bytes_per_s * dt / len(active)
+            self.busy_s += dt
+        self._last = now
         due = self._virtual + _EPS_S * self.bytes_per_s / len(active)
         while active and active[0][0] <= due:  # none when an arrival made this wake-up early
             heappop(active)[2].succeed()
-        self._reschedule()
+        self._reschedule()  # sets the next wake-up time (none when idle)
