@@ -132,6 +132,7 @@ class Simulation:
                            on_occupancy=self._decode_occupancy)
             for i, pl in enumerate(self.layout.decode)
         ]
+        self._decode_capacity_tokens = sum(d.capacity_tokens for d in self.decodes)
         self.group_prefills = [[p.index for p, pl in zip(self.prefills, self.layout.prefill) if pl.group == g]
                                for g in range(len(self.decodes))]
         self.routers = [make_router(s.routing.prefill, random.Random(self.rng.random())) for _ in self.decodes]
@@ -163,9 +164,9 @@ class Simulation:
 
     # -- time series -----------------------------------------------------------------------
     def _decode_occupancy(self, now: float, _frac: float) -> None:
-        cap = sum(d.capacity_tokens for d in self.decodes)
+        cap = self._decode_capacity_tokens
         self.timeline.decode_t.append(now)
-        self.timeline.decode_occ.append(sum(d.reserved_tokens for d in self.decodes) / cap if cap else 0.0)
+        self.timeline.decode_occ.append(sum([d.reserved_tokens for d in self.decodes]) / cap if cap else 0.0)
 
     def _sample_pool(self) -> None:
         if self.pool is None:

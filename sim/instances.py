@@ -181,6 +181,7 @@ class DecodeInstance:
         self._step = 0.0
         self._on_occupancy = on_occupancy
         self._new: list[_Seq] = []  # joined since the last reschedule (first token pending)
+        self._wake_cb = self._wake  # bound once: a wake-up is scheduled per join and finish
 
     @property
     def free_tokens(self) -> int:
@@ -240,7 +241,7 @@ class DecodeInstance:
             self.env.timeout(self._step).callbacks.append(lambda _e, ev=seq.first: ev.succeed() if not ev.triggered else None)
         self._new.clear()
         wait = max(0.0, (running[0][0] - self._clock) / self.tokens_per_step * self._step)
-        self.env.timeout(wait, self._version).callbacks.append(self._wake)
+        self.env.timeout(wait, self._version).callbacks.append(self._wake_cb)
 
     def _finish(self, seq: _Seq) -> None:
         self.reserved_tokens -= seq.reserved
