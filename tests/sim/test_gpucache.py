@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.sim.gpucache import GPUPrefixCache
+from kvpool.sim.gpucache import GPUPrefixCache, first_occurrences
 
 
 def test_hit_is_the_leading_run():
@@ -118,3 +118,16 @@ def test_a_replaced_entry_must_be_a_prefix():
     assert not b.dead and not d.dead  # [1, 2, 3, 4] is not a prefix: block 2 is still live there
     e = c.insert(np.array([1, 9, 3, 4, 5]), 2.0, 64, replaces=(d,))
     assert not d.dead and not e.dead  # same moment: nothing is stale yet
+
+
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 50), max_size=60))
+def test_first_occurrences_are_those_of_a_sort(ids):
+    """The scratch-array marking of each id's first position equals np.unique's first indices."""
+    ids = np.array(ids, dtype=np.int64)
+    want = np.zeros(ids.size, dtype=bool)
+    want[np.unique(ids, return_index=True)[1]] = True
+    scratch = np.full(64, 7, dtype=np.int64)
+    assert np.array_equal(first_occurrences(ids, scratch), want)
