@@ -169,11 +169,16 @@ class _SessionGraph:
     """Per-session dependents lists, computed once: ``dependents[i] = [(j, gap_s), ...]``."""
 
     def __init__(self, s: Session):
-        self.n_deps = [len(r.deps) for r in s.requests]
-        self.dependents: list[list[tuple[int, float]]] = [[] for _ in s.requests]
-        for r in s.requests:
-            for d in r.deps:
-                self.dependents[d.request].append((r.index, d.gap_s))
+        reqs = s.requests
+        self.n_deps = [len(r.deps) for r in reqs]
+        dependents: list[list[tuple[int, float]]] = [[] for _ in reqs]
+        for r in reqs:
+            deps = r.deps
+            if deps:
+                i = r.index
+                for d in deps:
+                    dependents[d.request].append((i, d.gap_s))
+        self.dependents = dependents
 
 
 @dataclass
