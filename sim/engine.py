@@ -299,10 +299,11 @@ class Simulation:
         run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block)
         gpu_hit = run * bt
         gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
+        top = self.keys.groups - 1  # a bound on every group id of this request
         present = runs = on_ssd = None
         if self.pool is not None and gids.size:
             if self.pool.ssd is None:  # each rank's leading run is all the hit needs
-                runs = self.pool.lookup_runs(p.server, p.ranks, gids, env.now, self.keys.groups - 1)
+                runs = self.pool.lookup_runs(p.server, p.ranks, gids, env.now, top)
             else:  # a chunk on the SSD tier counts for every stage
                 present = self.pool.lookup(p.server, p.ranks, gids, env.now)
                 on_ssd = self.pool.ssd_lookup(p.server, gids, env.now)
@@ -322,11 +323,11 @@ class Simulation:
                 rec.pool_tokens -= rec.ssd_tokens
                 yield self.ssd_links[p.server].transfer(int(ssd_ids.size) * sum(self.rank_bytes), int(ssd_ids.size))
                 self.pool.save(p.server, p.ranks, ssd_ids, env.now)  # promoted back to DRAM
-            self.pool.pin(p.server, p.ranks, load_ids, self.keys.groups - 1)  # every id is below keys.groups
+            self.pool.pin(p.server, p.ranks, load_ids, top)
             try:
                 yield self._restore(rec, p, load_ids.size)
             finally:
-                self.pool.unpin(p.server, p.ranks, load_ids, self.keys.groups - 1)
+                self.pool.unpin(p.server, p.ranks, load_ids, top)
         yield p.compute(rec.computed_tokens, req.in_tokens - rec.computed_tokens)  # context: every reused token
         rec.prefill_end_s = env.now
         p.outstanding_tokens -= req.in_tokens
