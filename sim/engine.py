@@ -14,6 +14,7 @@ The simulator owns time and resources; every decision is a policy-core call.
 
 from __future__ import annotations
 
+import gc
 import random
 from collections import deque
 from dataclasses import dataclass, field
@@ -179,7 +180,16 @@ class Simulation:
     def run(self) -> list[RequestRecord]:
         env = self.env
         env.process(self._driver())
-        env.run()
+        # What exists now (workload, scenario, this model) lives through the run: kept out of the
+        # cyclic collector's full scans while it runs (unless the caller froze objects itself).
+        freeze = gc.get_freeze_count() == 0
+        if freeze:
+            gc.freeze()
+        try:
+            env.run()
+        finally:
+            if freeze:
+                gc.unfreeze()
         return self.records
 
     def _driver(self):

@@ -107,6 +107,26 @@ def test_no_pool_means_no_pool_share():
     assert all(r.restore_bytes == 0 and r.save_bytes == 0 for r in recs)
 
 
+def test_run_leaves_the_cyclic_collector_as_it_found_it():
+    """The run keeps its long-lived objects out of full collections while it runs, then hands
+    the collector back: nothing frozen before stays frozen after, a caller's freeze is kept."""
+    import gc
+
+    w = small_workload(n=2)
+    s = load_scenario(SCENARIO)
+    assert gc.get_freeze_count() == 0
+    first = Simulation(s, every_request(w, lanes=len(w))).run()
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        again = Simulation(s, every_request(w, lanes=len(w))).run()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    assert [r.as_dict() for r in first] == [r.as_dict() for r in again]
+
+
 def test_pool_recovers_what_the_small_gpu_cache_loses():
     w = small_workload()
     small_gpu = ["prefill.gpu_mem_utilization=0.36"]
