@@ -42,8 +42,8 @@ _EVICTED = -1.0  # the last use of an evicted block: no moment, so a log entry's
 def first_occurrences(ids: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """Whether each position of ``ids`` is its id's first (``np.unique``'s first indices, in
     O(n) without a sort): each id's smallest position, kept in ``scratch`` (indexed by id,
-    int64, left dirty)."""
-    at = np.arange(ids.size)
+    int32, left dirty)."""
+    at = np.arange(ids.size, dtype=np.int32)
     scratch[ids] = ids.size
     np.minimum.at(scratch, ids, at)
     return scratch[ids] == at
@@ -74,7 +74,7 @@ class GPUPrefixCache:
         self.blocks = 0
         self.evicted_blocks = 0
         self._log: deque[LogEntry] = deque()  # only kept when the capacity is bounded
-        self._first = np.zeros(0, dtype=np.int64)  # scratch, by block id (see _oldest_moment)
+        self._first = np.zeros(0, dtype=np.int32)  # scratch, by block id (see _oldest_moment)
         self._bounded = capacity_tokens is not None
 
     def _grow(self, max_id: int) -> None:
@@ -189,7 +189,7 @@ class GPUPrefixCache:
         order = np.argsort(-depth, kind="stable")
         ids, depth = ids[order], depth[order]
         if self._first.size < self.held.size:  # a block logged twice at one moment counts once
-            self._first = np.zeros(self.held.size, dtype=np.int64)
+            self._first = np.zeros(self.held.size, dtype=np.int32)
         first = first_occurrences(ids, self._first)
         if _ALL(first):
             return ids, depth, t

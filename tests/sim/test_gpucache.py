@@ -129,5 +129,5 @@ def test_first_occurrences_are_those_of_a_sort(ids):
     ids = np.array(ids, dtype=np.int64)
     want = np.zeros(ids.size, dtype=bool)
     want[np.unique(ids, return_index=True)[1]] = True
-    scratch = np.full(64, 7, dtype=np.int64)
+    scratch = np.full(64, 7, dtype=np.int32)
     assert np.array_equal(first_occurrences(ids, scratch), want)
