@@ -72,8 +72,10 @@ class KeySpace:
         if st is None:
             st = self._threads[(scope, thread)] = _ThreadKeys()
         n = min(st.blocks.size, block_ids.size)
-        diff = np.flatnonzero(st.blocks[:n] != block_ids[:n])
-        common_blocks = int(diff[0]) if diff.size else n
+        differ = st.blocks[:n] != block_ids[:n]
+        common_blocks = int(differ.argmax()) if n else 0  # the first difference, if any
+        if n and not differ[common_blocks]:  # none (argmax of all False is 0)
+            common_blocks = n
         keyable = min(n_tokens // self.chunk_tokens, n_tokens // block_tokens * block_tokens // self.chunk_tokens)
         keep = min(len(st.digests), common_blocks * block_tokens // self.chunk_tokens, keyable)
         seed = self._seeds.get(scope)
