@@ -20,9 +20,10 @@ Contract:
 
 Implementation: every use (a hit's leading run, an insert) is logged as ``(time, ids)`` in time
 order; a block's live entry is the one whose time equals its last use (an evicted block's last
-use is set to -1, before any moment). Eviction consumes the log
-from its oldest end, so a pass costs what it evicts plus the stale entries it skips, not a scan of
-the whole cache. Within one moment, a block's depth is its position in its entry.
+use is set to -1, before any moment). Eviction consumes the log from its oldest end, so a pass
+costs what it evicts plus the stale entries it reads, not a scan of the whole cache. Within one
+moment, a block's depth is its position in its entry; a block logged twice at one moment counts
+once, at its deepest (``first_occurrences`` after ordering by depth).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from collections import deque
 import numpy as np
 
 from kvpool.policy.grouptable import grown
-
 
 _ALL = np.logical_and.reduce
 _EVICTED = -1.0  # the last use of an evicted block: no moment, so a log entry's live blocks are
