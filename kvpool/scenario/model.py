@@ -207,9 +207,9 @@ class CostConfig(_Section):
         default=1.7e5, ge=0, description="FLOPs per prefilled token per token of context (DSA indexer)"
     )
     prefill_step_overhead_s: float = Field(default=0.004, ge=0, description="fixed cost of one prefill step, s")
-    decode_step_fixed_s: float = Field(default=0.018, ge=0, description="fixed cost of one decode step, s")
+    decode_step_fixed_s: float = Field(default=0.0093, ge=0, description="fixed cost of one decode step, s")
     decode_step_per_seq_s: float = Field(
-        default=0.00025, ge=0,
+        default=0.00031, ge=0,
         description="decode step cost per running sequence per token it verifies (ceil(mtp_accept_tokens)), s",
     )
     decode_kv_read_bytes_per_token: float = Field(

@@ -43,5 +43,5 @@ def test_decode_per_sequence_cost_counts_the_tokens_a_step_verifies():
     assert costs[1.0].decode_per_seq_s == pytest.approx(per)
     assert costs[1.5].decode_per_seq_s == pytest.approx(2 * per)  # one draft token verified
     assert costs[2.0].decode_per_seq_s == pytest.approx(2 * per)
-    # the single server's calibration (MTP, acceptance 2) is the old 0.5 ms per sequence
-    assert costs[2.0].decode_step_s(10, 0) == pytest.approx(base.cost.decode_step_fixed_s + 10 * 0.0005)
+    # the single server (MTP, acceptance 2): every running sequence costs two verified tokens a step
+    assert costs[2.0].decode_step_s(10, 0) == pytest.approx(base.cost.decode_step_fixed_s + 10 * 2 * per)
