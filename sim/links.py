@@ -16,7 +16,9 @@ so the active transfers sit in a heap by that tag and every arrival or departure
 One wake-up event is pending at a time, at or before the next completion; an arrival schedules an
 earlier one only if it would finish first (a wake-up that comes early just recomputes), and
 wake-ups made stale that way are ignored by a version counter. The clock restarts at 0 whenever
-the link is idle, which keeps the tags small against float rounding.
+the link is idle, which keeps the tags small against float rounding. A wake-up completes its due
+transfers itself (``sim.events.fire``: their callbacks run inside the wake-up, after the link's
+state is updated), so a transfer costs its wake-up and no completion event.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from heapq import heappop, heappush
 
 import simpy
 from simpy.events import Event, Timeout
+
+from kvpool.sim.events import fire
 
 _INF = float("inf")
 _EPS_S = 1e-9  # completions this close are due now (float rounding; keeps every wait > 0)
@@ -109,6 +113,9 @@ class FairLink:
             self.busy_s += dt
         self._last = now
         due = self._virtual + _EPS_S * self.bytes_per_s / len(active)
+        done = []
         while active and active[0][0] <= due:  # none when an arrival made this wake-up early
-            heappop(active)[2].succeed()
+            done.append(heappop(active)[2])
         self._reschedule()  # sets the next wake-up time (none when idle)
+        for ev in done:  # completed now, not queued: callbacks may start transfers on this link
+            fire(ev)
