@@ -31,6 +31,7 @@ from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacit
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
+from kvpool.sim.events import fire
 from kvpool.sim.gpucache import GPUPrefixCache, LogEntry
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
@@ -41,7 +42,8 @@ from kvpool.sim.pool import SimPool
 
 def join(env: simpy.Environment, events: list[simpy.Event]) -> simpy.Event:
     """An event that succeeds once every one of ``events`` has (``env.all_of`` without building
-    a condition value; a single event is returned as it is)."""
+    a condition value; a single event is returned as it is). When the last of ``events`` completes,
+    the joint event completes at once (``sim.events.fire``), not through SimPy's queue."""
     if len(events) == 1:
         return events[0]
     done = env.event()
@@ -50,7 +52,7 @@ def join(env: simpy.Environment, events: list[simpy.Event]) -> simpy.Event:
     def one(_e) -> None:
         left[0] -= 1
         if not left[0]:
-            done.succeed()
+            fire(done)
 
     for ev in events:
         if ev.callbacks is not None:  # not processed yet
@@ -406,7 +408,7 @@ class Simulation:
             if not left[0]:
                 rec.restore_stage_s = [e - b for b, e in zip(starts, ends)]
                 rec.restore_spread_s = max(ends) - min(starts)
-                done.succeed()
+                fire(done)
 
         def start(rank: int) -> None:
             starts[rank] = env.now
