@@ -247,18 +247,21 @@ class DecodeInstance:
     def _finish(self, seq: _Seq) -> None:
         self.reserved_tokens -= seq.reserved
         self._base_sum -= seq.base
-        if not seq.first.triggered:
-            seq.first.succeed()
-        seq.done.succeed()
 
     def _wake(self, ev: simpy.Event) -> None:
-        if ev.value != self._version:  # a later reschedule superseded this wake-up
+        if ev._value != self._version:  # a later reschedule superseded this wake-up
             return
         self._advance()
         running = self._running
         # the wake-up was set for the first finish: it is due even if rounding left it a hair short
-        self._finish(heapq.heappop(running)[2])
+        done = [heapq.heappop(running)[2]]
+        self._finish(done[0])
         while running and running[0][0] - self._clock <= 1e-6:
-            self._finish(heapq.heappop(running)[2])
+            done.append(heapq.heappop(running)[2])
+            self._finish(done[-1])
         self._admit()
         self._reschedule()
+        for seq in done:  # completed now, once the batch is consistent (callbacks may call generate)
+            if not seq.first.triggered:
+                fire(seq.first)
+            fire(seq.done)
