@@ -181,7 +181,7 @@ class Simulation:
     # -- the driver (sim.workload.replay's interface) ------------------------------------------
     def run(self) -> list[RequestRecord]:
         env = self.env
-        env.process(self._driver())
+        self._start_driver()
         # What exists now (workload, scenario, this model) lives through the run: kept out of the
         # cyclic collector's full scans while it runs (unless the caller froze objects itself).
         freeze = gc.get_freeze_count() == 0
@@ -194,39 +194,36 @@ class Simulation:
                 gc.unfreeze()
         return self.records
 
-    def _driver(self):
+    def _start_driver(self) -> None:
+        """Drive the replay (sim.workload.replay's interface) with callbacks, no driver process:
+        ``start`` now, ``finished`` as each request completes (in its own process), ``poll``
+        when the newest ``Wake.next_due_s`` comes; every Wake's ready dispatches are issued at
+        once. One timer is pending at a time; a Wake that moves the due time makes it stale
+        (ignored by a version counter), one that keeps it adds no event."""
         env = self.env
         replay = self.replay
-        kick = env.event()
+        timer = [0, None]  # version, due time of the pending timer (None: none)
 
         def run_one(d):
             yield from self._serve(d)
             handle(replay.finished(d.key, env.now))
 
-        def handle(w):
-            nonlocal kick
+        def handle(w) -> None:
             for d in w.ready:
                 env.process(run_one(d))
-            if not kick.triggered:
-                kick.succeed(w)
+            due = None if w.done else w.next_due_s
+            if due != timer[1]:
+                timer[0] += 1
+                timer[1] = due
+                if due is not None:
+                    env.timeout(max(0.0, due - env.now), timer[0]).callbacks.append(on_timer)
 
-        w = replay.start(env.now)
-        handle(w)
-        while not w.done:
-            w = kick.value
-            kick = env.event()
-            woken = env.event()  # env.any_of([kick, timer]) without building a condition value
-
-            def wake(_e, woken=woken) -> None:
-                if not woken.triggered:
-                    woken.succeed()
-
-            kick.callbacks.append(wake)
-            if w.next_due_s is not None:
-                env.timeout(max(0.0, w.next_due_s - env.now)).callbacks.append(wake)
-            yield woken
-            if not kick.triggered:
+        def on_timer(ev) -> None:
+            if ev._value == timer[0]:  # not superseded by a later Wake
+                timer[1] = None
                 handle(replay.poll(env.now))
+
+        handle(replay.start(env.now))
 
     # -- one request -------------------------------------------------------------------------
     def _admit(self, rec: RequestRecord):
