@@ -1,0 +1,67 @@
+"""sim.events.fire: an event completed at once behaves, for its waiters, as one succeeded through
+SimPy's queue at the same moment."""
+
+import pytest
+import simpy
+
+from kvpool.sim.events import fire
+from kvpool.sim.links import FairLink
+
+
+def _waiters(complete):
+    """Two processes wait on one event that ``complete(env, ev)`` completes at t=3; returns
+    what each saw (name, time, value) in order."""
+    env = simpy.Environment()
+    ev = env.event()
+    log = []
+
+    def waiter(name):
+        value = yield ev
+        log.append((name, env.now, value))
+
+    env.process(waiter("a"))
+    env.process(waiter("b"))
+    env.timeout(3.0).callbacks.append(lambda _t: complete(ev))
+    env.run()
+    return log, ev
+
+
+def test_fire_resumes_waiters_like_succeed():
+    fired, ev = _waiters(lambda e: fire(e, 42))
+    queued, _ = _waiters(lambda e: e.succeed(42))
+    assert fired == queued == [("a", 3.0, 42), ("b", 3.0, 42)]
+    assert ev.processed and ev.ok and ev.value == 42
+
+
+def test_fire_twice_raises():
+    env = simpy.Environment()
+    ev = env.event()
+    fire(ev)
+    with pytest.raises(RuntimeError):
+        fire(ev)
+
+
+def test_a_completion_callback_may_start_a_transfer_on_the_same_link():
+    """A transfer started from a completion's callback on the same link (chained transfers)
+    ends when processor sharing says: the link's state is updated before callbacks run."""
+    env = simpy.Environment()
+    link = FairLink(env, 100.0)
+    done = {}
+
+    def chain():
+        yield link.transfer(100)
+        done["first"] = env.now
+        yield link.transfer(100)  # started from the first one's completion
+        done["second"] = env.now
+
+    def other():
+        yield env.timeout(0.5)
+        yield link.transfer(150)  # shares with the first from 0.5 s, then with the second
+        done["other"] = env.now
+
+    env.process(chain())
+    env.process(other())
+    env.run()
+    # 0-0.5: first alone (50 B). 0.5-1.5: both at 50 B/s -> first done at 1.5, other has 100 left.
+    # 1.5-3.5: second and other at 50 B/s, both 100 B -> both done at 3.5.
+    assert done == pytest.approx({"first": 1.5, "second": 3.5, "other": 3.5})
