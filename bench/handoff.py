@@ -39,6 +39,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -698,10 +699,9 @@ def run_gpu(args) -> dict:
 
     def summary(rounds: list[dict]) -> dict:
         rates = sorted(x["gbps"] for x in rounds)
-        later = sorted(x["gbps"] for x in rounds[1:]) or rates   # round 1 includes Triton compilation
-        med = later[len(later) // 2] if len(later) % 2 else (later[len(later) // 2 - 1] + later[len(later) // 2]) / 2
-        sus = sorted(x["sustained_gbps"] for x in rounds[1:]) or [x["sustained_gbps"] for x in rounds]
-        sus_med = sus[len(sus) // 2] if len(sus) % 2 else (sus[len(sus) // 2 - 1] + sus[len(sus) // 2]) / 2
+        later = rounds[1:] or rounds   # round 1 includes Triton compilation
+        med = statistics.median(x["gbps"] for x in later)
+        sus_med = statistics.median(x["sustained_gbps"] for x in later)
         return {"best_gbps": rates[-1], "median_gbps_after_round_1": med,
                 "best_ratio": rates[-1] / copy["gbps"], "median_ratio_after_round_1": med / copy["gbps"],
                 "sustained_median_ratio_after_round_1": sus_med / copy["gbps"],

@@ -278,9 +278,8 @@ class DecodeRank:
         elif isinstance(msg, m.Done):
             self._done(msg.request_id, msg.nonce, msg.stage, msg.writes)
         elif isinstance(msg, m.Abort):
-            for slot in msg.quarantined:
-                if slot in self.stage_slots(msg.stage):
-                    self._quarantine[slot] = time.monotonic() + self.quarantine_s
+            own = self.stage_slots(msg.stage)
+            self._quarantine_slots(tuple(slot for slot in msg.quarantined if slot in own))
             req = self._reqs.get(msg.request_id)
             if req is not None and req.nonce == msg.nonce and req.state == PENDING:
                 self._fail(req, f"stage {msg.stage} aborted: {msg.reason}", tell=False)
