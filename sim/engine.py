@@ -34,7 +34,7 @@ from kvpool.sim.cost import AnalyticalCost, CostModel
 from kvpool.sim.events import fire
 from kvpool.sim.gpucache import GPUPrefixCache, LogEntry
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
-from kvpool.sim.keys import KeySpace
+from kvpool.sim.keys import SHARED_PREFIX_SCOPE, KeySpace
 from kvpool.sim.links import FairLink
 from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.pool import SimPool
@@ -161,6 +161,11 @@ class Simulation:
         self._decode_nics = [[nic[d.gpus[r % len(d.gpus)]] for r in range(s.decode.dcp)] for d in self.decodes]
         self._min_load_tokens = s.pool.min_load_tokens
         self._handoff_bpt = sum(self._stage_bpt)
+        # one range of GPU cache ids for the prefix every session shares (taken first, so each
+        # scope's own range lies above it); chunk keys then come from global ids under one chain
+        self._shared_prefix_tokens = s.workload.shared_prefix_tokens
+        self._shared_base = (self.keys.block_offset(SHARED_PREFIX_SCOPE, self._shared_prefix_tokens)
+                             if self._shared_prefix_tokens else 0)
         for layers in self._distinct_stage_layers:  # the plan's checks, once (per request: rank_plan)
             HandoffPlan(tokens=0, layers=layers, record_bytes=s.model.record_bytes, ranks=s.decode.dcp,
                         max_write_bytes=s.handoff.max_write_bytes)
@@ -303,11 +308,17 @@ class Simulation:
         max_block = self._max_block_id(session)
         off = self.keys.block_offset(d.scope, max_block)
         gblocks = np.add(blocks, off, dtype=np.int64)  # ids in the GPU cache (keys.global_blocks)
+        if self._shared_prefix_tokens:
+            if req.thread == 0:  # the main thread's prompts open with the shared prefix
+                k = min(self._shared_prefix_tokens // bt, gblocks.size)
+                gblocks[:k] = np.arange(self._shared_base, self._shared_base + k)
+            gids = self.keys.chunk_gids(d.scope, req.thread, gblocks, bt, req.in_tokens, chain_scope="")
+        else:
+            gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
         full_blocks = min(gblocks.size, req.in_tokens // bt)
         prompt = gblocks[:full_blocks]
         run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block)
         gpu_hit = run * bt
-        gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
         top = self.keys.groups - 1  # a bound on every group id of this request
         present = runs = on_ssd = None
         if self.pool is not None and gids.size:

@@ -10,6 +10,10 @@ Contract:
       seen, first numbered) for ``policy.grouptable``. A thread keeps its last request's blocks
       and digests, so a request hashes only the chunks past its common prefix with the previous
       one (the chain makes the shared digests identical by construction).
+    * A prefix common to every session (``workload.shared_prefix_tokens``: one product's tool
+      definitions) gets one range of block ids of its own (scope ``SHARED_PREFIX_SCOPE``); the
+      simulator then keys every chunk from global ids under one chain (``chain_scope=""``), so
+      chunks made only of shared blocks are the same object in every session and no others are.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import numpy as np
 from kvpool.policy.chunks import chain_seed, digests_from_blocks
 
 _GLOBAL_RESERVE = 1 << 24  # block ids reserved for global-scope (Mooncake) ids
+#: The scope of the block ids of the prefix every session shares (no trace scope starts with NUL).
+SHARED_PREFIX_SCOPE = "\0shared-prefix"
 
 
 @dataclass
@@ -63,9 +69,13 @@ class KeySpace:
         scope will use)."""
         return np.add(block_ids, self.block_offset(scope, max_id), dtype=np.int64)
 
-    def chunk_gids(self, scope: str, thread: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int) -> np.ndarray:
+    def chunk_gids(self, scope: str, thread: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int,
+                   *, chain_scope: str | None = None) -> np.ndarray:
         """Group ids of the request's keyable chunks (policy.chunks rules), in order.
 
+        ``chain_scope``: the scope whose chain seed starts the digests (default ``scope``); a
+        caller that passes ids unique across scopes (``global_blocks``) passes ``""`` so that equal
+        leading ids give equal chunks in every scope. A thread must keep one choice.
         Tokens beyond the recorded blocks (traces whose ``in`` over-counts) are never keyed."""
         n_tokens = min(n_tokens, block_ids.size * block_tokens)
         st = self._threads.get((scope, thread))
@@ -78,9 +88,10 @@ class KeySpace:
             common_blocks = n
         keyable = min(n_tokens // self.chunk_tokens, n_tokens // block_tokens * block_tokens // self.chunk_tokens)
         keep = min(len(st.digests), common_blocks * block_tokens // self.chunk_tokens, keyable)
-        seed = self._seeds.get(scope)
+        chain = scope if chain_scope is None else chain_scope
+        seed = self._seeds.get(chain)
         if seed is None:
-            seed = self._seeds[scope] = chain_seed(self.namespace, scope)
+            seed = self._seeds[chain] = chain_seed(self.namespace, chain)
         parent = st.digests[keep - 1] if keep else seed
         new = digests_from_blocks(block_ids, block_tokens, n_tokens, self.chunk_tokens, parent, start_chunk=keep)
         self.hashed_chunks += len(new)

@@ -73,7 +73,9 @@ def show(
     f.add_row("prefill GPU KV (all prefill GPUs)", _fmt_bytes(d["prefill_gpu_kv_bytes"]))
     f.add_row("prefill GPU KV capacity per instance", f"{d['prefill_gpu_kv_capacity_tokens']:,} tokens")
     f.add_row("decode GPU KV capacity per instance", f"{d['decode_gpu_kv_capacity_tokens']:,} tokens")
-    f.add_row("pool capacity", f"{_fmt_bytes(d['pool_capacity_bytes'])} = {d['pool_capacity_tokens']:,} tokens")
+    copies = d["pool_copies_per_token"]
+    f.add_row("pool capacity", f"{_fmt_bytes(d['pool_capacity_bytes'])} = {d['pool_capacity_tokens']:,} tokens"
+              + (f" ({copies} copies of each: one per TP rank)" if copies > 1 else ""))
     if d["pool_to_prefill_gpu_kv_ratio"] is not None:
         f.add_row("pool / prefill GPU KV", f"{d['pool_to_prefill_gpu_kv_ratio']:.2f}x")
     f.add_row("sessions of 10 GiB history in the pool", f"{d['pool_sessions_10gib']:.0f}")

@@ -91,7 +91,7 @@ def summarize(s: Scenario) -> dict:
         "pool_capacity_tokens": pool_bytes // (bpt * copies),
         "pool_copies_per_token": copies,
         "pool_to_prefill_gpu_kv_ratio": pool_bytes / prefill_gpu_bytes if prefill_gpu_bytes else None,
-        "pool_sessions_10gib": pool_bytes / HISTORY_PER_SESSION_BYTES,
+        "pool_sessions_10gib": pool_bytes / (HISTORY_PER_SESSION_BYTES * copies),  # each copy takes its room
         "handoff_tokens": plan.tokens,
         "handoff_stage_layers": plan.layers,
         "handoff_bytes": plan.total_bytes,

@@ -179,6 +179,12 @@ class WorkloadConfig(_Section):
     start_fraction_max: float = Field(default=0.75, ge=0, le=1, description="lane start point t*: highest fraction")
     max_context_tokens: int = Field(default=917_504, gt=0, description="traces whose peak context exceeds this are skipped")
     max_output_tokens: int | None = Field(default=None, gt=0, description="cap on output tokens per request (none: recorded)")
+    shared_prefix_tokens: int = Field(
+        default=0, ge=0,
+        description="leading prompt tokens of every main-thread request that are the same in every session "
+                    "(one agent product's tool definitions), whole trace blocks only; 0: sessions share nothing "
+                    "(AgentX cache-busts every session)",
+    )
 
     @model_validator(mode="after")
     def _start_range(self) -> WorkloadConfig:

@@ -48,6 +48,8 @@ def test_tp4_prefill_keeps_one_copy_per_rank():
     d = summarize(load_scenario("mi350x-6p2d-tp4-replay-shared"))
     assert d["pool_copies_per_token"] == 4
     assert d["pool_capacity_tokens"] == d["pool_capacity_bytes"] // (4 * 48_672)
+    pp4 = summarize(load_scenario("mi350x-6p2d-shared"))  # the same pool, one copy per token
+    assert d["pool_sessions_10gib"] * 4 == pytest.approx(pp4["pool_sessions_10gib"])
 
 
 def test_set_overrides_fields():
