@@ -96,6 +96,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("Workload", "workload.sessions", "AgentX sessions (lanes)", "int"),
     Knob("Workload", "workload.rps", "Replay requests per second", "float", 0.1),
     Knob("Workload", "workload.duration_s", "Measured window per load (s)", "float", 60.0),
+    Knob("Workload", "workload.context_scale", "Prompt size scale of the synthetic sessions", "float", 0.1),
+    Knob("Workload", "workload.shared_prefix_tokens", "Prompt prefix every session shares (tokens)", "int"),
 )
 
 GROUPS: tuple[str, ...] = tuple(dict.fromkeys(k.group for k in KNOBS))

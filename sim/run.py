@@ -23,6 +23,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from kvpool.scenario.model import Scenario
+from kvpool.sim.workload.errors import TraceError
 from kvpool.sim.workload.model import Workload
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ def _traces(path: str) -> Workload:
 
 
 @lru_cache(maxsize=4)
-def _synthetic(preset: str, sessions: int, seed: int) -> Workload:
+def _synthetic(preset: str, sessions: int, seed: int, context_scale: float = 1.0) -> Workload:
     """A synthetic workload, generated once and kept in the user's cache directory
     (``$KVPOOL_CACHE_DIR``, default ``~/.cache/kvpool``) under a key that covers the preset's
     parameters and the generator's source, so a changed generator never serves stale sessions."""
@@ -48,18 +49,19 @@ def _synthetic(preset: str, sessions: int, seed: int) -> Workload:
 
     from kvpool.sim.workload import synth
 
-    params = synth.preset_params(preset).to_dict()
+    params = synth.preset_params(preset).with_context_scale(context_scale).to_dict()
     key = hashlib.sha256(json.dumps([params, sessions, seed, inspect.getsource(synth)], sort_keys=True,
                                     default=str).encode()).hexdigest()[:24]
     root = Path(os.environ.get("KVPOOL_CACHE_DIR", Path.home() / ".cache" / "kvpool"))
-    path = root / f"synth-{preset}-{sessions}-{seed}-{key}.pkl"
+    scale = "" if context_scale == 1 else f"x{context_scale:g}-"
+    path = root / f"synth-{preset}-{scale}{sessions}-{seed}-{key}.pkl"
     if path.is_file():
         try:
             with path.open("rb") as f:
                 return pickle.load(f)
         except (OSError, pickle.UnpicklingError, EOFError, AttributeError):
             pass  # unreadable cache entry: generate again
-    w = synth.synthetic_workload(preset, sessions, seed)
+    w = synth.synthetic_workload(preset, sessions, seed, context_scale=context_scale)
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -75,8 +77,11 @@ def workload_for(s: Scenario, traces: str | None = None) -> Workload:
     """The scenario's workload: a trace set when given, else its synthetic preset."""
     path = traces or s.workload.traces
     if path:
+        if s.workload.context_scale != 1:
+            raise TraceError(f"workload.context_scale={s.workload.context_scale:g} applies to the synthetic presets only; "
+                             "a trace set keeps its recorded sizes (use --set workload.context_scale=1)", file=str(path))
         return _traces(os.path.abspath(path))
-    return _synthetic(s.workload.preset, s.workload.synthetic_sessions, s.seed)
+    return _synthetic(s.workload.preset, s.workload.synthetic_sessions, s.seed, s.workload.context_scale)
 
 
 def make_replay(s: Scenario, workload: Workload, load: float):

@@ -179,6 +179,11 @@ class WorkloadConfig(_Section):
     start_fraction_max: float = Field(default=0.75, ge=0, le=1, description="lane start point t*: highest fraction")
     max_context_tokens: int = Field(default=917_504, gt=0, description="traces whose peak context exceeds this are skipped")
     max_output_tokens: int | None = Field(default=None, gt=0, description="cap on output tokens per request (none: recorded)")
+    context_scale: float = Field(
+        default=1.0, gt=0, le=10,
+        description="synthetic presets only: every prompt-side token count of the sessions times this "
+                    "(first prompts, growth, compaction, context limits); outputs and timing unchanged",
+    )
     shared_prefix_tokens: int = Field(
         default=0, ge=0,
         description="leading prompt tokens of every main-thread request that are the same in every session "

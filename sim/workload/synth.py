@@ -128,6 +128,22 @@ class SynthParams:
     def with_(self, **kw) -> SynthParams:
         return replace(self, **kw)
 
+    def with_context_scale(self, k: float) -> SynthParams:
+        """The same sessions with every prompt-side token count times ``k`` (first prompts,
+        growth per turn, compaction targets, context limits, subagent prompts and their shared
+        prefix); outputs, turns and timing are unchanged. ``k = 1`` returns ``self``."""
+        if k <= 0:
+            raise ValueError(f"context scale must be > 0, got {k}")
+        if k == 1:
+            return self
+        return replace(self, **{f: getattr(self, f).scaled(k) for f in CONTEXT_FIELDS},
+                       sub_prefix_tokens=round(self.sub_prefix_tokens * k),
+                       max_context_tokens=round(self.max_context_tokens * k))
+
+
+#: The prompt-side token distributions of a preset (what ``with_context_scale`` scales).
+CONTEXT_FIELDS = ("init_tokens", "add_tokens", "compact_tokens", "context_limit_tokens", "sub_init_tokens", "sub_add_tokens")
+
 
 # -- light records ----------------------------------------------------------------------------
 @dataclass
@@ -344,12 +360,13 @@ def write_weka_dir(docs, out: str | Path) -> int:
     return n
 
 
-def synthetic_workload(preset: str, sessions: int, seed: int):
-    """A :class:`Workload` of ``sessions`` synthetic sessions, in memory (no file)."""
+def synthetic_workload(preset: str, sessions: int, seed: int, *, context_scale: float = 1.0):
+    """A :class:`Workload` of ``sessions`` synthetic sessions, in memory (no file);
+    ``context_scale``: see ``SynthParams.with_context_scale``."""
     from kvpool.sim.workload.model import Workload
     from kvpool.sim.workload.weka import session_from_weka
 
-    p = preset_params(preset)
+    p = preset_params(preset).with_context_scale(context_scale)
     return Workload(tuple(session_from_weka(generate_session(p, seed=seed, index=k), source=f"synth:{preset}") for k in range(sessions)))
 
 

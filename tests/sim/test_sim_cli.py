@@ -47,6 +47,9 @@ def test_bad_flags_are_one_clear_line(tmp_path):
         (["--sessions", "4", "--traces", str(tmp_path / "nope")], "no such file or directory"),
         (["--sessions", "4", "--set", "pool.mode=mirror"], "pool.mode: value 'mirror'"),
         (["--duration", "-1"], "--duration -1: must be > 0"),
+        (["--sessions", "4", "--traces", TRACE, "--set", "workload.context_scale=0.5"],
+         "workload.context_scale=0.5 applies to the synthetic presets only"),
+        (["--sessions", "4", "--set", "workload.context_scale=0"], "workload.context_scale"),
     ]:
         r = run("sim", "run", "mi355x-1p1d", *args, "--out", str(tmp_path))
         assert r.returncode == 2, (args, r.stderr)

@@ -62,3 +62,16 @@ def test_synthetic_workload_in_memory_matches_the_files():
     w = synthetic_workload("kv-cache-tester", 2, seed=4)
     p = preset_params("kv-cache-tester")
     assert w.sessions[1].requests == session_from_weka(generate_session(p, seed=4, index=1)).requests
+
+
+def test_context_scale_scales_the_prompts_and_keeps_the_rest():
+    p = preset_params("kv-cache-tester")
+    for index in range(6):
+        one = session_from_weka(generate_session(p, seed=2, index=index))
+        half = session_from_weka(generate_session(p.with_context_scale(0.5), seed=2, index=index))
+        a, b = one.requests[0], half.requests[0]
+        assert abs(b.in_tokens - a.in_tokens / 2) <= 64  # the first prompt, to a 64-token block
+        assert b.out_tokens == a.out_tokens and b.t_s == a.t_s
+    assert p.with_context_scale(1.0) is p
+    with pytest.raises(ValueError, match="context scale must be > 0"):
+        p.with_context_scale(0)
