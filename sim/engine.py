@@ -63,6 +63,9 @@ def join(env: simpy.Environment, events: list[simpy.Event]) -> simpy.Event:
     return done
 
 
+_DEADLINE_SLACK_S = 1e-6  # a wait this close to its deadline has reached it (the clock's ulp is ~1e-9 s at 1e7 s)
+
+
 @dataclass
 class _PlayState:
     """What a play's next requests reuse, per thread: its last request's block ids (a later
@@ -239,13 +242,15 @@ class Simulation:
         if bad is not None:
             rec.rejected = bad.value
             return None
-        start = self.env.now
+        deadline = self.env.now + gate.config.max_wait_s
         while True:
             decode = choose_decode([gate.free_tokens(i) for i in range(len(self.decodes))])
             if gate.try_admit(key, rec.in_tokens, rec.out_tokens, decode) is Verdict.ADMITTED:
                 return decode
-            left = gate.config.max_wait_s - (self.env.now - start)
-            if left <= 0:
+            left = deadline - self.env.now
+            # at the deadline up to rounding: a timeout shorter than half the clock's ulp never
+            # advances it, and waiting on one again and again would hang the run at that moment
+            if left <= _DEADLINE_SLACK_S:
                 rec.rejected = Verdict.REJECT_TIMEOUT.value
                 return None
             ev = self.env.event()

@@ -196,6 +196,29 @@ def test_four_server_gate_admits_and_rejects_with_a_reason():
     assert summarize(recs, gpus=sim.gpus)["rejected"] == len(rejected)
 
 
+@pytest.mark.timeout(60)
+def test_a_full_gate_rejects_at_its_deadline_whatever_the_clock_rounding():
+    """A wait that starts at 500.002 s with a 30 s bound ends at 530.002 s rounded down, a few
+    1e-14 s short of its deadline; a timeout that short never advances the clock, and re-waiting
+    on it used to hang the run at that moment."""
+    from kvpool.sim.metrics import RequestRecord
+
+    s = load_scenario("mi350x-6p2d-shared", ["gate.max_wait_s=30"])
+    sim = Simulation(s, every_request(small_workload(1), lanes=1))
+    start, wait = 500.002, 30.0
+    assert wait - ((start + wait) - start) > 0  # the rounding this test is about
+    for d in range(len(sim.decodes)):  # fill the gate: nothing will ever be released
+        k = 0
+        while sim.gate.try_admit(("blocker", d, k), 900_000, 0, d).value == "admitted":
+            k += 1
+    env = sim.env
+    env.run(until=start)
+    rec = RequestRecord(1, "s", 0, True, env.now, 100_000, 1000)
+    env.process(sim._admit(rec))
+    env.run(until=start + 2 * wait)
+    assert rec.rejected == "reject_admission_timeout"
+
+
 def test_split_pool_serves_each_prefill_from_its_own_server():
     w = small_workload()
     recs = Simulation(load_scenario("mi350x-6p2d-split", ["prefill.gpu_mem_utilization=0.38"]),
