@@ -104,6 +104,8 @@ def synth(
     sessions: int = typer.Option(..., "--sessions", min=1, help="number of sessions"),
     seed: int = typer.Option(0, "--seed", help="random seed (same seed, same output)"),
     out: Path = typer.Option(..., "--out", help=".jsonl/.jsonl.gz file, or a directory of .json.gz traces"),
+    context_scale: float = typer.Option(
+        1.0, "--context-scale", help="every prompt-side token count times this (workload.context_scale); outputs unchanged"),
 ) -> None:
     """Generate synthetic agent sessions in the Weka format."""
     from rich.progress import Progress
@@ -112,7 +114,9 @@ def synth(
 
     if preset not in PRESETS:
         raise UserError(f"unknown preset '{preset}'; choose one of: {', '.join(sorted(PRESETS))}")
-    params = preset_params(preset)
+    if not 0 < context_scale <= 10:
+        raise UserError(f"--context-scale {context_scale:g}: must be > 0 and <= 10")
+    params = preset_params(preset).with_context_scale(context_scale)
     from kvpool.sim.workload.load import write_weka_jsonl
     from kvpool.sim.workload.synth import write_weka_dir
 

@@ -9,6 +9,7 @@ from conftest import MOONCAKE, spawn_join_trace, write
 
 from kvpool.cli import main
 from kvpool.sim.workload import load_workload, workload_stats
+from kvpool.sim.workload.synth import synthetic_workload
 
 
 def _run(capsys, *argv) -> tuple[int, str, str]:
@@ -62,6 +63,17 @@ def test_synth_is_deterministic_and_readable(tmp_path, capsys):
     assert [s.requests for s in w1] == [s.requests for s in w2]
     code, _, err = _run(capsys, "trace", "synth", "--preset", "nope", "--sessions", "1", "--out", str(tmp_path / "x.jsonl"))
     assert code == 2 and "unknown preset 'nope'" in err
+    # --context-scale: the simulator's workload.context_scale sessions, in a file
+    code, _, _ = _run(capsys, "trace", "synth", "--preset", "kv-cache-tester", "--sessions", "3", "--seed", "5",
+                      "--context-scale", "0.5", "--out", str(tmp_path / "half.jsonl"))  # fmt: skip
+    assert code == 0
+    half = load_workload(tmp_path / "half.jsonl")
+    want = synthetic_workload("kv-cache-tester", 3, 5, context_scale=0.5)
+    assert [s.requests for s in half] == [s.requests for s in want]
+    assert [s.requests[0].in_tokens for s in half] != [s.requests[0].in_tokens for s in w1]
+    code, _, err = _run(capsys, "trace", "synth", "--preset", "kv-cache-tester", "--sessions", "1",
+                        "--context-scale", "0", "--out", str(tmp_path / "z.jsonl"))  # fmt: skip
+    assert code == 2 and "--context-scale 0: must be > 0" in err
 
 
 def test_convert_weka_to_mooncake_keeps_reuse_and_mooncake_roundtrips(tmp_path, capsys):
