@@ -167,6 +167,7 @@ class Simulation:
         # one range of GPU cache ids for the prefix every session shares (taken first, so each
         # scope's own range lies above it); chunk keys then come from global ids under one chain
         self._shared_prefix_tokens = s.workload.shared_prefix_tokens
+        self._frontend_s = s.cost.frontend_overhead_s
         self._shared_base = (self.keys.block_offset(SHARED_PREFIX_SCOPE, self._shared_prefix_tokens)
                              if self._shared_prefix_tokens else 0)
         for layers in self._distinct_stage_layers:  # the plan's checks, once (per request: rank_plan)
@@ -270,6 +271,8 @@ class Simulation:
         out_tokens = max(1, d.out_tokens)
         rec = RequestRecord(d.key, d.session.id, req.thread, d.measured, env.now, req.in_tokens, out_tokens)
         self.records.append(rec)
+        if self._frontend_s:
+            yield env.timeout(self._frontend_s)
         # 1. gate and decode group
         if self.gate is not None:
             decode = yield from self._admit(rec)

@@ -232,6 +232,11 @@ class CostConfig(_Section):
         default=10.0, gt=0, description="one load worker's pool read + unpack rate, GB/s (after the NIC transfer)"
     )
     load_workers_per_stage: int = Field(default=1, gt=0, description="concurrent pool loads per prefill stage")
+    frontend_overhead_s: float = Field(
+        default=0.0, ge=0,
+        description="fixed time from a request's arrival to its admission: API gateway, chat template and "
+                    "tokenization in front of the router, s (0: the client talks to the router directly)",
+    )
 
 
 class Scenario(_Section):

@@ -196,6 +196,17 @@ def test_four_server_gate_admits_and_rejects_with_a_reason():
     assert summarize(recs, gpus=sim.gpus)["rejected"] == len(rejected)
 
 
+def test_frontend_overhead_delays_every_first_token_by_exactly_that_much():
+    w = small_workload(1)
+    runs = {}
+    for x in (0.0, 0.75):
+        s = load_scenario(SCENARIO, [f"cost.frontend_overhead_s={x}"])
+        runs[x] = Simulation(s, every_request(w, lanes=1)).run()
+    for a, b in zip(runs[0.0], runs[0.75]):
+        assert b.ttft_s == pytest.approx(a.ttft_s + 0.75, abs=1e-9)
+        assert (b.gpu_tokens, b.pool_tokens, b.computed_tokens) == (a.gpu_tokens, a.pool_tokens, a.computed_tokens)
+
+
 @pytest.mark.timeout(60)
 def test_a_full_gate_rejects_at_its_deadline_whatever_the_clock_rounding():
     """A wait that starts at 500.002 s with a 30 s bound ends at 530.002 s rounded down, a few
