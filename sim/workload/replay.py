@@ -69,10 +69,11 @@ Production replay (:class:`ProductionReplay`, the seed's Figure 7)
 ``lanes`` lanes each hold a session, started at a uniform position in
 ``[start_fraction_min, start_fraction_max]`` of its requests (time order, all threads);
 arrivals are Poisson at ``rps``; each arrival sends the next request of a uniformly chosen idle
-lane (one with nothing in flight), or waits for the first lane to free. A lane's first request
-is ``phase="cold"`` (not measured), and so is the first request of every other thread whose
-earlier requests the partway start skipped (its history was never sent, so it is cold only
-because of where the lane started); a finished session is replaced by the next one from turn 0.
+lane (one with nothing in flight), or waits for the first lane to free. The first request of
+every session a lane plays is ``phase="cold"`` (not measured: the seed's Figure 7 reports warm
+turns), and so is the first request of every other thread whose earlier requests the partway
+start skipped (its history was never sent, so it is cold only because of where the lane
+started); a finished session is replaced by the next one from turn 0.
 Recorded gaps are not used.
 
 Determinism: everything random comes from ``numpy.random.default_rng`` seeded from ``seed``.
@@ -488,6 +489,7 @@ class ProductionReplay:
             self._sess[lane], self._pos[lane] = s, 0
             self._play[lane] = self._n_plays
             self._n_plays += 1
+            self._first[lane] = True  # a new session's first turn is cold too: the seed counts warm turns
             self._skipped[lane] = set()
         return self.poll(now_s)
 

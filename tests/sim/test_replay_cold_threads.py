@@ -24,7 +24,9 @@ def test_threads_joined_midway_are_cold_once():
     rp = ProductionReplay(Workload((s,)), lanes=1, rps=100.0, seed=3, duration_s=0.2,
                           start_fraction_min=0.4, start_fraction_max=0.4)
     served = run_fixed_latency(rp, lambda d: 0.01)
-    threads = [(x.dispatch.request.thread, x.dispatch.phase) for x in served]
+    later = [x.dispatch for x in served if x.dispatch.play > 0]  # the session again, from turn 0
+    assert later and later[0].phase == "cold" and all(d.phase == "profile" for d in later[1:] if d.play == later[0].play)
+    threads = [(x.dispatch.request.thread, x.dispatch.phase) for x in served if x.dispatch.play == 0]
     first_thread = threads[0][0]
     assert threads[0][1] == "cold"
     # every thread that had requests before the start position is cold on its first dispatch only

@@ -141,11 +141,12 @@ def test_production_replay_poisson_lanes_first_turn_cold():
     mk = lambda seed: ProductionReplay(_wl(*docs), lanes=3, rps=0.5, seed=seed, duration_s=400.0)  # noqa: E731
     log = run_fixed_latency(mk(7), lambda d: 1.0)
     assert 150 <= len(log) <= 250  # ~ 0.5/s over 400 s
-    firsts = {}
+    firsts = {}  # the first dispatch of every play (a lane's start, then each session it takes next)
     for x in log:
-        firsts.setdefault(x.dispatch.lane, x.dispatch)
-    assert all(d.phase == "cold" for d in firsts.values())
-    assert sum(x.dispatch.phase == "cold" for x in log) == 3
+        firsts.setdefault(x.dispatch.play, x.dispatch)
+    assert len({d.lane for d in firsts.values()}) == 3 and len(firsts) > 3  # sessions were replaced
+    assert all(d.phase == "cold" and d.request.index == 0 for d in firsts.values() if d.play >= 3)
+    assert [x.dispatch for x in log if x.dispatch.phase == "cold"] == list(firsts.values())
     gaps = [b.start_s - a.start_s for a, b in zip(log, log[1:])]
     assert min(gaps) >= 0 and 1.5 < sum(gaps) / len(gaps) < 2.5
     assert _timeline(log) == _timeline(run_fixed_latency(mk(7), lambda d: 1.0))
