@@ -12,7 +12,7 @@ from kvpool.sim.keys import KeySpace
 from kvpool.sim.workload.model import Workload
 from kvpool.sim.workload.replay import AgentXReplay
 from kvpool.sim.workload.weka import session_from_weka
-from test_sim_invariants import growing_session
+from test_sim_invariants import growing_session, infinite_cache_hit
 
 SCENARIO = "mi355x-1p1d"  # one prefill instance: every request meets the same GPU cache
 
@@ -28,8 +28,7 @@ def run(w: Workload, shared_tokens: int, *, unbounded: bool = False):
 
 def ceiling(w: Workload, shared_blocks: int) -> int:
     """Reused tokens under an infinite cache, sessions in order, where the first
-    ``shared_blocks`` blocks of every main-thread prompt are the same blocks in every session
-    (policy.hits: the last prompt token is always computed, hits are whole 16-token pages)."""
+    ``shared_blocks`` blocks of every main-thread prompt are the same blocks in every session."""
     seen: set = set()
     reused = 0
     for s in w:
@@ -37,12 +36,7 @@ def ceiling(w: Workload, shared_blocks: int) -> int:
             ids = [(s.id, b) for b in s.block_ids(r.index).tolist()]
             if r.thread == 0:
                 ids[:shared_blocks] = [("shared", i) for i in range(min(shared_blocks, len(ids)))]
-            full = min(len(ids), r.in_tokens // 64)
-            h = 0
-            while h < full and ids[h] in seen:
-                h += 1
-            seen.update(ids[:full])
-            reused += min(h * 64, r.in_tokens - 1) // 16 * 16
+            reused += infinite_cache_hit(ids, r.in_tokens, seen)
     return reused
 
 

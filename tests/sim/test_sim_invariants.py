@@ -45,20 +45,24 @@ def every_request(w: Workload, lanes: int) -> AgentXReplay:
     return AgentXReplay(w, lanes=lanes, seed=1, warmup=False, recycle=False, idle_cap_s=300.0)
 
 
+def infinite_cache_hit(ids: list, in_tokens: int, seen: set) -> int:
+    """One prompt's reused tokens under an infinite cache holding the blocks in ``seen`` (then
+    adds the prompt's), with the last-token and whole-page rules of policy.hits (docs/metrics.md)."""
+    full = min(len(ids), in_tokens // 64)
+    h = 0
+    while h < full and ids[h] in seen:
+        h += 1
+    seen.update(ids[:full])
+    return min(h * 64, in_tokens - 1) // 16 * 16
+
+
 def ceiling_tokens(w: Workload) -> tuple[int, int]:
-    """(reused, prompt) tokens under an infinite cache, in each session's order, with the
-    last-token and whole-page rules of policy.hits (docs/metrics.md)."""
+    """(reused, prompt) tokens under an infinite cache, in each session's order."""
     reused = prompt = 0
     for s in w:
         seen: set[int] = set()
         for r in s.requests:
-            ids = s.block_ids(r.index).tolist()
-            full = min(len(ids), r.in_tokens // 64)
-            h = 0
-            while h < full and ids[h] in seen:
-                h += 1
-            seen.update(ids[:full])
-            reused += min(h * 64, r.in_tokens - 1) // 16 * 16
+            reused += infinite_cache_hit(s.block_ids(r.index).tolist(), r.in_tokens, seen)
             prompt += r.in_tokens
     return reused, prompt
 
