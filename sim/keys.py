@@ -8,8 +8,17 @@ Contract:
     * Chunk keys are the policy core's: ``policy.chunks.digests_from_blocks`` under
       ``chain_seed(namespace, scope)``. Each distinct digest gets a small integer group id (first
       seen, first numbered) for ``policy.grouptable``. A thread keeps its last request's blocks
-      and digests, so a request hashes only the chunks past its common prefix with the previous
+      and group ids, so a request names only the chunks past its common prefix with the previous
       one (the chain makes the shared digests identical by construction).
+
+Implementation: the simulator needs the numbering, not the digest bytes, so it numbers the chain
+without hashing. A chunk's digest is ``BLAKE2b(parent digest || head || payload)``
+(``policy.chunks.block_pieces``), so two chunks have equal digests exactly when their parents do
+and their payloads are equal (BLAKE2b-128 collisions aside): a chunk is named by (its parent's
+group id, its payload), and a chain's first chunk by a root per (scope, block size), which the
+seed and the head fix. Once a chunk is new, every later chunk of the prompt is new as well (its
+parent is), so a request looks up its chunks only until the first miss and numbers the rest in
+one step. ``tests/sim/test_keys.py`` checks the ids against a numbering of the real digests.
 """
 
 from __future__ import annotations
@@ -18,7 +27,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpool.policy.chunks import chain_seed, digests_from_blocks
+from kvpool.policy.chunks import block_pieces
+
+_PIECE_BYTES = 16  # one block piece in a chain payload (policy.chunks)
 
 _GLOBAL_RESERVE = 1 << 24  # block ids reserved for global-scope (Mooncake) ids
 
@@ -26,24 +37,24 @@ _GLOBAL_RESERVE = 1 << 24  # block ids reserved for global-scope (Mooncake) ids
 @dataclass
 class _ThreadKeys:
     blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    digests: list[bytes] = field(default_factory=list)
     gids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class KeySpace:
     def __init__(self, namespace: str, chunk_tokens: int) -> None:
-        self.namespace = namespace
+        self.namespace = namespace  # every seed's: equal scopes give equal seeds (a root each)
         self.chunk_tokens = chunk_tokens
         self._scope_offsets: dict[str, tuple[int, int]] = {}
         self._next_block = 0
-        self._seeds: dict[str, bytes] = {}
-        self._gid: dict[bytes, int] = {}
+        self._roots: dict[tuple[str, int], int] = {}  # (scope, block tokens) -> a negative parent id
+        self._gid: dict[bytes, int] = {}  # parent id (i8) + payload -> group id
+        self._groups = 0
         self._threads: dict[tuple[str, int], _ThreadKeys] = {}
-        self.hashed_chunks = 0
+        self.hashed_chunks = 0  # chunks named past their thread's common prefix
 
     @property
     def groups(self) -> int:
-        return len(self._gid)
+        return self._groups
 
     def block_offset(self, scope: str, max_id: int) -> int:
         """Where ``scope``'s block ids start in the dense global range; ``max_id`` bounds every
@@ -77,23 +88,64 @@ class KeySpace:
         if n and not differ[common_blocks]:  # none (argmax of all False is 0)
             common_blocks = n
         keyable = min(n_tokens // self.chunk_tokens, n_tokens // block_tokens * block_tokens // self.chunk_tokens)
-        keep = min(len(st.digests), common_blocks * block_tokens // self.chunk_tokens, keyable)
-        seed = self._seeds.get(scope)
-        if seed is None:
-            seed = self._seeds[scope] = chain_seed(self.namespace, scope)
-        parent = st.digests[keep - 1] if keep else seed
-        new = digests_from_blocks(block_ids, block_tokens, n_tokens, self.chunk_tokens, parent, start_chunk=keep)
-        self.hashed_chunks += len(new)
-        del st.digests[keep:]  # the thread's own list: extended in place
-        st.digests.extend(new)
-        gids = np.concatenate([st.gids[:keep], self._number(new)]) if new else st.gids[:keep]
+        keep = min(st.gids.size, common_blocks * block_tokens // self.chunk_tokens, keyable)
+        if keep < keyable:
+            if keep:
+                parent = int(st.gids[keep - 1])
+            else:
+                parent = self._roots.get((scope, block_tokens))
+                if parent is None:
+                    parent = self._roots[(scope, block_tokens)] = -1 - len(self._roots)
+            new = self._number(parent, block_ids, block_tokens, n_tokens, keep)
+            self.hashed_chunks += new.size
+            gids = np.concatenate([st.gids[:keep], new]) if keep else new
+        else:
+            gids = st.gids[:keep]
         st.blocks, st.gids = block_ids, gids
         return gids
 
-    def _number(self, digests: list[bytes]) -> np.ndarray:
-        """Group ids of ``digests``: a digest seen before keeps its id, a new one gets the next."""
+    def _number(self, parent: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int, first: int) -> np.ndarray:
+        """Group ids of chunks ``first ..`` (keyable, at least one) of a prompt whose chunk
+        ``first - 1`` has group id ``parent`` (a root when ``first`` is 0): known chunks keep
+        their ids, up to the first new one; it and every later chunk get the next ids."""
+        raw, bounds = block_pieces(block_ids, block_tokens, n_tokens, self.chunk_tokens, first)
+        ct = self.chunk_tokens
         gid = self._gid
-        return np.asarray([gid.setdefault(d, len(gid)) for d in digests], dtype=np.int64)
+        if ct % block_tokens == 0 or block_tokens % ct == 0:  # payloads of one size
+            step = (ct // block_tokens if ct % block_tokens == 0 else 1) * _PIECE_BYTES
+            m = len(raw) // step
+            known: list[int] = []
+            a = 0
+            while a < len(raw):
+                g = gid.get(parent.to_bytes(8, "little", signed=True) + raw[a:a + step])
+                if g is None:
+                    break
+                known.append(g)
+                parent = g
+                a += step
+            rest = m - len(known)
+            if not rest:
+                return np.asarray(known, dtype=np.int64)
+            start = self._groups
+            self._groups = start + rest
+            ids = np.arange(start, start + rest, dtype=np.int64)
+            key = np.empty((rest, 8 + step), dtype=np.uint8)
+            parents = key[:, :8].view("<i8")  # each new chunk's parent: the previous one
+            parents[0, 0] = parent
+            parents[1:, 0] = ids[:-1]
+            key[:, 8:] = np.frombuffer(raw, dtype=np.uint8, offset=a).reshape(rest, step)
+            gid.update(zip(key.view(f"V{8 + step}").ravel().tolist(), range(start, start + rest)))
+            return np.concatenate([np.asarray(known, dtype=np.int64), ids]) if known else ids
+        out = []
+        for a, b in bounds:  # payloads of varying size
+            k = parent.to_bytes(8, "little", signed=True) + raw[a:b]
+            g = gid.get(k)
+            if g is None:
+                g = gid[k] = self._groups
+                self._groups += 1
+            out.append(g)
+            parent = g
+        return np.asarray(out, dtype=np.int64)
 
     def forget_scope(self, scope: str) -> None:
         """Drop per-thread state of a finished play (its group ids stay valid)."""
