@@ -18,7 +18,12 @@ and their payloads are equal (BLAKE2b-128 collisions aside): a chunk is named by
 group id, its payload), and a chain's first chunk by a root per (scope, block size), which the
 seed and the head fix. Once a chunk is new, every later chunk of the prompt is new as well (its
 parent is), so a request looks up its chunks only until the first miss and numbers the rest in
-one step. ``tests/sim/test_keys.py`` checks the ids against a numbering of the real digests.
+one step. Where the names live: a chunk numbered right after its parent (``gid == parent + 1``,
+every chunk of a new run but its first, unless it continues the newest run) is found through two
+arrays, its parent and its payload by group id (payloads of one size: blocks of whole chunks or
+chunks inside a block); the others (a run's first chunk, payloads of varying size) in a
+dictionary keyed by parent id and payload bytes. ``tests/sim/test_keys.py`` checks the ids
+against a numbering of the real digests.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from kvpool.policy.chunks import block_pieces
 
 _PIECE_BYTES = 16  # one block piece in a chain payload (policy.chunks)
 
+_NONE = -(1 << 62)  # no parent in the arrays (roots are small negative ids)
 _GLOBAL_RESERVE = 1 << 24  # block ids reserved for global-scope (Mooncake) ids
 
 
@@ -47,8 +53,11 @@ class KeySpace:
         self._scope_offsets: dict[str, tuple[int, int]] = {}
         self._next_block = 0
         self._roots: dict[tuple[str, int], int] = {}  # (scope, block tokens) -> a negative parent id
-        self._gid: dict[bytes, int] = {}  # parent id (i8) + payload -> group id
+        self._gid: dict[bytes, int] = {}  # parent id (i8) + payload -> group id, of chunks not below
         self._groups = 0
+        # chunks numbered right after their parent: parent (_NONE: not here) and payload by group id
+        self._parent = np.full(1 << 12, _NONE, dtype=np.int64)
+        self._payload: np.ndarray | None = None  # [gid, u64 word], one payload size (the first seen)
         self._threads: dict[tuple[str, int], _ThreadKeys] = {}
         self.hashed_chunks = 0  # chunks named past their thread's common prefix
 
@@ -113,39 +122,69 @@ class KeySpace:
         gid = self._gid
         if ct % block_tokens == 0 or block_tokens % ct == 0:  # payloads of one size
             step = (ct // block_tokens if ct % block_tokens == 0 else 1) * _PIECE_BYTES
-            m = len(raw) // step
-            known: list[int] = []
-            a = 0
-            while a < len(raw):
-                g = gid.get(parent.to_bytes(8, "little", signed=True) + raw[a:a + step])
-                if g is None:
-                    break
-                known.append(g)
-                parent = g
-                a += step
-            rest = m - len(known)
-            if not rest:
-                return np.asarray(known, dtype=np.int64)
-            start = self._groups
-            self._groups = start + rest
-            ids = np.arange(start, start + rest, dtype=np.int64)
-            key = np.empty((rest, 8 + step), dtype=np.uint8)
-            parents = key[:, :8].view("<i8")  # each new chunk's parent: the previous one
-            parents[0, 0] = parent
-            parents[1:, 0] = ids[:-1]
-            key[:, 8:] = np.frombuffer(raw, dtype=np.uint8, offset=a).reshape(rest, step)
-            gid.update(zip(key.view(f"V{8 + step}").ravel().tolist(), range(start, start + rest)))
-            return np.concatenate([np.asarray(known, dtype=np.int64), ids]) if known else ids
+            payload = self._payload
+            if payload is None:
+                payload = self._payload = np.zeros((self._parent.size, step // 8), dtype=np.uint64)
+            if payload.shape[1] * 8 == step:
+                return self._number_uniform(parent, raw, step)
         out = []
-        for a, b in bounds:  # payloads of varying size
+        for a, b in bounds:  # payloads of varying size (or not the first size): the dictionary
             k = parent.to_bytes(8, "little", signed=True) + raw[a:b]
             g = gid.get(k)
             if g is None:
                 g = gid[k] = self._groups
                 self._groups += 1
+                self._grow(self._groups)
             out.append(g)
             parent = g
         return np.asarray(out, dtype=np.int64)
+
+    def _number_uniform(self, parent: int, raw: bytes, step: int) -> np.ndarray:
+        gid = self._gid
+        groups = self._groups
+        parents, payload = self._parent, self._payload
+        m = len(raw) // step
+        known: list[int] = []
+        a = 0
+        while a < len(raw):  # known chunks: a continuation in the arrays, else the dictionary
+            chunk = raw[a:a + step]
+            c = parent + 1
+            if parent >= 0 and c < groups and parents[c] == parent and payload[c].tobytes() == chunk:
+                g = c
+            else:
+                g = gid.get(parent.to_bytes(8, "little", signed=True) + chunk)
+                if g is None:
+                    break
+            known.append(g)
+            parent = g
+            a += step
+        rest = m - len(known)
+        if not rest:
+            return np.asarray(known, dtype=np.int64)
+        self._groups = end = groups + rest
+        if end > parents.size:
+            self._grow(end)
+            parents, payload = self._parent, self._payload
+        ids = np.arange(groups, end, dtype=np.int64)
+        parents[groups] = parent  # the run's first chunk; every later one continues it
+        parents[groups + 1:end] = ids[:-1]
+        payload[groups:end] = np.frombuffer(raw, dtype=np.uint64, offset=a).reshape(rest, step // 8)
+        if parent < 0 or parent != groups - 1:  # not a continuation: found through the dictionary
+            gid[parent.to_bytes(8, "little", signed=True) + raw[a:a + step]] = groups
+        return np.concatenate([np.asarray(known, dtype=np.int64), ids]) if known else ids
+
+    def _grow(self, groups: int) -> None:
+        n = self._parent.size
+        if groups <= n:
+            return
+        new = max(groups, 2 * n)
+        parents = np.full(new, _NONE, dtype=np.int64)
+        parents[:n] = self._parent
+        self._parent = parents
+        if self._payload is not None:
+            payload = np.zeros((new, self._payload.shape[1]), dtype=np.uint64)
+            payload[:n] = self._payload
+            self._payload = payload
 
     def forget_scope(self, scope: str) -> None:
         """Drop per-thread state of a finished play (its group ids stay valid)."""

@@ -46,3 +46,29 @@ def test_chunk_gids_two_block_sizes_in_one_scope():
     assert set(a.tolist()).isdisjoint(b.tolist())
     again = keys.chunk_gids("s", 2, blocks, 64, 16 * 64)
     assert again.tolist() == a.tolist()
+
+
+@pytest.mark.parametrize("block_tokens", [64, 512, 96])
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 50), st.integers(0, 40), st.integers(0, 5)),
+                         min_size=1, max_size=30))
+def test_chunk_gids_prefixes_copied_across_threads(block_tokens, requests):
+    """Threads whose prompts copy a prefix of another thread's prompt (long shared runs, found
+    again through either of the key space's stores) then add fresh blocks or repeat old ones."""
+    keys = KeySpace("ns", 256)
+    ref: dict[bytes, int] = {}
+    prompts: list[list[int]] = [[]]
+    fresh = 1000
+    for thread, src_cut, grow, src in requests:
+        base = prompts[src % len(prompts)]
+        p = base[: min(len(base), src_cut)] + list(range(fresh, fresh + grow))
+        if grow % 3 == 0:
+            p = p + base[:grow]  # blocks seen before, after a new prefix
+        fresh += grow
+        prompts.append(p)
+        n_tokens = len(p) * block_tokens
+        got = keys.chunk_gids("s", thread, np.asarray(p, dtype=np.int64), block_tokens, n_tokens)
+        want = [ref.setdefault(d, len(ref))
+                for d in digests_from_blocks(p, block_tokens, n_tokens, 256, chain_seed("ns", "s"))]
+        assert got.tolist() == want
+    assert keys.groups == len(ref)
