@@ -31,7 +31,7 @@ from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacit
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
-from kvpool.sim.events import fire
+from kvpool.sim.events import call_later, fire
 from kvpool.sim.gpucache import GPUPrefixCache, LogEntry
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
@@ -216,7 +216,7 @@ class Simulation:
                 timer[0] += 1
                 timer[1] = due
                 if due is not None:
-                    env.timeout(max(0.0, due - env.now), timer[0]).callbacks.append(on_timer)
+                    call_later(env, max(0.0, due - env.now), on_timer, timer[0])
 
         def on_timer(ev) -> None:
             if ev._value == timer[0]:  # not superseded by a later Wake
@@ -412,13 +412,13 @@ class Simulation:
             nbytes = chunks * self.rank_bytes[rank]
             rec.restore_bytes += nbytes
             moved = self._rank_links(p, rank, nbytes, chunks)
-            moved.callbacks.append(lambda _e: env.timeout(load_s(nbytes)).callbacks.append(lambda _f: finish(rank)))
+            moved.callbacks.append(lambda _e: call_later(env, load_s(nbytes), lambda _f: finish(rank)))
 
         for rank in range(ranks):
             delay = self.rank_stage[rank] * p.step_s  # the forwards queued ahead of this stage
             submit = p.loaders[rank].submit
             if delay:
-                env.timeout(delay).callbacks.append(lambda _e, r=rank, sub=submit: sub(lambda: start(r)))
+                call_later(env, delay, lambda _e, r=rank, sub=submit: sub(lambda: start(r)))
             else:
                 submit(lambda r=rank: start(r))
         return done
@@ -438,7 +438,7 @@ class Simulation:
             moved = join(env, [self._rank_links(p, r, nbytes[r], int(gids.size)) for r in range(p.ranks)])
             moved.callbacks.append(put)
 
-        env.timeout(self.cost.unpack_s(max(nbytes))).callbacks.append(send)  # pack
+        call_later(env, self.cost.unpack_s(max(nbytes)), send)  # pack
 
     def _handoff(self, rec: RequestRecord, p: PrefillInstance, dec: DecodeInstance):
         """Every stage gathers its layers of every token per decode rank and sends them in large

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import simpy
 
 from kvpool.sim.cost import CostModel
-from kvpool.sim.events import fire
+from kvpool.sim.events import call_later, fire
 from kvpool.sim.gpucache import GPUPrefixCache
 
 
@@ -136,7 +136,7 @@ class PrefillInstance:
                     self._queue.remove(c)
                     fill = (self.pp - 1) * step
                     if fill > 0:
-                        env.timeout(fill).callbacks.append(lambda _e, d=c.done: fire(d))
+                        call_later(env, fill, lambda _e, d=c.done: fire(d))
                     else:
                         c.done.succeed()
 
@@ -239,10 +239,10 @@ class DecodeInstance:
             return
         self._step = self.cost.decode_step_s(len(running), int(self._base_sum + len(running) * self._clock))
         for seq in self._new:  # first tokens: one step after joining
-            self.env.timeout(self._step).callbacks.append(lambda _e, ev=seq.first: fire(ev) if not ev.triggered else None)
+            call_later(self.env, self._step, lambda _e, ev=seq.first: fire(ev) if not ev.triggered else None)
         self._new.clear()
         wait = max(0.0, (running[0][0] - self._clock) / self.tokens_per_step * self._step)
-        self.env.timeout(wait, self._version).callbacks.append(self._wake_cb)
+        call_later(self.env, wait, self._wake_cb, self._version)
 
     def _finish(self, seq: _Seq) -> None:
         self.reserved_tokens -= seq.reserved
