@@ -25,7 +25,7 @@ import simpy
 from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
 from kvpool.policy.chunks import namespace_for
 from kvpool.policy.hits import compute_hits
-from kvpool.policy.layout import HandoffPlan, rank_plan
+from kvpool.policy.layout import HandoffPlan
 from kvpool.policy.routing import choose_decode, make_router
 from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacity_tokens
 from kvpool.scenario.model import Scenario
@@ -61,6 +61,14 @@ def join(env: simpy.Environment, events: list[simpy.Event]) -> simpy.Event:
     if not left[0]:
         done.succeed()
     return done
+
+
+def handoff_plans(tokens: int, ranks: int, consts: list[tuple[int, int, int]]) -> tuple[list[int], dict[int, list[int]]]:
+    """``policy.layout.rank_plan`` for a hand-off of ``tokens`` tokens from position 0, for every
+    distinct stage depth at once: each rank's token count, and per depth each rank's writes.
+    ``consts``: per depth ``(layers, layers x record bytes, the largest write of whole records)``."""
+    rank_tokens = [(tokens - r + ranks - 1) // ranks for r in range(ranks)]
+    return rank_tokens, {layers: [-(-t * per_token // step) for t in rank_tokens] for layers, per_token, step in consts}
 
 
 @dataclass
@@ -164,6 +172,10 @@ class Simulation:
         for layers in self._distinct_stage_layers:  # the plan's checks, once (per request: rank_plan)
             HandoffPlan(tokens=0, layers=layers, record_bytes=s.model.record_bytes, ranks=s.decode.dcp,
                         max_write_bytes=s.handoff.max_write_bytes)
+        # per distinct stage depth: (layers, bytes of a token's records, bytes of a full write)
+        self._plan_consts = [(layers, layers * s.model.record_bytes,
+                              s.handoff.max_write_bytes // s.model.record_bytes * s.model.record_bytes)
+                             for layers in self._distinct_stage_layers]
 
     # -- time series -----------------------------------------------------------------------
     def _decode_occupancy(self, now: float, _frac: float) -> None:
@@ -449,23 +461,22 @@ class Simulation:
         tokens = rec.in_tokens
         # the main records' write plan per distinct stage depth (the seed's landing path); the
         # stages' extra records (DSA index cache) ride along in the byte count
-        record_bytes, max_write = self._record_bytes, self._max_write_bytes
-        plans = {layers: rank_plan(tokens, layers, record_bytes, dcp, max_write) for layers in self._distinct_stage_layers}
+        rank_tokens, plans = handoff_plans(tokens, dcp, self._plan_consts)
         events = []
         rank_writes = [0] * dcp
         stage_nics = self._stage_nics[p.index]
+        stage_bpt = self._stage_bpt
         for stage, layers in enumerate(self._stage_layers):
             ranks = plans[layers]
-            writes = 0
-            for r, (_, w) in enumerate(ranks):
-                writes += w
+            for r, w in enumerate(ranks):
                 rank_writes[r] += w
+            writes = sum(ranks)
             rec.handoff_writes += writes
-            events.append(stage_nics[stage].transfer(tokens * self._stage_bpt[stage], writes))
-        rec.handoff_bytes += tokens * self._handoff_bpt
-        rank_tokens = next(iter(plans.values()))  # a rank's token count does not depend on depth
+            events.append(stage_nics[stage].transfer(tokens * stage_bpt[stage], writes))
+        bpt = self._handoff_bpt
+        rec.handoff_bytes += tokens * bpt
         for r, link in enumerate(self._decode_nics[dec.index]):
-            events.append(link.transfer(rank_tokens[r][0] * self._handoff_bpt, rank_writes[r]))
+            events.append(link.transfer(rank_tokens[r] * bpt, rank_writes[r]))
         yield join(env, events)
         yield env.timeout(2 * self.cost.unpack_s(rec.handoff_bytes // self.spec.stages))  # gather + scatter
         rec.handoff_s = env.now - start

@@ -83,3 +83,4 @@ def test_call_later_runs_as_a_timeouts_callback_in_scheduling_order():
     assert seen == [(0.5, 4, 40), (0.5, 5, 50), (1.5, 0, 0), (1.5, 1, 10), (1.5, 2, 20), (1.5, 3, 30)]
     with pytest.raises(ValueError):
         call_later(env, -1.0, lambda ev: None)
+
