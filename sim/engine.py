@@ -354,7 +354,7 @@ class Simulation:
         p.outstanding_tokens -= req.in_tokens
         last = play.gpu_entry.get(req.thread)  # (prefill index, the thread's last insert)
         entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block,
-                               replaces=(hit_entry, last[1]) if last is not None and last[0] == p.index else (hit_entry,))
+                               prefixes=(hit_entry,), replaces=(last[1],) if last is not None and last[0] == p.index else ())
         play.gpu_entry[req.thread] = (p.index, entry)
         if self.pool is not None and gids.size:
             new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids

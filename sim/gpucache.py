@@ -13,6 +13,8 @@ Contract:
       the caller expects to be prefixes of ``ids`` (the same request's hit, the thread's previous
       prompt). Those that are, and are older than ``now``, hold no live block any more; eviction
       skips them without looking at their blocks. This changes no result, only the work.
+      ``prefixes=entries`` does the same for entries the caller knows lead ``ids`` (a ``use`` of
+      the same array), without comparing their blocks.
     * ``max_id`` (optional, in ``use``/``hit_blocks``/``insert``): a bound on ``ids`` the caller
       knows (its id range), which saves a pass over ``ids``.
     * Capacity is in tokens (``None``: unbounded, the trace-ceiling check); it holds
@@ -109,10 +111,11 @@ class GPUPrefixCache:
         return run, entry
 
     def insert(self, ids: np.ndarray, now: float, block_tokens: int, *, replaces: tuple[LogEntry | None, ...] = (),
-               max_id: int | None = None) -> LogEntry | None:
+               prefixes: tuple[LogEntry | None, ...] = (), max_id: int | None = None) -> LogEntry | None:
         """Hold ``ids`` (a prompt's full blocks, in order) as used now; evict if over capacity.
         Returns the insert's log entry (``None``: unbounded); see ``replaces`` in the module
-        docstring."""
+        docstring. ``prefixes``: entries of ``use`` calls on this same array (its leading
+        blocks by construction), which ``replaces`` would find to be prefixes without comparing."""
         if not ids.size:
             return None
         if self.capacity_tokens is not None and self.capacity_blocks is None:
@@ -126,6 +129,9 @@ class GPUPrefixCache:
         self._last[ids] = now
         entry = None
         if self._bounded:
+            for old in prefixes:
+                if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead:
+                    old.dead = True  # as below: its blocks lead ids
             for old in replaces:
                 if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead \
                         and _ALL(old.ids == ids[: old.ids.size]):

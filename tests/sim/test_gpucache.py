@@ -88,8 +88,10 @@ def test_replaced_entries_change_nothing(turns, frac):
     """Threads whose prompts grow (sometimes diverging): a cache told which earlier entries each
     insert replaces holds, hits and evicts exactly what a cache that is not told does."""
     plain, told = GPUPrefixCache(40 * 64, evict_fraction=frac), GPUPrefixCache(40 * 64, evict_fraction=frac)
+    pre = GPUPrefixCache(40 * 64, evict_fraction=frac)  # told the hit through `prefixes`
     prompts: dict[int, list[int]] = {}
     last: dict[int, object] = {}
+    last_pre: dict[int, object] = {}
     fresh = 1000
     for i, (thread, grow, diverge) in enumerate(turns):
         p = list(prompts.get(thread, [thread * 100]))
@@ -104,9 +106,15 @@ def test_replaced_entries_change_nothing(turns, frac):
         assert plain.hit_blocks(ids, now) == run
         plain.insert(ids, now + 1, 64)
         last[thread] = told.insert(ids, now + 1, 64, replaces=(hit, last.get(thread)))
-        assert np.array_equal(plain.held, told.held)
-        assert np.array_equal(plain._last, told._last)
-        assert (plain.blocks, plain.evicted_blocks) == (told.blocks, told.evicted_blocks)
+        assert pre.use(ids, now)[0] == run
+        hit_pre = pre._log[-1] if run else None
+        last_pre[thread] = pre.insert(ids, now + 1, 64, prefixes=(hit_pre,), replaces=(last_pre.get(thread),))
+        if hit is not None:
+            assert hit.dead == hit_pre.dead
+        for c in (told, pre):
+            assert np.array_equal(plain.held, c.held)
+            assert np.array_equal(plain._last, c._last)
+            assert (plain.blocks, plain.evicted_blocks) == (c.blocks, c.evicted_blocks)
 
 
 def test_a_replaced_entry_must_be_a_prefix():
