@@ -55,13 +55,14 @@ class LogEntry:
     """One logged use: its moment, its blocks in use order, their depths (``None``: 0..n-1) and
     whether a later use of a superset made every block of it stale (``dead``)."""
 
-    __slots__ = ("t", "ids", "depth", "dead")
+    __slots__ = ("t", "ids", "depth", "dead", "passes")
 
-    def __init__(self, t: float, ids: np.ndarray, depth: np.ndarray | None = None) -> None:
+    def __init__(self, t: float, ids: np.ndarray, depth: np.ndarray | None = None, passes: int = -1) -> None:
         self.t = t
         self.ids = ids
         self.depth = depth
         self.dead = False
+        self.passes = passes  # a use's: eviction passes before it (while unchanged, its blocks are held)
 
 
 class GPUPrefixCache:
@@ -78,6 +79,7 @@ class GPUPrefixCache:
         self._log: deque[LogEntry] = deque()  # only kept when the capacity is bounded
         self._first = np.zeros(0, dtype=np.int32)  # scratch, by block id (see _oldest_moment)
         self._bounded = capacity_tokens is not None
+        self._passes = 0  # eviction passes so far
 
     def _grow(self, max_id: int) -> None:
         n = len(self.held)
@@ -106,7 +108,7 @@ class GPUPrefixCache:
             used = ids[:run]
             self._last[used] = now
             if self._bounded:
-                entry = LogEntry(now, used)
+                entry = LogEntry(now, used, None, self._passes)
                 self._log.append(entry)
         return run, entry
 
@@ -123,15 +125,24 @@ class GPUPrefixCache:
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
         if self.capacity_blocks is not None and ids.size > self.capacity_blocks:
             ids = ids[: self.capacity_blocks]
+        known = 0  # leading blocks known to be held: a use's, with no eviction pass since
+        for old in prefixes:
+            if old is not None and old.ids.size <= ids.size:
+                if old.passes == self._passes and old.ids.size > known:
+                    known = old.ids.size
+                if old.t < now and not old.dead:
+                    old.dead = True  # as in `replaces` below: its blocks lead ids
         held = self.held
-        self.blocks += ids.size - int(np.count_nonzero(held[ids]))
-        held[ids] = True
+        if known:
+            rest = ids[known:]
+            self.blocks += rest.size - int(np.count_nonzero(held[rest]))
+            held[rest] = True
+        else:
+            self.blocks += ids.size - int(np.count_nonzero(held[ids]))
+            held[ids] = True
         self._last[ids] = now
         entry = None
         if self._bounded:
-            for old in prefixes:
-                if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead:
-                    old.dead = True  # as below: its blocks lead ids
             for old in replaces:
                 if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead \
                         and _ALL(old.ids == ids[: old.ids.size]):
@@ -143,6 +154,7 @@ class GPUPrefixCache:
         return entry
 
     def _evict(self, protect: np.ndarray, now: float) -> None:
+        self._passes += 1
         cap = self.capacity_blocks or 0
         target = self.blocks - cap + int(cap * self.evict_fraction)
         log = self._log

@@ -82,7 +82,8 @@ def test_matches_a_direct_lru_model(ops, frac):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.booleans()), min_size=1, max_size=50),
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.booleans(), st.integers(0, 30)),
+                min_size=1, max_size=50),
        st.sampled_from([0.0, 0.05, 0.25]))
 def test_replaced_entries_change_nothing(turns, frac):
     """Threads whose prompts grow (sometimes diverging): a cache told which earlier entries each
@@ -93,7 +94,7 @@ def test_replaced_entries_change_nothing(turns, frac):
     last: dict[int, object] = {}
     last_pre: dict[int, object] = {}
     fresh = 1000
-    for i, (thread, grow, diverge) in enumerate(turns):
+    for i, (thread, grow, diverge, between) in enumerate(turns):
         p = list(prompts.get(thread, [thread * 100]))
         if diverge and len(p) > 1:
             p = p[: len(p) // 2]
@@ -104,10 +105,14 @@ def test_replaced_entries_change_nothing(turns, frac):
         now = 2.0 * i
         run, hit = told.use(ids, now)
         assert plain.hit_blocks(ids, now) == run
-        plain.insert(ids, now + 1, 64)
-        last[thread] = told.insert(ids, now + 1, 64, replaces=(hit, last.get(thread)))
         assert pre.use(ids, now)[0] == run
         hit_pre = pre._log[-1] if run else None
+        if between:  # another prompt between the use and the insert (its evictions included)
+            other = np.arange(5000 + 100 * i, 5000 + 100 * i + between)
+            for c in (plain, told, pre):
+                c.insert(other, now + 0.5, 64)
+        plain.insert(ids, now + 1, 64)
+        last[thread] = told.insert(ids, now + 1, 64, replaces=(hit, last.get(thread)))
         last_pre[thread] = pre.insert(ids, now + 1, 64, prefixes=(hit_pre,), replaces=(last_pre.get(thread),))
         if hit is not None:
             assert hit.dead == hit_pre.dead
