@@ -158,8 +158,27 @@ class GPUPrefixCache:
         cap = self.capacity_blocks or 0
         target = self.blocks - cap + int(cap * self.evict_fraction)
         log = self._log
+        held, last = self.held, self._last
         skipped: list[LogEntry] = []  # protected entries of `now`
         while target > 0 and log:
+            e = log[0]
+            if e.depth is None and not e.dead and e.t != now and (len(log) == 1 or log[1].t != e.t):
+                # the usual moment: one entry, blocks in depth order (the general path below, for
+                # it: every block live, deepest first; the shallower rest goes back as a prefix)
+                ids = e.ids
+                if _ALL(last[ids] == e.t):
+                    log.popleft()
+                    n = ids.size
+                    if n > target:
+                        log.appendleft(LogEntry(e.t, ids[: n - target]))
+                        ids = ids[n - target:]
+                        n = target
+                    held[ids] = False
+                    last[ids] = _EVICTED
+                    self.blocks -= n
+                    self.evicted_blocks += n
+                    target -= n
+                    continue
             ids, depth, t = self._oldest_moment()
             if t == now and protect.size:
                 guard = np.zeros(self.held.size, dtype=bool)
