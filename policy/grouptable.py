@@ -347,10 +347,10 @@ class GroupTable:
         slots, want = self._slot_mask(slots)
         got = self._mask[ids] & want
         self._touch(ids[got != 0], now)
-        short = np.flatnonzero(got != want)  # groups missing at least one of the slots
-        if not short.size:
+        short = got != want  # groups missing at least one of the slots
+        first = int(short.argmax())  # the first of them (bool argmax stops there), or 0
+        if not short.size or not short[first]:
             return [int(ids.size)] * slots.size
-        first = int(short[0])
         if not got[first]:  # missing every slot there: every run ends at it
             return [first] * slots.size
         runs = []

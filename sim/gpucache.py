@@ -44,9 +44,13 @@ _EVICTED = -1.0  # the last use of an evicted block: no moment, so a log entry's
 def first_occurrences(ids: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """Whether each position of ``ids`` is its id's first (``np.unique``'s first indices, in
     O(n) without a sort): each id's smallest position, kept in ``scratch`` (indexed by id,
-    int32, left dirty)."""
+    int32, left dirty). Without repeated ids (the usual case) one write and one read decide it."""
     at = np.arange(ids.size, dtype=np.int32)
-    scratch[ids] = ids.size
+    scratch[ids] = at  # without repeats every position reads its own mark back; a repeated id
+    first = scratch[ids] == at  # reads one mark at two positions, so one of them differs
+    if _ALL(first):
+        return first
+    scratch[ids] = ids.size  # repeats (rare): each id's smallest position, by np.minimum.at
     np.minimum.at(scratch, ids, at)
     return scratch[ids] == at
 
