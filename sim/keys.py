@@ -105,7 +105,7 @@ class KeySpace:
                 parent = self._roots.get((scope, block_tokens))
                 if parent is None:
                     parent = self._roots[(scope, block_tokens)] = -1 - len(self._roots)
-            new = self._number(parent, block_ids, block_tokens, n_tokens, keep)
+            new = self._number(parent, block_ids, block_tokens, n_tokens, keep, keyable)
             self.hashed_chunks += new.size
             gids = np.concatenate([st.gids[:keep], new]) if keep else new
         else:
@@ -113,12 +113,23 @@ class KeySpace:
         st.blocks, st.gids = block_ids, gids
         return gids
 
-    def _number(self, parent: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int, first: int) -> np.ndarray:
-        """Group ids of chunks ``first ..`` (keyable, at least one) of a prompt whose chunk
+    def _number(self, parent: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int, first: int,
+                keyable: int) -> np.ndarray:
+        """Group ids of chunks ``first .. keyable - 1`` (at least one) of a prompt whose chunk
         ``first - 1`` has group id ``parent`` (a root when ``first`` is 0): known chunks keep
         their ids, up to the first new one; it and every later chunk get the next ids."""
-        raw, bounds = block_pieces(block_ids, block_tokens, n_tokens, self.chunk_tokens, first)
         ct = self.chunk_tokens
+        if ct % block_tokens == 0 and block_ids.dtype.kind == "u":
+            # whole blocks per chunk, ids that are u64 already: block_pieces' records written
+            # directly (block id; offset 0 | block size << 32), the same bytes
+            per = ct // block_tokens
+            m = keyable - first
+            rec = np.empty((m, 2 * per), dtype="<u8")
+            rec[:, 0::2] = block_ids[first * per: keyable * per].reshape(m, per)
+            rec[:, 1::2] = block_tokens << 32
+            raw, bounds = rec.tobytes(), ()
+        else:
+            raw, bounds = block_pieces(block_ids, block_tokens, n_tokens, ct, first)
         gid = self._gid
         if ct % block_tokens == 0 or block_tokens % ct == 0:  # payloads of one size
             step = (ct // block_tokens if ct % block_tokens == 0 else 1) * _PIECE_BYTES

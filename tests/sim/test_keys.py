@@ -48,11 +48,12 @@ def test_chunk_gids_two_block_sizes_in_one_scope():
     assert again.tolist() == a.tolist()
 
 
-@pytest.mark.parametrize("block_tokens", [64, 512, 96])
+@pytest.mark.parametrize("dtype", [np.int64, np.uint32])
+@pytest.mark.parametrize("block_tokens", [64, 16, 512, 96])
 @settings(max_examples=60, deadline=None)
 @given(requests=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 50), st.integers(0, 40), st.integers(0, 5)),
                          min_size=1, max_size=30))
-def test_chunk_gids_prefixes_copied_across_threads(block_tokens, requests):
+def test_chunk_gids_prefixes_copied_across_threads(dtype, block_tokens, requests):
     """Threads whose prompts copy a prefix of another thread's prompt (long shared runs, found
     again through either of the key space's stores) then add fresh blocks or repeat old ones."""
     keys = KeySpace("ns", 256)
@@ -67,7 +68,7 @@ def test_chunk_gids_prefixes_copied_across_threads(block_tokens, requests):
         fresh += grow
         prompts.append(p)
         n_tokens = len(p) * block_tokens
-        got = keys.chunk_gids("s", thread, np.asarray(p, dtype=np.int64), block_tokens, n_tokens)
+        got = keys.chunk_gids("s", thread, np.asarray(p, dtype=dtype), block_tokens, n_tokens)
         want = [ref.setdefault(d, len(ref))
                 for d in digests_from_blocks(p, block_tokens, n_tokens, 256, chain_seed("ns", "s"))]
         assert got.tolist() == want
