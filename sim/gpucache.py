@@ -59,14 +59,13 @@ class LogEntry:
     """One logged use: its moment, its blocks in use order, their depths (``None``: 0..n-1) and
     whether a later use of a superset made every block of it stale (``dead``)."""
 
-    __slots__ = ("t", "ids", "depth", "dead", "passes")
+    __slots__ = ("t", "ids", "depth", "dead")
 
-    def __init__(self, t: float, ids: np.ndarray, depth: np.ndarray | None = None, passes: int = -1) -> None:
+    def __init__(self, t: float, ids: np.ndarray, depth: np.ndarray | None = None) -> None:
         self.t = t
         self.ids = ids
         self.depth = depth
         self.dead = False
-        self.passes = passes  # a use's: eviction passes before it (while unchanged, its blocks are held)
 
 
 class GPUPrefixCache:
@@ -83,7 +82,9 @@ class GPUPrefixCache:
         self._log: deque[LogEntry] = deque()  # only kept when the capacity is bounded
         self._first = np.zeros(0, dtype=np.int32)  # scratch, by block id (see _oldest_moment)
         self._bounded = capacity_tokens is not None
-        self._passes = 0  # eviction passes so far
+        # the latest moment eviction has taken blocks from: a block last used later is held
+        # (eviction takes moments oldest first, and only blocks whose last use is that moment)
+        self._evicted_upto = -np.inf
 
     def _grow(self, max_id: int) -> None:
         n = len(self.held)
@@ -112,7 +113,7 @@ class GPUPrefixCache:
             used = ids[:run]
             self._last[used] = now
             if self._bounded:
-                entry = LogEntry(now, used, None, self._passes)
+                entry = LogEntry(now, used)
                 self._log.append(entry)
         return run, entry
 
@@ -129,10 +130,10 @@ class GPUPrefixCache:
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
         if self.capacity_blocks is not None and ids.size > self.capacity_blocks:
             ids = ids[: self.capacity_blocks]
-        known = 0  # leading blocks known to be held: a use's, with no eviction pass since
+        known = 0  # leading blocks known to be held: a use's newer than every evicted moment
         for old in prefixes:
             if old is not None and old.ids.size <= ids.size:
-                if old.passes == self._passes and old.ids.size > known:
+                if old.t > self._evicted_upto and old.ids.size > known:
                     known = old.ids.size
                 if old.t < now and not old.dead:
                     old.dead = True  # as in `replaces` below: its blocks lead ids
@@ -158,7 +159,6 @@ class GPUPrefixCache:
         return entry
 
     def _evict(self, protect: np.ndarray, now: float) -> None:
-        self._passes += 1
         cap = self.capacity_blocks or 0
         target = self.blocks - cap + int(cap * self.evict_fraction)
         log = self._log
@@ -171,6 +171,8 @@ class GPUPrefixCache:
                 # it: every block live, deepest first; the shallower rest goes back as a prefix)
                 ids = e.ids
                 if _ALL(last[ids] == e.t):
+                    if e.t > self._evicted_upto:
+                        self._evicted_upto = e.t
                     log.popleft()
                     n = ids.size
                     if n > target:
@@ -184,6 +186,8 @@ class GPUPrefixCache:
                     target -= n
                     continue
             ids, depth, t = self._oldest_moment()
+            if t > self._evicted_upto:
+                self._evicted_upto = t
             if t == now and protect.size:
                 guard = np.zeros(self.held.size, dtype=bool)
                 guard[protect] = True
