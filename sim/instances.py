@@ -84,8 +84,7 @@ class PrefillInstance:
         self.busy_s = 0.0
         self.computed_tokens = 0
         self._queue: deque[_Compute] = deque()
-        self._kick = env.event()
-        env.process(self._run())
+        self._idle = True  # no step under way or about to start
 
     @property
     def ranks(self) -> int:
@@ -104,41 +103,46 @@ class PrefillInstance:
             done.succeed()
             return done
         self._queue.append(_Compute(tokens, context, done))
-        if not self._kick.triggered:
-            self._kick.succeed()
+        if self._idle:  # the first step starts now, after what is already due now
+            self._idle = False
+            call_later(self.env, 0.0, self._step)
         return done
 
-    def _run(self):
+    def _step(self, _ev=None) -> None:
+        """Start a step over the queue's head (written as callbacks: a step is one scheduled
+        call, which takes the next step or goes idle when it ends)."""
+        budget = self.max_batched_tokens
+        batch: list[tuple[_Compute, int]] = []
+        for c in self._queue:
+            if budget <= 0:
+                break
+            take = min(c.remaining, budget)
+            batch.append((c, take))
+            budget -= take
+        step = self.cost.prefill_step_s([(take, c.context) for c, take in batch])
+        self.step_s = step
+        call_later(self.env, step, self._step_done, (batch, step))
+
+    def _step_done(self, ev) -> None:
+        batch, step = ev._value
         env = self.env
-        while True:
-            if not self._queue:
-                self._kick = env.event()
-                self.step_s = 0.0
-                yield self._kick
-                continue
-            budget = self.max_batched_tokens
-            batch: list[tuple[_Compute, int]] = []
-            for c in self._queue:
-                if budget <= 0:
-                    break
-                take = min(c.remaining, budget)
-                batch.append((c, take))
-                budget -= take
-            step = self.cost.prefill_step_s([(take, c.context) for c, take in batch])
-            self.step_s = step
-            yield env.timeout(step)
-            self.busy_s += step
-            for c, take in batch:
-                c.remaining -= take
-                c.context += take
-                self.computed_tokens += take
-                if c.remaining == 0:
-                    self._queue.remove(c)
-                    fill = (self.pp - 1) * step
-                    if fill > 0:
-                        call_later(env, fill, lambda _e, d=c.done: fire(d))
-                    else:
-                        c.done.succeed()
+        self.busy_s += step
+        for c, take in batch:
+            c.remaining -= take
+            c.context += take
+            self.computed_tokens += take
+            if c.remaining == 0:
+                self._queue.remove(c)
+                fill = (self.pp - 1) * step
+                if fill > 0:
+                    call_later(env, fill, lambda _e, d=c.done: fire(d))
+                else:
+                    c.done.succeed()
+        if self._queue:
+            self._step()
+        else:
+            self.step_s = 0.0
+            self._idle = True
 
 
 @dataclass

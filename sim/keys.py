@@ -56,7 +56,7 @@ class KeySpace:
         self._gid: dict[bytes, int] = {}  # parent id (i8) + payload -> group id, of chunks not below
         self._groups = 0
         # chunks numbered right after their parent: parent (_NONE: not here) and payload by group id
-        self._parent = np.full(1 << 12, _NONE, dtype=np.int64)
+        self._parent = np.full(1 << 14, _NONE, dtype=np.int64)
         self._payload: np.ndarray | None = None  # [gid, u64 word], one payload size (the first seen)
         self._threads: dict[tuple[str, int], _ThreadKeys] = {}
         self.hashed_chunks = 0  # chunks named past their thread's common prefix
@@ -188,7 +188,7 @@ class KeySpace:
         n = self._parent.size
         if groups <= n:
             return
-        new = max(groups, 2 * n)
+        new = max(groups, 4 * n)
         parents = np.full(new, _NONE, dtype=np.int64)
         parents[:n] = self._parent
         self._parent = parents
