@@ -370,6 +370,18 @@ class GroupTable:
         self.used_bytes -= freed
         return freed
 
+    _partial_sort = True  # False: every eviction pass sorts every candidate (tests compare)
+
+    def _order_keys(self, cand: np.ndarray) -> tuple[np.ndarray, ...]:
+        """``np.lexsort`` keys of the eviction order (the last key is the primary one): LRU by
+        last use, then the most recently inserted first; LFU by reads, then as LRU; FIFO by
+        insertion."""
+        if self.order == "lru":
+            return (-self._inserted[cand], self._last[cand])
+        if self.order == "lfu":
+            return (-self._inserted[cand], self._last[cand], self._count[cand])
+        return (self._inserted[cand],)
+
     def _evict(self, need_bytes: int, protect: np.ndarray, partial_ok: bool = False) -> tuple[np.ndarray, int]:
         """Evict whole groups; returns their ids and the bytes freed (none: nothing changed)."""
         cap = self.capacity_bytes
@@ -390,16 +402,30 @@ class GroupTable:
         if not cand.size:
             return none
         if self.order == "lru":
-            keys = (-self._inserted[cand], self._last[cand])
+            primary = self._last[cand]
         elif self.order == "lfu":
-            keys = (-self._inserted[cand], self._last[cand], self._count[cand])
+            primary = self._count[cand]
         else:
-            keys = (self._inserted[cand],)
-        ordered = cand[np.lexsort(keys)]
-        sizes = self._bytes_of(self._mask[ordered])
-        cum = np.cumsum(sizes)
-        if cum[-1] < need_bytes and not partial_ok:
-            return none
+            primary = self._inserted[cand]
+        # The victims lead the eviction order; no more of them than the target in the smallest
+        # objects. Sort only the groups whose primary key is at most the one of that rank (ties
+        # included): in cand order, sorted by the same keys they lead the full order (lexsort is
+        # stable), so the leading groups are the same; too few bytes there: sort them all.
+        ordered = cum = None
+        bound = target // max(1, int(self.slot_bytes.min())) + 2
+        if self._partial_sort and bound < cand.size:
+            cut = np.partition(primary, bound - 1)[bound - 1]
+            sub = primary <= cut
+            ordered = cand[sub]
+            ordered = ordered[np.lexsort(self._order_keys(ordered))]
+            cum = np.cumsum(self._bytes_of(self._mask[ordered]))
+            if cum[-1] < target:
+                ordered = None
+        if ordered is None:
+            ordered = cand[np.lexsort(self._order_keys(cand))]
+            cum = np.cumsum(self._bytes_of(self._mask[ordered]))
+            if cum[-1] < need_bytes and not partial_ok:
+                return none
         k = int(np.searchsorted(cum, target, side="left")) + 1
         victims = ordered[: min(k, ordered.size)]
         freed = int(cum[victims.size - 1])
