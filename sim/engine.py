@@ -35,7 +35,7 @@ from kvpool.sim.events import call_later, fire
 from kvpool.sim.gpucache import GPUPrefixCache, LogEntry
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
-from kvpool.sim.links import FairLink
+from kvpool.sim.links import FairLink, Join
 from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.pool import SimPool
 
@@ -371,21 +371,18 @@ class Simulation:
             got = self._session_max_block[session.id] = int(tail.max()) if tail.size else 0
         return got
 
-    def _rank_links(self, p: PrefillInstance, rank: int, nbytes: int, writes: int) -> simpy.Event:
-        """Transfers between the pool and prefill rank ``rank``, as one event: its own NIC carries
-        every byte; in a shared multi-server pool, the remote servers' NICs on the same rail carry
-        their share."""
+    def _rank_links(self, p: PrefillInstance, rank: int, nbytes: int, writes: int, j: Join) -> None:
+        """Transfers between the pool and prefill rank ``rank``, counted by ``j``: its own NIC
+        carries every byte; in a shared multi-server pool, the remote servers' NICs on the same
+        rail carry their share."""
         own, remotes = self._rank_nics[p.index][rank]
-        done = own.transfer(nbytes, writes)
-        if not remotes:
-            return done
-        events = [done]
-        servers = self.s.cluster.servers
-        share = nbytes // servers
-        if share:
-            for link in remotes:
-                events.append(link.transfer(share, max(1, writes // servers)))
-        return join(self.env, events)
+        own.transfer(nbytes, writes, j)
+        if remotes:
+            servers = self.s.cluster.servers
+            share = nbytes // servers
+            if share:
+                for link in remotes:
+                    link.transfer(share, max(1, writes // servers), j)
 
     def _nics_of(self, p: PrefillInstance) -> list[tuple[FairLink, list[FairLink]]]:
         """Per rank of ``p``: its own NIC and, in a shared multi-server pool, the NICs of the other
@@ -425,8 +422,7 @@ class Simulation:
             starts[rank] = env.now
             nbytes = chunks * self.rank_bytes[rank]
             rec.restore_bytes += nbytes
-            moved = self._rank_links(p, rank, nbytes, chunks)
-            moved.callbacks.append(lambda _e: call_later(env, load_s(nbytes), lambda _f: finish(rank)))
+            self._rank_links(p, rank, nbytes, chunks, Join(env, lambda: call_later(env, load_s(nbytes), lambda _f: finish(rank))))
 
         for rank in range(ranks):
             delay = self.rank_stage[rank] * p.step_s  # the forwards queued ahead of this stage
@@ -443,14 +439,15 @@ class Simulation:
         env = self.env
         nbytes = [gids.size * b for b in self.rank_bytes]
 
-        def put(_e) -> None:
+        def put() -> None:
             self.pool.save(p.server, p.ranks, gids, env.now, self.keys.groups - 1)
             rec.save_bytes += sum(nbytes)
             self._sample_pool()
 
         def send(_e) -> None:
-            moved = join(env, [self._rank_links(p, r, nbytes[r], int(gids.size)) for r in range(p.ranks)])
-            moved.callbacks.append(put)
+            j = Join(env, put)
+            for r in range(p.ranks):
+                self._rank_links(p, r, nbytes[r], int(gids.size), j)
 
         call_later(env, self.cost.unpack_s(max(nbytes)), send)  # pack
 
@@ -464,7 +461,7 @@ class Simulation:
         # the main records' write plan per distinct stage depth (the seed's landing path); the
         # stages' extra records (DSA index cache) ride along in the byte count
         rank_tokens, plans = handoff_plans(tokens, dcp, self._plan_consts)
-        events = []
+        j = Join(env)
         rank_writes = [0] * dcp
         stage_nics = self._stage_nics[p.index]
         stage_bpt = self._stage_bpt
@@ -474,11 +471,12 @@ class Simulation:
                 rank_writes[r] += w
             writes = sum(ranks)
             rec.handoff_writes += writes
-            events.append(stage_nics[stage].transfer(tokens * stage_bpt[stage], writes))
+            stage_nics[stage].transfer(tokens * stage_bpt[stage], writes, j)
         bpt = self._handoff_bpt
         rec.handoff_bytes += tokens * bpt
         for r, link in enumerate(self._decode_nics[dec.index]):
-            events.append(link.transfer(rank_tokens[r] * bpt, rank_writes[r]))
-        yield join(env, events)
+            link.transfer(rank_tokens[r] * bpt, rank_writes[r], j)
+        j.close()
+        yield j.done
         yield env.timeout(2 * self.cost.unpack_s(rec.handoff_bytes // self.spec.stages))  # gather + scatter
         rec.handoff_s = env.now - start

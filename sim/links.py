@@ -28,10 +28,39 @@ from heapq import heappop, heappush
 import simpy
 from simpy.events import NORMAL, Event
 
-from kvpool.sim.events import Call, fire
+from kvpool.sim.events import Call, call_later, fire
 
 _INF = float("inf")
 _EPS_S = 1e-9  # completions this close are due now (float rounding; keeps every wait > 0)
+
+
+class Join:
+    """Several transfers (on any links) completing as one, without an event per transfer: pass
+    it as ``transfer(..., join=)``; when the last of them completes, ``fn()`` is called, or
+    ``done`` (a SimPy event) completes, at once (``sim.events.fire``) where the last transfer's
+    own event would have completed. Exactly ``sim.engine.join`` over the transfers' events, whose
+    only callbacks it would have been. ``close()`` after adding them: with none (every transfer
+    empty), ``done`` succeeds through SimPy's queue, as that join's did."""
+
+    __slots__ = ("left", "fn", "done")
+
+    def __init__(self, env: simpy.Environment, fn=None) -> None:
+        self.left = 0
+        self.fn = fn
+        self.done = None if fn is not None else Event(env)
+
+    def one(self, _ev=None) -> None:
+        """One transfer done."""
+        self.left -= 1
+        if not self.left:
+            if self.fn is not None:
+                self.fn()
+            else:
+                fire(self.done)
+
+    def close(self) -> None:
+        if not self.left and self.done is not None:
+            self.done.succeed()
 
 
 class FairLink:
@@ -67,13 +96,21 @@ class FairLink:
     def active(self) -> int:
         return len(self._active)
 
-    def transfer(self, nbytes: int, writes: int = 1) -> simpy.Event:
-        """An event that succeeds when ``nbytes`` in ``writes`` writes have crossed the link."""
+    def transfer(self, nbytes: int, writes: int = 1, join: Join | None = None) -> simpy.Event | None:
+        """An event that succeeds when ``nbytes`` in ``writes`` writes have crossed the link;
+        with ``join``, no event: the join counts it (``None`` is returned)."""
         env = self.env
-        done = Event(env)
-        if nbytes <= 0:
-            done.succeed()
-            return done
+        if join is None:
+            done = Event(env)
+            if nbytes <= 0:
+                done.succeed()
+                return done
+        else:
+            join.left += 1
+            done = join
+            if nbytes <= 0:  # done through SimPy's queue, as an empty transfer's event is
+                call_later(env, 0.0, join.one)
+                return None
         self.bytes_moved += int(nbytes)
         work = float(nbytes) + writes * self._write_bytes + self._latency_bytes
         active = self._active
@@ -93,7 +130,7 @@ class FairLink:
                 wait = 0.0
             self._wake_at = now + wait
             heappush(env._queue, (now + wait, NORMAL, next(env._eid), Call(self._wake_cb, version)))
-        return done
+        return None if join is not None else done
 
     def _wake(self, ev) -> None:
         version = self._version
@@ -124,4 +161,7 @@ class FairLink:
             self._wake_at = _INF
             self._virtual = 0.0
         for ev in done:  # completed now, not queued: callbacks may start transfers on this link
-            fire(ev)
+            if type(ev) is Join:
+                ev.one()
+            else:
+                fire(ev)
