@@ -293,8 +293,8 @@ class Simulation:
             yield from self._handoff(rec, p, self.decodes[decode])
             dec = self.decodes[decode]
             first, done = dec.generate(req.in_tokens, out_tokens)
-            yield first
-            rec.first_token_s = env.now
+            # the first token is noted by a callback (where this process would resume to note it)
+            first.callbacks.append(lambda _e: setattr(rec, "first_token_s", env.now))
             yield done
             rec.end_s = env.now
         finally:
@@ -461,7 +461,7 @@ class Simulation:
         # the main records' write plan per distinct stage depth (the seed's landing path); the
         # stages' extra records (DSA index cache) ride along in the byte count
         rank_tokens, plans = handoff_plans(tokens, dcp, self._plan_consts)
-        j = Join(env)
+        j = Join(env, fn=lambda: None)  # its fn is set below, once the gather time is known
         rank_writes = [0] * dcp
         stage_nics = self._stage_nics[p.index]
         stage_bpt = self._stage_bpt
@@ -476,7 +476,12 @@ class Simulation:
         rec.handoff_bytes += tokens * bpt
         for r, link in enumerate(self._decode_nics[dec.index]):
             link.transfer(rank_tokens[r] * bpt, rank_writes[r], j)
-        j.close()
-        yield j.done
-        yield env.timeout(2 * self.cost.unpack_s(rec.handoff_bytes // self.spec.stages))  # gather + scatter
+        # once every write has landed: gather + scatter, then the process goes on (scheduled where
+        # the process, resumed by the join, would have scheduled its timeout)
+        gathered = env.event()
+        gather_s = 2 * self.cost.unpack_s(rec.handoff_bytes // self.spec.stages)
+        j.fn = lambda: call_later(env, gather_s, lambda _e: fire(gathered))
+        if not j.left:  # nothing to send: through SimPy's queue, as an empty join
+            call_later(env, 0.0, lambda _e: j.fn())
+        yield gathered
         rec.handoff_s = env.now - start
