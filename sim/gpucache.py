@@ -41,6 +41,13 @@ _EVICTED = -1.0  # the last use of an evicted block: no moment, so a log entry's
 # those whose last use is the entry's moment (held follows)
 
 
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Element-wise equality of two arrays of one shape (bytes compared when the dtypes agree)."""
+    if a.dtype == b.dtype:
+        return a.tobytes() == b.tobytes()
+    return bool(_ALL(a == b))
+
+
 def first_occurrences(ids: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """Whether each position of ``ids`` is its id's first (``np.unique``'s first indices, in
     O(n) without a sort): each id's smallest position, kept in ``scratch`` (indexed by id,
@@ -150,7 +157,7 @@ class GPUPrefixCache:
         if self._bounded:
             for old in replaces:
                 if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead \
-                        and _ALL(old.ids == ids[: old.ids.size]):
+                        and _same(old.ids, ids[: old.ids.size]):
                     old.dead = True  # every block of it was used again now: none is live there
             entry = LogEntry(now, ids)
             self._log.append(entry)

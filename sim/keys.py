@@ -92,10 +92,14 @@ class KeySpace:
         if st is None:
             st = self._threads[(scope, thread)] = _ThreadKeys()
         n = min(st.blocks.size, block_ids.size)
-        differ = st.blocks[:n] != block_ids[:n]
-        common_blocks = int(differ.argmax()) if n else 0  # the first difference, if any
-        if n and not differ[common_blocks]:  # none (argmax of all False is 0)
-            common_blocks = n
+        prev = st.blocks[:n]
+        if prev.dtype == block_ids.dtype and prev.tobytes() == block_ids[:n].tobytes():
+            common_blocks = n  # the usual case (a thread's prompt extends its last one): one memcmp
+        else:
+            differ = prev != block_ids[:n]
+            common_blocks = int(differ.argmax()) if n else 0  # the first difference, if any
+            if n and not differ[common_blocks]:  # none (argmax of all False is 0)
+                common_blocks = n
         keyable = min(n_tokens // self.chunk_tokens, n_tokens // block_tokens * block_tokens // self.chunk_tokens)
         keep = min(st.gids.size, common_blocks * block_tokens // self.chunk_tokens, keyable)
         if keep < keyable:
