@@ -32,7 +32,7 @@ from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
 from kvpool.sim.events import call_later, fire
-from kvpool.sim.gpucache import GPUPrefixCache, LogEntry
+from kvpool.sim.gpucache import GPUPrefixCache, LogEntry, same
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
 from kvpool.sim.links import FairLink, Join
@@ -319,7 +319,13 @@ class Simulation:
         gblocks = np.add(blocks, off, dtype=np.int64)  # ids in the GPU cache (keys.global_blocks)
         full_blocks = min(gblocks.size, req.in_tokens // bt)
         prompt = gblocks[:full_blocks]
-        run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block)
+        last = play.gpu_entry.get(req.thread)  # (prefill index, the thread's last insert)
+        lead = None  # that insert, on this prefill, when its blocks lead this prompt
+        if last is not None and last[0] == p.index and last[1] is not None:
+            e = last[1]
+            if e.ids.size <= prompt.size and same(e.ids, prompt[: e.ids.size]):
+                lead = e
+        run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block, lead=lead)
         gpu_hit = run * bt
         gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
         top = self.keys.groups - 1  # a bound on every group id of this request
@@ -354,9 +360,13 @@ class Simulation:
         yield p.compute(rec.computed_tokens, req.in_tokens - rec.computed_tokens)  # context: every reused token
         rec.prefill_end_s = env.now
         p.outstanding_tokens -= req.in_tokens
-        last = play.gpu_entry.get(req.thread)  # (prefill index, the thread's last insert)
-        entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block,
-                               prefixes=(hit_entry,), replaces=(last[1],) if last is not None and last[0] == p.index else ())
+        now_last = play.gpu_entry.get(req.thread)
+        if now_last is last and lead is not None:  # checked above: a prefix of the prompt
+            entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry, lead))
+        else:
+            last = now_last
+            entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry,),
+                                   replaces=(last[1],) if last is not None and last[0] == p.index else ())
         play.gpu_entry[req.thread] = (p.index, entry)
         if self.pool is not None and gids.size:
             new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids

@@ -41,7 +41,7 @@ _EVICTED = -1.0  # the last use of an evicted block: no moment, so a log entry's
 # those whose last use is the entry's moment (held follows)
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
+def same(a: np.ndarray, b: np.ndarray) -> bool:
     """Element-wise equality of two arrays of one shape (bytes compared when the dtypes agree)."""
     if a.dtype == b.dtype:
         return a.tobytes() == b.tobytes()
@@ -105,16 +105,25 @@ class GPUPrefixCache:
         """Leading blocks of ``ids`` held; they count as used now."""
         return self.use(ids, now, max_id)[0]
 
-    def use(self, ids: np.ndarray, now: float, max_id: int | None = None) -> tuple[int, LogEntry | None]:
+    def use(self, ids: np.ndarray, now: float, max_id: int | None = None,
+            lead: LogEntry | None = None) -> tuple[int, LogEntry | None]:
         """``hit_blocks`` and the log entry of the use (``None`` when nothing was used or the
-        capacity is unbounded)."""
+        capacity is unbounded). ``lead``: an entry of this cache whose blocks the caller knows
+        lead ``ids``; newer than every moment eviction has taken blocks from, all its blocks are
+        held, and only the blocks past it are looked at."""
         if not ids.size:
             return 0, None
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
-        held = self.held[ids]
-        run = int(held.argmin())  # the first block not held, or 0 when every one is
-        if held[run]:
-            run = int(ids.size)
+        known = lead.ids.size if lead is not None and lead.t > self._evicted_upto else 0
+        if known:
+            held = self.held[ids[known:]]
+            run = int(held.argmin()) if held.size else 0
+            run = known + (int(held.size) if not held.size or held[run] else run)
+        else:
+            held = self.held[ids]
+            run = int(held.argmin())  # the first block not held, or 0 when every one is
+            if held[run]:
+                run = int(ids.size)
         entry = None
         if run:
             used = ids[:run]
@@ -157,7 +166,7 @@ class GPUPrefixCache:
         if self._bounded:
             for old in replaces:
                 if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead \
-                        and _same(old.ids, ids[: old.ids.size]):
+                        and same(old.ids, ids[: old.ids.size]):
                     old.dead = True  # every block of it was used again now: none is live there
             entry = LogEntry(now, ids)
             self._log.append(entry)

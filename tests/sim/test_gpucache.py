@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.sim.gpucache import GPUPrefixCache, first_occurrences
+from kvpool.sim.gpucache import GPUPrefixCache, first_occurrences, same
 
 
 def test_hit_is_the_leading_run():
@@ -105,7 +105,10 @@ def test_replaced_entries_change_nothing(turns, frac):
         now = 2.0 * i
         run, hit = told.use(ids, now)
         assert plain.hit_blocks(ids, now) == run
-        assert pre.use(ids, now)[0] == run
+        lead = last_pre.get(thread)  # the thread's last insert, when it leads the prompt
+        if lead is not None and not (lead.ids.size <= ids.size and same(lead.ids, ids[: lead.ids.size])):
+            lead = None
+        assert pre.use(ids, now, lead=lead)[0] == run
         hit_pre = pre._log[-1] if run else None
         if between:  # another prompt between the use and the insert (its evictions included)
             other = np.arange(5000 + 100 * i, 5000 + 100 * i + between)
@@ -113,7 +116,10 @@ def test_replaced_entries_change_nothing(turns, frac):
                 c.insert(other, now + 0.5, 64)
         plain.insert(ids, now + 1, 64)
         last[thread] = told.insert(ids, now + 1, 64, replaces=(hit, last.get(thread)))
-        last_pre[thread] = pre.insert(ids, now + 1, 64, prefixes=(hit_pre,), replaces=(last_pre.get(thread),))
+        if lead is not None:
+            last_pre[thread] = pre.insert(ids, now + 1, 64, prefixes=(hit_pre, lead))
+        else:
+            last_pre[thread] = pre.insert(ids, now + 1, 64, prefixes=(hit_pre,), replaces=(last_pre.get(thread),))
         if hit is not None:
             assert hit.dead == hit_pre.dead
         for c in (told, pre):
