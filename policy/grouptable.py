@@ -228,9 +228,12 @@ class GroupTable:
         ids = self._ids(gids, max_gid)
         if not unique and self._has_duplicates(ids):
             np.subtract.at(self._pins, ids, 1)
-        else:
-            self._pins[ids] -= 1
-        self._pins[ids] = np.maximum(self._pins[ids], 0)
+            self._pins[ids] = np.maximum(self._pins[ids], 0)
+        else:  # each id once: decrement and clamp in one gather and one scatter
+            left = self._pins[ids]
+            left -= 1
+            np.maximum(left, 0, out=left)
+            self._pins[ids] = left
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, gids: Sequence[int] | np.ndarray, slot: int | Sequence[int], now: float, *,
