@@ -172,6 +172,8 @@ class Simulation:
         for layers in self._distinct_stage_layers:  # the plan's checks, once (per request: rank_plan)
             HandoffPlan(tokens=0, layers=layers, record_bytes=s.model.record_bytes, ranks=s.decode.dcp,
                         max_write_bytes=s.handoff.max_write_bytes)
+        self._dcp = s.decode.dcp
+        self._stage_depths = [(layers, self._stage_layers.count(layers)) for layers in self._distinct_stage_layers]
         # per distinct stage depth: (layers, bytes of a token's records, bytes of a full write)
         self._plan_consts = [(layers, layers * s.model.record_bytes,
                               s.handoff.max_write_bytes // s.model.record_bytes * s.model.record_bytes)
@@ -290,7 +292,7 @@ class Simulation:
         p.outstanding_tokens += req.in_tokens
         try:
             yield from self._prefill(d, rec, p)
-            yield from self._handoff(rec, p, self.decodes[decode])
+            yield self._handoff(rec, p, self.decodes[decode])
             dec = self.decodes[decode]
             first, done = dec.generate(req.in_tokens, out_tokens)
             # the first token is noted by a callback (where this process would resume to note it)
@@ -461,37 +463,38 @@ class Simulation:
 
         call_later(env, self.cost.unpack_s(max(nbytes)), send)  # pack
 
-    def _handoff(self, rec: RequestRecord, p: PrefillInstance, dec: DecodeInstance):
+    def _handoff(self, rec: RequestRecord, p: PrefillInstance, dec: DecodeInstance) -> simpy.Event:
         """Every stage gathers its layers of every token per decode rank and sends them in large
-        writes (``policy.layout``); each decode rank receives its tokens from every stage."""
+        writes (``policy.layout``); each decode rank receives its tokens from every stage. The
+        returned event succeeds when the last rank has its tokens (``rec.handoff_s`` set)."""
         env = self.env
         start = env.now
-        dcp = self.s.decode.dcp
         tokens = rec.in_tokens
         # the main records' write plan per distinct stage depth (the seed's landing path); the
         # stages' extra records (DSA index cache) ride along in the byte count
-        rank_tokens, plans = handoff_plans(tokens, dcp, self._plan_consts)
+        rank_tokens, plans = handoff_plans(tokens, self._dcp, self._plan_consts)
+        sums = {layers: sum(w) for layers, w in plans.items()}
         j = Join(env, fn=lambda: None)  # its fn is set below, once the gather time is known
-        rank_writes = [0] * dcp
         stage_nics = self._stage_nics[p.index]
         stage_bpt = self._stage_bpt
         for stage, layers in enumerate(self._stage_layers):
-            ranks = plans[layers]
-            for r, w in enumerate(ranks):
-                rank_writes[r] += w
-            writes = sum(ranks)
+            writes = sums[layers]
             rec.handoff_writes += writes
             stage_nics[stage].transfer(tokens * stage_bpt[stage], writes, j)
         bpt = self._handoff_bpt
         rec.handoff_bytes += tokens * bpt
-        for r, link in enumerate(self._decode_nics[dec.index]):
-            link.transfer(rank_tokens[r] * bpt, rank_writes[r], j)
-        # once every write has landed: gather + scatter, then the process goes on (scheduled where
-        # the process, resumed by the join, would have scheduled its timeout)
+        for r, link in enumerate(self._decode_nics[dec.index]):  # a rank's writes from every stage
+            link.transfer(rank_tokens[r] * bpt, sum([n * plans[layers][r] for layers, n in self._stage_depths]), j)
+        # once every write has landed: gather + scatter, then the request goes on (scheduled where
+        # a process resumed by the join would have scheduled its timeout)
         gathered = env.event()
         gather_s = 2 * self.cost.unpack_s(rec.handoff_bytes // self.spec.stages)
-        j.fn = lambda: call_later(env, gather_s, lambda _e: fire(gathered))
+
+        def done(_e) -> None:
+            rec.handoff_s = env.now - start
+            fire(gathered)
+
+        j.fn = lambda: call_later(env, gather_s, done)
         if not j.left:  # nothing to send: through SimPy's queue, as an empty join
             call_later(env, 0.0, lambda _e: j.fn())
-        yield gathered
-        rec.handoff_s = env.now - start
+        return gathered
