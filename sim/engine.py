@@ -31,7 +31,7 @@ from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacit
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
-from kvpool.sim.events import call_later, fire
+from kvpool.sim.events import call_later, fire, run_all
 from kvpool.sim.gpucache import GPUPrefixCache, LogEntry, same
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
@@ -204,7 +204,7 @@ class Simulation:
             gc.freeze()
         try:
             self._start_driver()
-            env.run()
+            run_all(env)  # env.run(), its step written into the loop
         finally:
             if freeze:
                 gc.unfreeze()

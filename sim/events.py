@@ -19,7 +19,7 @@ calls ``fn(record)`` with ``record._value == value``. Nothing may wait on it (no
 
 from __future__ import annotations
 
-from heapq import heappush
+from heapq import heappop, heappush
 
 from simpy.events import NORMAL, PENDING, Event
 
@@ -53,3 +53,19 @@ def call_later(env, delay: float, fn, value: object = None) -> None:
     if delay < 0:
         raise ValueError(f"negative delay {delay}")
     heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), Call(fn, value)))
+
+
+def run_all(env) -> None:
+    """``env.run()`` with no ``until``: every event in time order until none is left, with
+    ``Environment.step`` written into the loop (the same steps; a failed event that nobody
+    defused raises as there). Not for models that stop the loop with ``StopSimulation``."""
+    queue = env._queue
+    while queue:
+        env._now, _, _, event = heappop(queue)
+        callbacks, event.callbacks = event.callbacks, None
+        for callback in callbacks:
+            callback(event)
+        if not event._ok and not hasattr(event, "_defused"):
+            exc = type(event._value)(*event._value.args)
+            exc.__cause__ = event._value
+            raise exc

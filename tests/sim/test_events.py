@@ -84,3 +84,30 @@ def test_call_later_runs_as_a_timeouts_callback_in_scheduling_order():
     with pytest.raises(ValueError):
         call_later(env, -1.0, lambda ev: None)
 
+
+
+def test_run_all_steps_as_env_run():
+    """run_all processes the same events in the same order as env.run(), and a failed event
+    nobody waits on crashes it the same way."""
+    from kvpool.sim.events import call_later, run_all
+
+    def model(env, seen):
+        def proc(i):
+            for k in range(3):
+                yield env.timeout(0.5 * (i % 2) + k)
+                seen.append((env.now, i, k))
+                call_later(env, 0.25, lambda _e, i=i, k=k: seen.append((env.now, "call", i, k)))
+        for i in range(4):
+            env.process(proc(i))
+
+    a, b = [], []
+    env_a, env_b = simpy.Environment(), simpy.Environment()
+    model(env_a, a)
+    model(env_b, b)
+    env_a.run()
+    run_all(env_b)
+    assert a == b and env_a.now == env_b.now
+    env = simpy.Environment()
+    env.event().fail(ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        run_all(env)
