@@ -111,3 +111,4 @@ def test_run_all_steps_as_env_run():
     env.event().fail(ValueError("boom"))
     with pytest.raises(ValueError, match="boom"):
         run_all(env)
+
