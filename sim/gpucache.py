@@ -182,25 +182,33 @@ class GPUPrefixCache:
         skipped: list[LogEntry] = []  # protected entries of `now`
         while target > 0 and log:
             e = log[0]
-            if e.depth is None and not e.dead and e.t != now and (len(log) == 1 or log[1].t != e.t):
-                # the usual moment: one entry, blocks in depth order (the general path below, for
-                # it: every block live, deepest first; the shallower rest goes back as a prefix)
-                ids = e.ids
-                if _ALL(last[ids] == e.t):
-                    if e.t > self._evicted_upto:
-                        self._evicted_upto = e.t
-                    log.popleft()
-                    n = ids.size
-                    if n > target:
-                        log.appendleft(LogEntry(e.t, ids[: n - target]))
-                        ids = ids[n - target:]
-                        n = target
-                    held[ids] = False
-                    last[ids] = _EVICTED
-                    self.blocks -= n
-                    self.evicted_blocks += n
-                    target -= n
-                    continue
+            if e.dead:  # stale as a whole: dropped unread (as _oldest_moment does)
+                log.popleft()
+                continue
+            if e.t != now and (len(log) == 1 or log[1].t != e.t):
+                # a moment of one entry (the usual one). An entry lies in depth order, so the
+                # general path below evicts its live blocks from its end and puts the shallower
+                # rest back as an entry in front: done here with slices of its live blocks
+                ids, depth = e.ids, e.depth
+                live = last[ids] == e.t
+                if not _ALL(live):
+                    pos = np.flatnonzero(live)
+                    ids, depth = ids[pos], (pos if depth is None else depth[pos])
+                if e.t > self._evicted_upto:
+                    self._evicted_upto = e.t
+                log.popleft()
+                n = int(ids.size)
+                if n > target:
+                    keep = n - target
+                    log.appendleft(LogEntry(e.t, ids[:keep], None if depth is None else depth[:keep]))
+                    ids = ids[keep:]
+                    n = target
+                held[ids] = False
+                last[ids] = _EVICTED
+                self.blocks -= n
+                self.evicted_blocks += n
+                target -= n
+                continue
             ids, depth, t = self._oldest_moment()
             if t > self._evicted_upto:
                 self._evicted_upto = t
