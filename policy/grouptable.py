@@ -125,6 +125,7 @@ class GroupTable:
         self._resident = IdList()  # groups holding objects (+ stale ones until the next pass)
         self._listed = np.zeros(n, dtype=bool)  # whether a group is in _resident
         self._bits = np.left_shift(np.uint64(1), np.arange(self.slots, dtype=np.uint64))
+        self._all_bits = np.bitwise_or.reduce(self._bits)  # every slot
         self._slot_masks: dict[tuple[int, ...], tuple[np.ndarray, np.uint64]] = {}
         if self.slots <= self._TABLE_SLOTS:
             masks = np.arange(1 << self.slots, dtype=np.uint64)
@@ -286,7 +287,7 @@ class GroupTable:
 
     def _all_new(self, ids: np.ndarray) -> bool:
         """Whether no group of ``ids`` (non-empty) holds an object."""
-        return bool(ids.size) and not _MAX(self._mask[ids])  # the ufunc directly: .any() adds a wrapper
+        return bool(ids.size) and not np.count_nonzero(self._mask[ids])  # cheaper than .any() or a max
 
     def _put_new(self, ids: np.ndarray, want: np.uint64, now: float) -> PutOutcome:
         """``put`` of distinct groups none of which holds an object yet: every group needs the
@@ -348,8 +349,10 @@ class GroupTable:
         runs of ``lookup_slots``' rows, recency as ``lookup``) without building the rows."""
         ids = self._ids(gids, max_gid)
         slots, want = self._slot_mask(slots)
-        got = self._mask[ids] & want
-        self._touch(ids[got != 0], now)
+        got = self._mask[ids]
+        if want != self._all_bits:  # (every slot wanted: the masks hold no other bit)
+            got &= want
+        self._touch(ids[got.astype(bool)], now)  # (nonzero, cheaper than a compare with 0)
         short = got != want  # groups missing at least one of the slots
         first = int(short.argmax())  # the first of them (bool argmax stops there), or 0
         if not short.size or not short[first]:
