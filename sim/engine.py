@@ -78,19 +78,30 @@ class _PlayState:
     instance. Dropped when the play's last request is served."""
 
     blocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> block ids
+    gblocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> GPU cache ids
     last_request: dict[int, int] = field(default_factory=dict)  # thread -> request index
     gpu_entry: dict[int, tuple[int, LogEntry | None]] = field(default_factory=dict)  # thread -> (prefill, entry)
 
-    def block_ids(self, d) -> np.ndarray:
-        """Dispatch ``d``'s block ids, kept as its thread's latest."""
+    def block_ids(self, d, off: int) -> tuple[np.ndarray, np.ndarray]:
+        """Dispatch ``d``'s block ids and their ids in the GPU cache (``off`` + each: the play's
+        offset, ``keys.global_blocks``), kept as its thread's latest. The leading ids taken from
+        a kept list take their cache ids from it too (same play, same offset)."""
         req = d.request
-        blocks = d.session.blocks.block_ids(req.index, self.blocks)
+        blocks, r, n = d.session.blocks.block_ids_from(req.index, self.blocks)
+        if n:
+            gblocks = np.empty(blocks.size, dtype=np.int64)
+            gblocks[:n] = self.gblocks[r][:n]
+            np.add(blocks[n:], off, out=gblocks[n:], dtype=np.int64)
+        else:
+            gblocks = np.add(blocks, off, dtype=np.int64)
         old = self.last_request.get(req.thread)
         if old is not None:
             self.blocks.pop(old, None)
+            self.gblocks.pop(old, None)
         self.blocks[req.index] = blocks
+        self.gblocks[req.index] = gblocks
         self.last_request[req.thread] = req.index
-        return blocks
+        return blocks, gblocks
 
 
 @dataclass
@@ -316,10 +327,9 @@ class Simulation:
         play = self._plays.get(d.play)
         if play is None:
             play = self._plays[d.play] = _PlayState()
-        blocks = play.block_ids(d)
         max_block = self._max_block_id(session)
         off = self.keys.block_offset(d.scope, max_block)
-        gblocks = np.add(blocks, off, dtype=np.int64)  # ids in the GPU cache (keys.global_blocks)
+        blocks, gblocks = play.block_ids(d, off)  # gblocks: ids in the GPU cache (keys.global_blocks)
         full_blocks = min(gblocks.size, req.in_tokens // bt)
         prompt = gblocks[:full_blocks]
         last = play.gpu_entry.get(req.thread)  # (prefill index, the thread's last insert)

@@ -17,3 +17,33 @@ def test_handoff_plans_equal_policy_rank_plan(ranks):
             want = rank_plan(tokens, layers, record, ranks, max_write)
             assert [t for t, _ in want] == rank_tokens
             assert [w for _, w in want] == plans[layers]
+
+
+def test_block_ids_from_reports_the_known_prefix_it_copied():
+    """BlockStore.block_ids_from: the same ids as a walk without known lists, and its first n ids
+    are known[r]'s first n (what the engine reuses for the GPU cache ids)."""
+    import numpy as np
+
+    from kvpool.scenario import load_scenario
+    from kvpool.sim.run import workload_for
+
+    w = workload_for(load_scenario("mi355x-1p1d"))
+    for s in w.sessions[:5]:
+        store = s.blocks
+        latest: dict[int, int] = {}
+        known: dict[int, np.ndarray] = {}
+        copied = 0
+        for req in s.requests[:80]:
+            ids, r, n = store.block_ids_from(req.index, known)
+            assert np.array_equal(ids, store.block_ids(req.index))
+            if n:
+                copied += 1
+                assert r in known and r != req.index and np.array_equal(ids[:n], known[r][:n])
+            else:
+                assert r == -1
+            old = latest.get(req.thread)
+            if old is not None:
+                known.pop(old, None)
+            known[req.index] = ids
+            latest[req.thread] = req.index
+        assert copied  # the walks do stop at kept lists
