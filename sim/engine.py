@@ -165,6 +165,9 @@ class Simulation:
         self.records: list[RequestRecord] = []
         self._session_max_block: dict[str, int] = {}
         self._plays: dict[int, _PlayState] = {}
+        # (pool capacity is fixed; one table is read directly when it is the only one)
+        self._pool_tables = [t for row in self.pool.tables for t in row] if self.pool is not None else []
+        self._pool_capacity = max(1, self.pool.capacity_bytes) if self.pool is not None else 1
         ssd = s.pool.ssd
         self.ssd_links = [FairLink(env, ssd.read_gb_s_per_server * 1e9, name=f"ssd{i}") for i in range(s.cluster.servers)]
         self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus
@@ -197,11 +200,19 @@ class Simulation:
         self.timeline.decode_occ.append(sum([d.reserved_tokens for d in self.decodes]) / cap if cap else 0.0)
 
     def _sample_pool(self) -> None:
-        if self.pool is None:
+        pool = self.pool
+        if pool is None:
             return
-        self.timeline.pool_t.append(self.env.now)
-        self.timeline.pool_used.append(self.pool.used_bytes / max(1, self.pool.capacity_bytes))
-        self.timeline.pool_evicted.append(self.pool.evicted_groups)
+        tl = self.timeline
+        tl.pool_t.append(self.env.now)
+        tables = self._pool_tables
+        if len(tables) == 1:
+            t = tables[0]
+            used, evicted = t.used_bytes, t.evicted_groups
+        else:
+            used, evicted = pool.used_bytes, pool.evicted_groups
+        tl.pool_used.append(used / self._pool_capacity)
+        tl.pool_evicted.append(evicted)
 
     # -- the driver (sim.workload.replay's interface) ------------------------------------------
     def run(self) -> list[RequestRecord]:
