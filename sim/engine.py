@@ -80,14 +80,16 @@ class _PlayState:
     blocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> block ids
     gblocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> GPU cache ids
     last_request: dict[int, int] = field(default_factory=dict)  # thread -> request index
-    gpu_entry: dict[int, tuple[int, LogEntry | None]] = field(default_factory=dict)  # thread -> (prefill, entry)
+    gpu_entry: dict[int, tuple[int, LogEntry | None, int]] = field(default_factory=dict)  # thread -> (prefill, entry, request)
 
-    def block_ids(self, d, off: int) -> tuple[np.ndarray, np.ndarray]:
+    def block_ids(self, d, off: int) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray | None]:
         """Dispatch ``d``'s block ids and their ids in the GPU cache (``off`` + each: the play's
-        offset, ``keys.global_blocks``), kept as its thread's latest. The leading ids taken from
-        a kept list take their cache ids from it too (same play, same offset)."""
+        offset, ``keys.global_blocks``), kept as its thread's latest, and ``(r, n, ids_r)``: its
+        first ``n`` ids are those of kept request ``r``'s list ``ids_r`` (-1, 0, None: none),
+        whose cache ids they take too (same play, same offset)."""
         req = d.request
         blocks, r, n = d.session.blocks.block_ids_from(req.index, self.blocks)
+        src = self.blocks.get(r) if n else None
         if n:
             gblocks = np.empty(blocks.size, dtype=np.int64)
             gblocks[:n] = self.gblocks[r][:n]
@@ -101,7 +103,7 @@ class _PlayState:
         self.blocks[req.index] = blocks
         self.gblocks[req.index] = gblocks
         self.last_request[req.thread] = req.index
-        return blocks, gblocks
+        return blocks, gblocks, r, n, src
 
 
 @dataclass
@@ -340,18 +342,21 @@ class Simulation:
             play = self._plays[d.play] = _PlayState()
         max_block = self._max_block_id(session)
         off = self.keys.block_offset(d.scope, max_block)
-        blocks, gblocks = play.block_ids(d, off)  # gblocks: ids in the GPU cache (keys.global_blocks)
+        blocks, gblocks, src, src_n, src_ids = play.block_ids(d, off)  # gblocks: ids in the GPU cache
         full_blocks = min(gblocks.size, req.in_tokens // bt)
         prompt = gblocks[:full_blocks]
-        last = play.gpu_entry.get(req.thread)  # (prefill index, the thread's last insert)
-        lead = None  # that insert, on this prefill, when its blocks lead this prompt
+        last = play.gpu_entry.get(req.thread)  # (prefill index, the thread's last insert, its request)
+        lead = None  # that insert, on this prefill, when its blocks lead this prompt: known when
+        # this prompt's ids were copied from that request's (far enough), else compared
         if last is not None and last[0] == p.index and last[1] is not None:
             e = last[1]
-            if e.ids.size <= prompt.size and same(e.ids, prompt[: e.ids.size]):
+            k = e.ids.size
+            if k <= prompt.size and ((last[2] == src and k <= src_n) or same(e.ids, prompt[:k])):
                 lead = e
         run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block, lead=lead)
         gpu_hit = run * bt
-        gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
+        gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens,
+                                    prefix=(src_ids, src_n) if src_n else None)
         top = self.keys.groups - 1  # a bound on every group id of this request
         present = runs = on_ssd = None
         if self.pool is not None and gids.size:
@@ -391,7 +396,7 @@ class Simulation:
             last = now_last
             entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry,),
                                    replaces=(last[1],) if last is not None and last[0] == p.index else ())
-        play.gpu_entry[req.thread] = (p.index, entry)
+        play.gpu_entry[req.thread] = (p.index, entry, req.index)
         if self.pool is not None and gids.size:
             new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids
             if new.size:

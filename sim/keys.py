@@ -83,17 +83,22 @@ class KeySpace:
         scope will use)."""
         return np.add(block_ids, self.block_offset(scope, max_id), dtype=np.int64)
 
-    def chunk_gids(self, scope: str, thread: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int) -> np.ndarray:
+    def chunk_gids(self, scope: str, thread: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int,
+                   prefix: tuple[np.ndarray, int] | None = None) -> np.ndarray:
         """Group ids of the request's keyable chunks (policy.chunks rules), in order.
 
-        Tokens beyond the recorded blocks (traces whose ``in`` over-counts) are never keyed."""
+        Tokens beyond the recorded blocks (traces whose ``in`` over-counts) are never keyed.
+        ``prefix=(ids, n)``: the caller knows ``block_ids[:n]`` equals ``ids[:n]``; when ``ids``
+        is this thread's last list, that saves comparing them."""
         n_tokens = min(n_tokens, block_ids.size * block_tokens)
         st = self._threads.get((scope, thread))
         if st is None:
             st = self._threads[(scope, thread)] = _ThreadKeys()
         n = min(st.blocks.size, block_ids.size)
         prev = st.blocks[:n]
-        if prev.dtype == block_ids.dtype and prev.tobytes() == block_ids[:n].tobytes():
+        if prefix is not None and prefix[0] is st.blocks and prefix[1] >= n:
+            common_blocks = n  # known equal over the whole common length
+        elif prev.dtype == block_ids.dtype and prev.tobytes() == block_ids[:n].tobytes():
             common_blocks = n  # the usual case (a thread's prompt extends its last one): one memcmp
         else:
             differ = prev != block_ids[:n]
