@@ -130,21 +130,10 @@ def digests_from_blocks(
 
     A chunk is keyed only if it lies within ``n_tokens`` and every block it touches is full.
     """
-    _check_chunk_tokens(chunk_tokens)
-    if block_tokens <= 0:
-        raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
-    n_blocks = len(block_ids)
-    if n_tokens > n_blocks * block_tokens:
-        raise ValueError(
-            f"{n_tokens} tokens need {-(-n_tokens // block_tokens)} blocks of {block_tokens}, got {n_blocks}"
-        )
-    full_block_tokens = min(n_tokens, n_blocks * block_tokens) // block_tokens * block_tokens
-    keyable = min(full_chunks(n_tokens, chunk_tokens), full_block_tokens // chunk_tokens)
-    first = max(0, start_chunk)
-    if first >= keyable:
+    raw, bounds = block_pieces(block_ids, block_tokens, n_tokens, chunk_tokens, start_chunk)
+    if not raw:
         return []
-    raw, bounds = _block_pieces(block_ids, block_tokens, chunk_tokens, first, keyable)
-    head = b"B" + struct.pack("<I", block_tokens)
+    head = block_head(block_tokens)
     out: list[ChunkDigest] = []
     parent = seed
     hasher = _CHAIN_HASHER  # _link, inlined: this loop runs once per chunk of every prompt
@@ -159,6 +148,38 @@ def digests_from_blocks(
 
 
 _PIECE = np.dtype([("id", "<u8"), ("off", "<u4"), ("take", "<u4")])  # one block piece, 16 bytes
+
+
+def block_head(block_tokens: int) -> bytes:
+    """What every link of a block-id chain hashes between the parent digest and the chunk's
+    pieces: ``b"B"`` and the block size as u32."""
+    return b"B" + struct.pack("<I", block_tokens)
+
+
+def block_pieces(block_ids: Sequence[int], block_tokens: int, n_tokens: int, chunk_tokens: int,
+                 start_chunk: int = 0) -> tuple[bytes, Iterable[tuple[int, int]]]:
+    """The chain payloads of chunks ``start_chunk ..`` of a prompt given by block ids (the
+    arguments of ``digests_from_blocks``, validated the same way): every chunk's block pieces as
+    packed records in one string, and each chunk's byte range ``(a, b)`` in it. Chunk ``i``'s
+    digest is ``BLAKE2b(d_{i-1} || block_head(block_tokens) || raw[a:b])``, so two chunks have
+    equal digests exactly when their parents' digests and these payloads are equal (and the
+    head, fixed by ``block_tokens``). ``b""`` and no ranges when no chunk from ``start_chunk``
+    is keyable. When chunks and blocks align every range has the same length, 16 bytes per block
+    piece (``chunk_tokens // block_tokens`` pieces, or 1 when a block holds whole chunks)."""
+    _check_chunk_tokens(chunk_tokens)
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be > 0, got {block_tokens}")
+    n_blocks = len(block_ids)
+    if n_tokens > n_blocks * block_tokens:
+        raise ValueError(
+            f"{n_tokens} tokens need {-(-n_tokens // block_tokens)} blocks of {block_tokens}, got {n_blocks}"
+        )
+    full_block_tokens = min(n_tokens, n_blocks * block_tokens) // block_tokens * block_tokens
+    keyable = min(full_chunks(n_tokens, chunk_tokens), full_block_tokens // chunk_tokens)
+    first = max(0, start_chunk)
+    if first >= keyable:
+        return b"", ()
+    return _block_pieces(block_ids, block_tokens, chunk_tokens, first, keyable)
 
 
 def _block_pieces(block_ids: Sequence[int], block_tokens: int, chunk_tokens: int, first: int,

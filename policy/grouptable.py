@@ -125,6 +125,7 @@ class GroupTable:
         self._resident = IdList()  # groups holding objects (+ stale ones until the next pass)
         self._listed = np.zeros(n, dtype=bool)  # whether a group is in _resident
         self._bits = np.left_shift(np.uint64(1), np.arange(self.slots, dtype=np.uint64))
+        self._all_bits = np.bitwise_or.reduce(self._bits)  # every slot
         self._slot_masks: dict[tuple[int, ...], tuple[np.ndarray, np.uint64]] = {}
         if self.slots <= self._TABLE_SLOTS:
             masks = np.arange(1 << self.slots, dtype=np.uint64)
@@ -228,9 +229,12 @@ class GroupTable:
         ids = self._ids(gids, max_gid)
         if not unique and self._has_duplicates(ids):
             np.subtract.at(self._pins, ids, 1)
-        else:
-            self._pins[ids] -= 1
-        self._pins[ids] = np.maximum(self._pins[ids], 0)
+            self._pins[ids] = np.maximum(self._pins[ids], 0)
+        else:  # each id once: decrement and clamp in one gather and one scatter
+            left = self._pins[ids]
+            left -= 1
+            np.maximum(left, 0, out=left)
+            self._pins[ids] = left
 
     # -- writes ------------------------------------------------------------------------------
     def put(self, gids: Sequence[int] | np.ndarray, slot: int | Sequence[int], now: float, *,
@@ -283,7 +287,7 @@ class GroupTable:
 
     def _all_new(self, ids: np.ndarray) -> bool:
         """Whether no group of ``ids`` (non-empty) holds an object."""
-        return bool(ids.size) and not _MAX(self._mask[ids])  # the ufunc directly: .any() adds a wrapper
+        return bool(ids.size) and not np.count_nonzero(self._mask[ids])  # cheaper than .any() or a max
 
     def _put_new(self, ids: np.ndarray, want: np.uint64, now: float) -> PutOutcome:
         """``put`` of distinct groups none of which holds an object yet: every group needs the
@@ -345,12 +349,14 @@ class GroupTable:
         runs of ``lookup_slots``' rows, recency as ``lookup``) without building the rows."""
         ids = self._ids(gids, max_gid)
         slots, want = self._slot_mask(slots)
-        got = self._mask[ids] & want
-        self._touch(ids[got != 0], now)
-        short = np.flatnonzero(got != want)  # groups missing at least one of the slots
-        if not short.size:
+        got = self._mask[ids]
+        if want != self._all_bits:  # (every slot wanted: the masks hold no other bit)
+            got &= want
+        self._touch(ids[got.astype(bool)], now)  # (nonzero, cheaper than a compare with 0)
+        short = got != want  # groups missing at least one of the slots
+        first = int(short.argmax())  # the first of them (bool argmax stops there), or 0
+        if not short.size or not short[first]:
             return [int(ids.size)] * slots.size
-        first = int(short[0])
         if not got[first]:  # missing every slot there: every run ends at it
             return [first] * slots.size
         runs = []
@@ -369,6 +375,18 @@ class GroupTable:
         self._mask[ids] = 0
         self.used_bytes -= freed
         return freed
+
+    _partial_sort = True  # False: every eviction pass sorts every candidate (tests compare)
+
+    def _order_keys(self, cand: np.ndarray) -> tuple[np.ndarray, ...]:
+        """``np.lexsort`` keys of the eviction order (the last key is the primary one): LRU by
+        last use, then the most recently inserted first; LFU by reads, then as LRU; FIFO by
+        insertion."""
+        if self.order == "lru":
+            return (-self._inserted[cand], self._last[cand])
+        if self.order == "lfu":
+            return (-self._inserted[cand], self._last[cand], self._count[cand])
+        return (self._inserted[cand],)
 
     def _evict(self, need_bytes: int, protect: np.ndarray, partial_ok: bool = False) -> tuple[np.ndarray, int]:
         """Evict whole groups; returns their ids and the bytes freed (none: nothing changed)."""
@@ -390,16 +408,30 @@ class GroupTable:
         if not cand.size:
             return none
         if self.order == "lru":
-            keys = (-self._inserted[cand], self._last[cand])
+            primary = self._last[cand]
         elif self.order == "lfu":
-            keys = (-self._inserted[cand], self._last[cand], self._count[cand])
+            primary = self._count[cand]
         else:
-            keys = (self._inserted[cand],)
-        ordered = cand[np.lexsort(keys)]
-        sizes = self._bytes_of(self._mask[ordered])
-        cum = np.cumsum(sizes)
-        if cum[-1] < need_bytes and not partial_ok:
-            return none
+            primary = self._inserted[cand]
+        # The victims lead the eviction order; no more of them than the target in the smallest
+        # objects. Sort only the groups whose primary key is at most the one of that rank (ties
+        # included): in cand order, sorted by the same keys they lead the full order (lexsort is
+        # stable), so the leading groups are the same; too few bytes there: sort them all.
+        ordered = cum = None
+        bound = target // max(1, int(self.slot_bytes.min())) + 2
+        if self._partial_sort and bound < cand.size:
+            cut = np.partition(primary, bound - 1)[bound - 1]
+            sub = primary <= cut
+            ordered = cand[sub]
+            ordered = ordered[np.lexsort(self._order_keys(ordered))]
+            cum = np.cumsum(self._bytes_of(self._mask[ordered]))
+            if cum[-1] < target:
+                ordered = None
+        if ordered is None:
+            ordered = cand[np.lexsort(self._order_keys(cand))]
+            cum = np.cumsum(self._bytes_of(self._mask[ordered]))
+            if cum[-1] < need_bytes and not partial_ok:
+                return none
         k = int(np.searchsorted(cum, target, side="left")) + 1
         victims = ordered[: min(k, ordered.size)]
         freed = int(cum[victims.size - 1])

@@ -25,17 +25,17 @@ import simpy
 from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
 from kvpool.policy.chunks import namespace_for
 from kvpool.policy.hits import compute_hits
-from kvpool.policy.layout import HandoffPlan, rank_plan
+from kvpool.policy.layout import HandoffPlan
 from kvpool.policy.routing import choose_decode, make_router
 from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacity_tokens
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
-from kvpool.sim.events import fire
-from kvpool.sim.gpucache import GPUPrefixCache, LogEntry
+from kvpool.sim.events import call_later, fire, run_all
+from kvpool.sim.gpucache import GPUPrefixCache, LogEntry, same
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import SHARED_PREFIX_SCOPE, KeySpace
-from kvpool.sim.links import FairLink
+from kvpool.sim.links import FairLink, Join
 from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.pool import SimPool
 
@@ -66,6 +66,14 @@ def join(env: simpy.Environment, events: list[simpy.Event]) -> simpy.Event:
 _DEADLINE_SLACK_S = 1e-6  # a wait this close to its deadline has reached it (the clock's ulp is ~1e-9 s at 1e7 s)
 
 
+def handoff_plans(tokens: int, ranks: int, consts: list[tuple[int, int, int]]) -> tuple[list[int], dict[int, list[int]]]:
+    """``policy.layout.rank_plan`` for a hand-off of ``tokens`` tokens from position 0, for every
+    distinct stage depth at once: each rank's token count, and per depth each rank's writes.
+    ``consts``: per depth ``(layers, layers x record bytes, the largest write of whole records)``."""
+    rank_tokens = [(tokens - r + ranks - 1) // ranks for r in range(ranks)]
+    return rank_tokens, {layers: [-(-t * per_token // step) for t in rank_tokens] for layers, per_token, step in consts}
+
+
 @dataclass
 class _PlayState:
     """What a play's next requests reuse, per thread: its last request's block ids (a later
@@ -73,19 +81,32 @@ class _PlayState:
     instance. Dropped when the play's last request is served."""
 
     blocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> block ids
+    gblocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> GPU cache ids
     last_request: dict[int, int] = field(default_factory=dict)  # thread -> request index
-    gpu_entry: dict[int, tuple[int, LogEntry | None]] = field(default_factory=dict)  # thread -> (prefill, entry)
+    gpu_entry: dict[int, tuple[int, LogEntry | None, int]] = field(default_factory=dict)  # thread -> (prefill, entry, request)
 
-    def block_ids(self, d) -> np.ndarray:
-        """Dispatch ``d``'s block ids, kept as its thread's latest."""
+    def block_ids(self, d, off: int) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray | None]:
+        """Dispatch ``d``'s block ids and their ids in the GPU cache (``off`` + each: the play's
+        offset, ``keys.global_blocks``), kept as its thread's latest, and ``(r, n, ids_r)``: its
+        first ``n`` ids are those of kept request ``r``'s list ``ids_r`` (-1, 0, None: none),
+        whose cache ids they take too (same play, same offset)."""
         req = d.request
-        blocks = d.session.blocks.block_ids(req.index, self.blocks)
+        blocks, r, n = d.session.blocks.block_ids_from(req.index, self.blocks)
+        src = self.blocks.get(r) if n else None
+        if n:
+            gblocks = np.empty(blocks.size, dtype=np.int64)
+            gblocks[:n] = self.gblocks[r][:n]
+            np.add(blocks[n:], off, out=gblocks[n:], dtype=np.int64)
+        else:
+            gblocks = np.add(blocks, off, dtype=np.int64)
         old = self.last_request.get(req.thread)
         if old is not None:
             self.blocks.pop(old, None)
+            self.gblocks.pop(old, None)
         self.blocks[req.index] = blocks
+        self.gblocks[req.index] = gblocks
         self.last_request[req.thread] = req.index
-        return blocks
+        return blocks, gblocks, r, n, src
 
 
 @dataclass
@@ -149,6 +170,9 @@ class Simulation:
         self.records: list[RequestRecord] = []
         self._session_max_block: dict[str, int] = {}
         self._plays: dict[int, _PlayState] = {}
+        # (pool capacity is fixed; one table is read directly when it is the only one)
+        self._pool_tables = [t for row in self.pool.tables for t in row] if self.pool is not None else []
+        self._pool_capacity = max(1, self.pool.capacity_bytes) if self.pool is not None else 1
         ssd = s.pool.ssd
         self.ssd_links = [FairLink(env, ssd.read_gb_s_per_server * 1e9, name=f"ssd{i}") for i in range(s.cluster.servers)]
         self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus
@@ -173,6 +197,12 @@ class Simulation:
         for layers in self._distinct_stage_layers:  # the plan's checks, once (per request: rank_plan)
             HandoffPlan(tokens=0, layers=layers, record_bytes=s.model.record_bytes, ranks=s.decode.dcp,
                         max_write_bytes=s.handoff.max_write_bytes)
+        self._dcp = s.decode.dcp
+        self._stage_depths = [(layers, self._stage_layers.count(layers)) for layers in self._distinct_stage_layers]
+        # per distinct stage depth: (layers, bytes of a token's records, bytes of a full write)
+        self._plan_consts = [(layers, layers * s.model.record_bytes,
+                              s.handoff.max_write_bytes // s.model.record_bytes * s.model.record_bytes)
+                             for layers in self._distinct_stage_layers]
 
     # -- time series -----------------------------------------------------------------------
     def _decode_occupancy(self, now: float, _frac: float) -> None:
@@ -181,26 +211,37 @@ class Simulation:
         self.timeline.decode_occ.append(sum([d.reserved_tokens for d in self.decodes]) / cap if cap else 0.0)
 
     def _sample_pool(self) -> None:
-        if self.pool is None:
+        pool = self.pool
+        if pool is None:
             return
-        self.timeline.pool_t.append(self.env.now)
-        self.timeline.pool_used.append(self.pool.used_bytes / max(1, self.pool.capacity_bytes))
-        self.timeline.pool_evicted.append(self.pool.evicted_groups)
+        tl = self.timeline
+        tl.pool_t.append(self.env.now)
+        tables = self._pool_tables
+        if len(tables) == 1:
+            t = tables[0]
+            used, evicted = t.used_bytes, t.evicted_groups
+        else:
+            used, evicted = pool.used_bytes, pool.evicted_groups
+        tl.pool_used.append(used / self._pool_capacity)
+        tl.pool_evicted.append(evicted)
 
     # -- the driver (sim.workload.replay's interface) ------------------------------------------
     def run(self) -> list[RequestRecord]:
         env = self.env
-        self._start_driver()
-        # What exists now (workload, scenario, this model) lives through the run: kept out of the
-        # cyclic collector's full scans while it runs (unless the caller froze objects itself).
-        freeze = gc.get_freeze_count() == 0
-        if freeze:
-            gc.freeze()
+        # The cyclic collector is off while the model runs (unless the caller turned it off): a run
+        # leaves no cyclic garbage to speak of (14 objects after the one-server hour, the four-server
+        # and the replay points alike; peak RSS the same), and its collections cost 2-3 % of the
+        # hour (young generations) plus a full scan of the workload (~0.2 s) when the replay's
+        # first plays set one off.
+        enabled = gc.isenabled()
+        if enabled:
+            gc.disable()
         try:
-            env.run()
+            self._start_driver()
+            run_all(env)  # env.run(), its step written into the loop
         finally:
-            if freeze:
-                gc.unfreeze()
+            if enabled:
+                gc.enable()
         return self.records
 
     def _start_driver(self) -> None:
@@ -225,7 +266,7 @@ class Simulation:
                 timer[0] += 1
                 timer[1] = due
                 if due is not None:
-                    env.timeout(max(0.0, due - env.now), timer[0]).callbacks.append(on_timer)
+                    call_later(env, max(0.0, due - env.now), on_timer, timer[0])
 
         def on_timer(ev) -> None:
             if ev._value == timer[0]:  # not superseded by a later Wake
@@ -289,11 +330,11 @@ class Simulation:
         p.outstanding_tokens += req.in_tokens
         try:
             yield from self._prefill(d, rec, p)
-            yield from self._handoff(rec, p, self.decodes[decode])
+            yield self._handoff(rec, p, self.decodes[decode])
             dec = self.decodes[decode]
             first, done = dec.generate(req.in_tokens, out_tokens)
-            yield first
-            rec.first_token_s = env.now
+            # the first token is noted by a callback (where this process would resume to note it)
+            first.callbacks.append(lambda _e: setattr(rec, "first_token_s", env.now))
             yield done
             rec.end_s = env.now
         finally:
@@ -312,20 +353,29 @@ class Simulation:
         play = self._plays.get(d.play)
         if play is None:
             play = self._plays[d.play] = _PlayState()
-        blocks = play.block_ids(d)
         max_block = self._max_block_id(session)
         off = self.keys.block_offset(d.scope, max_block)
-        gblocks = np.add(blocks, off, dtype=np.int64)  # ids in the GPU cache (keys.global_blocks)
+        blocks, gblocks, src, src_n, src_ids = play.block_ids(d, off)  # gblocks: ids in the GPU cache
         if self._shared_prefix_tokens:
             if req.thread == 0:  # the main thread's prompts open with the shared prefix
+                gblocks = gblocks.copy()  # (the kept ids stay the plain ones other threads copy)
                 k = min(self._shared_prefix_tokens // bt, gblocks.size)
                 gblocks[:k] = np.arange(self._shared_base, self._shared_base + k)
             gids = self.keys.chunk_gids(d.scope, req.thread, gblocks, bt, req.in_tokens, chain_scope="")
         else:
-            gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
+            gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens,
+                                        prefix=(src_ids, src_n) if src_n else None)
         full_blocks = min(gblocks.size, req.in_tokens // bt)
         prompt = gblocks[:full_blocks]
-        run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block)
+        last = play.gpu_entry.get(req.thread)  # (prefill index, the thread's last insert, its request)
+        lead = None  # that insert, on this prefill, when its blocks lead this prompt: known when
+        # this prompt's ids were copied from that request's (far enough), else compared
+        if last is not None and last[0] == p.index and last[1] is not None:
+            e = last[1]
+            k = e.ids.size
+            if k <= prompt.size and ((last[2] == src and k <= src_n) or same(e.ids, prompt[:k])):
+                lead = e
+        run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block, lead=lead)
         gpu_hit = run * bt
         top = self.keys.groups - 1  # a bound on every group id of this request
         present = runs = on_ssd = None
@@ -359,10 +409,14 @@ class Simulation:
         yield p.compute(rec.computed_tokens, req.in_tokens - rec.computed_tokens)  # context: every reused token
         rec.prefill_end_s = env.now
         p.outstanding_tokens -= req.in_tokens
-        last = play.gpu_entry.get(req.thread)  # (prefill index, the thread's last insert)
-        entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block,
-                               replaces=(hit_entry, last[1]) if last is not None and last[0] == p.index else (hit_entry,))
-        play.gpu_entry[req.thread] = (p.index, entry)
+        now_last = play.gpu_entry.get(req.thread)
+        if now_last is last and lead is not None:  # checked above: a prefix of the prompt
+            entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry, lead))
+        else:
+            last = now_last
+            entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry,),
+                                   replaces=(last[1],) if last is not None and last[0] == p.index else ())
+        play.gpu_entry[req.thread] = (p.index, entry, req.index)
         if self.pool is not None and gids.size:
             new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids
             if new.size:
@@ -376,21 +430,18 @@ class Simulation:
             got = self._session_max_block[session.id] = int(tail.max()) if tail.size else 0
         return got
 
-    def _rank_links(self, p: PrefillInstance, rank: int, nbytes: int, writes: int) -> simpy.Event:
-        """Transfers between the pool and prefill rank ``rank``, as one event: its own NIC carries
-        every byte; in a shared multi-server pool, the remote servers' NICs on the same rail carry
-        their share."""
+    def _rank_links(self, p: PrefillInstance, rank: int, nbytes: int, writes: int, j: Join) -> None:
+        """Transfers between the pool and prefill rank ``rank``, counted by ``j``: its own NIC
+        carries every byte; in a shared multi-server pool, the remote servers' NICs on the same
+        rail carry their share."""
         own, remotes = self._rank_nics[p.index][rank]
-        done = own.transfer(nbytes, writes)
-        if not remotes:
-            return done
-        events = [done]
-        servers = self.s.cluster.servers
-        share = nbytes // servers
-        if share:
-            for link in remotes:
-                events.append(link.transfer(share, max(1, writes // servers)))
-        return join(self.env, events)
+        own.transfer(nbytes, writes, j)
+        if remotes:
+            servers = self.s.cluster.servers
+            share = nbytes // servers
+            if share:
+                for link in remotes:
+                    link.transfer(share, max(1, writes // servers), j)
 
     def _nics_of(self, p: PrefillInstance) -> list[tuple[FairLink, list[FairLink]]]:
         """Per rank of ``p``: its own NIC and, in a shared multi-server pool, the NICs of the other
@@ -430,14 +481,13 @@ class Simulation:
             starts[rank] = env.now
             nbytes = chunks * self.rank_bytes[rank]
             rec.restore_bytes += nbytes
-            moved = self._rank_links(p, rank, nbytes, chunks)
-            moved.callbacks.append(lambda _e: env.timeout(load_s(nbytes)).callbacks.append(lambda _f: finish(rank)))
+            self._rank_links(p, rank, nbytes, chunks, Join(env, lambda: call_later(env, load_s(nbytes), lambda _f: finish(rank))))
 
         for rank in range(ranks):
             delay = self.rank_stage[rank] * p.step_s  # the forwards queued ahead of this stage
             submit = p.loaders[rank].submit
             if delay:
-                env.timeout(delay).callbacks.append(lambda _e, r=rank, sub=submit: sub(lambda: start(r)))
+                call_later(env, delay, lambda _e, r=rank, sub=submit: sub(lambda: start(r)))
             else:
                 submit(lambda r=rank: start(r))
         return done
@@ -448,43 +498,50 @@ class Simulation:
         env = self.env
         nbytes = [gids.size * b for b in self.rank_bytes]
 
-        def put(_e) -> None:
+        def put() -> None:
             self.pool.save(p.server, p.ranks, gids, env.now, self.keys.groups - 1)
             rec.save_bytes += sum(nbytes)
             self._sample_pool()
 
         def send(_e) -> None:
-            moved = join(env, [self._rank_links(p, r, nbytes[r], int(gids.size)) for r in range(p.ranks)])
-            moved.callbacks.append(put)
+            j = Join(env, put)
+            for r in range(p.ranks):
+                self._rank_links(p, r, nbytes[r], int(gids.size), j)
 
-        env.timeout(self.cost.unpack_s(max(nbytes))).callbacks.append(send)  # pack
+        call_later(env, self.cost.unpack_s(max(nbytes)), send)  # pack
 
-    def _handoff(self, rec: RequestRecord, p: PrefillInstance, dec: DecodeInstance):
+    def _handoff(self, rec: RequestRecord, p: PrefillInstance, dec: DecodeInstance) -> simpy.Event:
         """Every stage gathers its layers of every token per decode rank and sends them in large
-        writes (``policy.layout``); each decode rank receives its tokens from every stage."""
+        writes (``policy.layout``); each decode rank receives its tokens from every stage. The
+        returned event succeeds when the last rank has its tokens (``rec.handoff_s`` set)."""
         env = self.env
         start = env.now
-        dcp = self.s.decode.dcp
         tokens = rec.in_tokens
         # the main records' write plan per distinct stage depth (the seed's landing path); the
         # stages' extra records (DSA index cache) ride along in the byte count
-        record_bytes, max_write = self._record_bytes, self._max_write_bytes
-        plans = {layers: rank_plan(tokens, layers, record_bytes, dcp, max_write) for layers in self._distinct_stage_layers}
-        events = []
-        rank_writes = [0] * dcp
+        rank_tokens, plans = handoff_plans(tokens, self._dcp, self._plan_consts)
+        sums = {layers: sum(w) for layers, w in plans.items()}
+        j = Join(env, fn=lambda: None)  # its fn is set below, once the gather time is known
         stage_nics = self._stage_nics[p.index]
+        stage_bpt = self._stage_bpt
         for stage, layers in enumerate(self._stage_layers):
-            ranks = plans[layers]
-            writes = 0
-            for r, (_, w) in enumerate(ranks):
-                writes += w
-                rank_writes[r] += w
+            writes = sums[layers]
             rec.handoff_writes += writes
-            events.append(stage_nics[stage].transfer(tokens * self._stage_bpt[stage], writes))
-        rec.handoff_bytes += tokens * self._handoff_bpt
-        rank_tokens = next(iter(plans.values()))  # a rank's token count does not depend on depth
-        for r, link in enumerate(self._decode_nics[dec.index]):
-            events.append(link.transfer(rank_tokens[r][0] * self._handoff_bpt, rank_writes[r]))
-        yield join(env, events)
-        yield env.timeout(2 * self.cost.unpack_s(rec.handoff_bytes // self.spec.stages))  # gather + scatter
-        rec.handoff_s = env.now - start
+            stage_nics[stage].transfer(tokens * stage_bpt[stage], writes, j)
+        bpt = self._handoff_bpt
+        rec.handoff_bytes += tokens * bpt
+        for r, link in enumerate(self._decode_nics[dec.index]):  # a rank's writes from every stage
+            link.transfer(rank_tokens[r] * bpt, sum([n * plans[layers][r] for layers, n in self._stage_depths]), j)
+        # once every write has landed: gather + scatter, then the request goes on (scheduled where
+        # a process resumed by the join would have scheduled its timeout)
+        gathered = env.event()
+        gather_s = 2 * self.cost.unpack_s(rec.handoff_bytes // self.spec.stages)
+
+        def done(_e) -> None:
+            rec.handoff_s = env.now - start
+            fire(gathered)
+
+        j.fn = lambda: call_later(env, gather_s, done)
+        if not j.left:  # nothing to send: through SimPy's queue, as an empty join
+            call_later(env, 0.0, lambda _e: j.fn())
+        return gathered

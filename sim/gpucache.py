@@ -13,6 +13,8 @@ Contract:
       the caller expects to be prefixes of ``ids`` (the same request's hit, the thread's previous
       prompt). Those that are, and are older than ``now``, hold no live block any more; eviction
       skips them without looking at their blocks. This changes no result, only the work.
+      ``prefixes=entries`` does the same for entries the caller knows lead ``ids`` (a ``use`` of
+      the same array), without comparing their blocks.
     * ``max_id`` (optional, in ``use``/``hit_blocks``/``insert``): a bound on ``ids`` the caller
       knows (its id range), which saves a pass over ``ids``.
     * Capacity is in tokens (``None``: unbounded, the trace-ceiling check); it holds
@@ -39,12 +41,23 @@ _EVICTED = -1.0  # the last use of an evicted block: no moment, so a log entry's
 # those whose last use is the entry's moment (held follows)
 
 
+def same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Element-wise equality of two arrays of one shape (bytes compared when the dtypes agree)."""
+    if a.dtype == b.dtype:
+        return a.tobytes() == b.tobytes()
+    return bool(_ALL(a == b))
+
+
 def first_occurrences(ids: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """Whether each position of ``ids`` is its id's first (``np.unique``'s first indices, in
     O(n) without a sort): each id's smallest position, kept in ``scratch`` (indexed by id,
-    int32, left dirty)."""
+    int32, left dirty). Without repeated ids (the usual case) one write and one read decide it."""
     at = np.arange(ids.size, dtype=np.int32)
-    scratch[ids] = ids.size
+    scratch[ids] = at  # without repeats every position reads its own mark back; a repeated id
+    first = scratch[ids] == at  # reads one mark at two positions, so one of them differs
+    if _ALL(first):
+        return first
+    scratch[ids] = ids.size  # repeats (rare): each id's smallest position, by np.minimum.at
     np.minimum.at(scratch, ids, at)
     return scratch[ids] == at
 
@@ -76,6 +89,9 @@ class GPUPrefixCache:
         self._log: deque[LogEntry] = deque()  # only kept when the capacity is bounded
         self._first = np.zeros(0, dtype=np.int32)  # scratch, by block id (see _oldest_moment)
         self._bounded = capacity_tokens is not None
+        # the latest moment eviction has taken blocks from: a block last used later is held
+        # (eviction takes moments oldest first, and only blocks whose last use is that moment)
+        self._evicted_upto = -np.inf
 
     def _grow(self, max_id: int) -> None:
         n = len(self.held)
@@ -89,16 +105,25 @@ class GPUPrefixCache:
         """Leading blocks of ``ids`` held; they count as used now."""
         return self.use(ids, now, max_id)[0]
 
-    def use(self, ids: np.ndarray, now: float, max_id: int | None = None) -> tuple[int, LogEntry | None]:
+    def use(self, ids: np.ndarray, now: float, max_id: int | None = None,
+            lead: LogEntry | None = None) -> tuple[int, LogEntry | None]:
         """``hit_blocks`` and the log entry of the use (``None`` when nothing was used or the
-        capacity is unbounded)."""
+        capacity is unbounded). ``lead``: an entry of this cache whose blocks the caller knows
+        lead ``ids``; newer than every moment eviction has taken blocks from, all its blocks are
+        held, and only the blocks past it are looked at."""
         if not ids.size:
             return 0, None
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
-        held = self.held[ids]
-        run = int(held.argmin())  # the first block not held, or 0 when every one is
-        if held[run]:
-            run = int(ids.size)
+        known = lead.ids.size if lead is not None and lead.t > self._evicted_upto else 0
+        if known:
+            held = self.held[ids[known:]]
+            run = int(held.argmin()) if held.size else 0
+            run = known + (int(held.size) if not held.size or held[run] else run)
+        else:
+            held = self.held[ids]
+            run = int(held.argmin())  # the first block not held, or 0 when every one is
+            if held[run]:
+                run = int(ids.size)
         entry = None
         if run:
             used = ids[:run]
@@ -109,10 +134,11 @@ class GPUPrefixCache:
         return run, entry
 
     def insert(self, ids: np.ndarray, now: float, block_tokens: int, *, replaces: tuple[LogEntry | None, ...] = (),
-               max_id: int | None = None) -> LogEntry | None:
+               prefixes: tuple[LogEntry | None, ...] = (), max_id: int | None = None) -> LogEntry | None:
         """Hold ``ids`` (a prompt's full blocks, in order) as used now; evict if over capacity.
         Returns the insert's log entry (``None``: unbounded); see ``replaces`` in the module
-        docstring."""
+        docstring. ``prefixes``: entries of ``use`` calls on this same array (its leading
+        blocks by construction), which ``replaces`` would find to be prefixes without comparing."""
         if not ids.size:
             return None
         if self.capacity_tokens is not None and self.capacity_blocks is None:
@@ -120,15 +146,27 @@ class GPUPrefixCache:
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
         if self.capacity_blocks is not None and ids.size > self.capacity_blocks:
             ids = ids[: self.capacity_blocks]
+        known = 0  # leading blocks known to be held: a use's newer than every evicted moment
+        for old in prefixes:
+            if old is not None and old.ids.size <= ids.size:
+                if old.t > self._evicted_upto and old.ids.size > known:
+                    known = old.ids.size
+                if old.t < now and not old.dead:
+                    old.dead = True  # as in `replaces` below: its blocks lead ids
         held = self.held
-        self.blocks += ids.size - int(np.count_nonzero(held[ids]))
-        held[ids] = True
+        if known:
+            rest = ids[known:]
+            self.blocks += rest.size - int(np.count_nonzero(held[rest]))
+            held[rest] = True
+        else:
+            self.blocks += ids.size - int(np.count_nonzero(held[ids]))
+            held[ids] = True
         self._last[ids] = now
         entry = None
         if self._bounded:
             for old in replaces:
                 if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead \
-                        and _ALL(old.ids == ids[: old.ids.size]):
+                        and same(old.ids, ids[: old.ids.size]):
                     old.dead = True  # every block of it was used again now: none is live there
             entry = LogEntry(now, ids)
             self._log.append(entry)
@@ -140,9 +178,40 @@ class GPUPrefixCache:
         cap = self.capacity_blocks or 0
         target = self.blocks - cap + int(cap * self.evict_fraction)
         log = self._log
+        held, last = self.held, self._last
         skipped: list[LogEntry] = []  # protected entries of `now`
         while target > 0 and log:
+            e = log[0]
+            if e.dead:  # stale as a whole: dropped unread (as _oldest_moment does)
+                log.popleft()
+                continue
+            if e.t != now and (len(log) == 1 or log[1].t != e.t):
+                # a moment of one entry (the usual one). An entry lies in depth order, so the
+                # general path below evicts its live blocks from its end and puts the shallower
+                # rest back as an entry in front: done here with slices of its live blocks
+                ids, depth = e.ids, e.depth
+                live = last[ids] == e.t
+                if not _ALL(live):
+                    pos = np.flatnonzero(live)
+                    ids, depth = ids[pos], (pos if depth is None else depth[pos])
+                if e.t > self._evicted_upto:
+                    self._evicted_upto = e.t
+                log.popleft()
+                n = int(ids.size)
+                if n > target:
+                    keep = n - target
+                    log.appendleft(LogEntry(e.t, ids[:keep], None if depth is None else depth[:keep]))
+                    ids = ids[keep:]
+                    n = target
+                held[ids] = False
+                last[ids] = _EVICTED
+                self.blocks -= n
+                self.evicted_blocks += n
+                target -= n
+                continue
             ids, depth, t = self._oldest_moment()
+            if t > self._evicted_upto:
+                self._evicted_upto = t
             if t == now and protect.size:
                 guard = np.zeros(self.held.size, dtype=bool)
                 guard[protect] = True

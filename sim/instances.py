@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import simpy
 
 from kvpool.sim.cost import CostModel
-from kvpool.sim.events import fire
+from kvpool.sim.events import call_later, fire
 from kvpool.sim.gpucache import GPUPrefixCache
 
 
@@ -84,8 +84,7 @@ class PrefillInstance:
         self.busy_s = 0.0
         self.computed_tokens = 0
         self._queue: deque[_Compute] = deque()
-        self._kick = env.event()
-        env.process(self._run())
+        self._idle = True  # no step under way or about to start
 
     @property
     def ranks(self) -> int:
@@ -104,41 +103,46 @@ class PrefillInstance:
             done.succeed()
             return done
         self._queue.append(_Compute(tokens, context, done))
-        if not self._kick.triggered:
-            self._kick.succeed()
+        if self._idle:  # the first step starts now, after what is already due now
+            self._idle = False
+            call_later(self.env, 0.0, self._step)
         return done
 
-    def _run(self):
+    def _step(self, _ev=None) -> None:
+        """Start a step over the queue's head (written as callbacks: a step is one scheduled
+        call, which takes the next step or goes idle when it ends)."""
+        budget = self.max_batched_tokens
+        batch: list[tuple[_Compute, int]] = []
+        for c in self._queue:
+            if budget <= 0:
+                break
+            take = min(c.remaining, budget)
+            batch.append((c, take))
+            budget -= take
+        step = self.cost.prefill_step_s([(take, c.context) for c, take in batch])
+        self.step_s = step
+        call_later(self.env, step, self._step_done, (batch, step))
+
+    def _step_done(self, ev) -> None:
+        batch, step = ev._value
         env = self.env
-        while True:
-            if not self._queue:
-                self._kick = env.event()
-                self.step_s = 0.0
-                yield self._kick
-                continue
-            budget = self.max_batched_tokens
-            batch: list[tuple[_Compute, int]] = []
-            for c in self._queue:
-                if budget <= 0:
-                    break
-                take = min(c.remaining, budget)
-                batch.append((c, take))
-                budget -= take
-            step = self.cost.prefill_step_s([(take, c.context) for c, take in batch])
-            self.step_s = step
-            yield env.timeout(step)
-            self.busy_s += step
-            for c, take in batch:
-                c.remaining -= take
-                c.context += take
-                self.computed_tokens += take
-                if c.remaining == 0:
-                    self._queue.remove(c)
-                    fill = (self.pp - 1) * step
-                    if fill > 0:
-                        env.timeout(fill).callbacks.append(lambda _e, d=c.done: fire(d))
-                    else:
-                        c.done.succeed()
+        self.busy_s += step
+        for c, take in batch:
+            c.remaining -= take
+            c.context += take
+            self.computed_tokens += take
+            if c.remaining == 0:
+                self._queue.remove(c)
+                fill = (self.pp - 1) * step
+                if fill > 0:
+                    call_later(env, fill, lambda _e, d=c.done: fire(d))
+                else:
+                    c.done.succeed()
+        if self._queue:
+            self._step()
+        else:
+            self.step_s = 0.0
+            self._idle = True
 
 
 @dataclass
@@ -239,10 +243,10 @@ class DecodeInstance:
             return
         self._step = self.cost.decode_step_s(len(running), int(self._base_sum + len(running) * self._clock))
         for seq in self._new:  # first tokens: one step after joining
-            self.env.timeout(self._step).callbacks.append(lambda _e, ev=seq.first: fire(ev) if not ev.triggered else None)
+            call_later(self.env, self._step, lambda _e, ev=seq.first: fire(ev) if not ev.triggered else None)
         self._new.clear()
         wait = max(0.0, (running[0][0] - self._clock) / self.tokens_per_step * self._step)
-        self.env.timeout(wait, self._version).callbacks.append(self._wake_cb)
+        call_later(self.env, wait, self._wake_cb, self._version)
 
     def _finish(self, seq: _Seq) -> None:
         self.reserved_tokens -= seq.reserved

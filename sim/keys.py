@@ -8,12 +8,26 @@ Contract:
     * Chunk keys are the policy core's: ``policy.chunks.digests_from_blocks`` under
       ``chain_seed(namespace, scope)``. Each distinct digest gets a small integer group id (first
       seen, first numbered) for ``policy.grouptable``. A thread keeps its last request's blocks
-      and digests, so a request hashes only the chunks past its common prefix with the previous
+      and group ids, so a request names only the chunks past its common prefix with the previous
       one (the chain makes the shared digests identical by construction).
     * A prefix common to every session (``workload.shared_prefix_tokens``: one product's tool
       definitions) gets one range of block ids of its own (scope ``SHARED_PREFIX_SCOPE``); the
       simulator then keys every chunk from global ids under one chain (``chain_scope=""``), so
       chunks made only of shared blocks are the same object in every session and no others are.
+
+Implementation: the simulator needs the numbering, not the digest bytes, so it numbers the chain
+without hashing. A chunk's digest is ``BLAKE2b(parent digest || head || payload)``
+(``policy.chunks.block_pieces``), so two chunks have equal digests exactly when their parents do
+and their payloads are equal (BLAKE2b-128 collisions aside): a chunk is named by (its parent's
+group id, its payload), and a chain's first chunk by a root per (scope, block size), which the
+seed and the head fix. Once a chunk is new, every later chunk of the prompt is new as well (its
+parent is), so a request looks up its chunks only until the first miss and numbers the rest in
+one step. Where the names live: a chunk numbered right after its parent (``gid == parent + 1``,
+every chunk of a new run but its first, unless it continues the newest run) is found through two
+arrays, its parent and its payload by group id (payloads of one size: blocks of whole chunks or
+chunks inside a block); the others (a run's first chunk, payloads of varying size) in a
+dictionary keyed by parent id and payload bytes. ``tests/sim/test_keys.py`` checks the ids
+against a numbering of the real digests.
 """
 
 from __future__ import annotations
@@ -22,8 +36,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvpool.policy.chunks import chain_seed, digests_from_blocks
+from kvpool.policy.chunks import block_pieces
 
+_PIECE_BYTES = 16  # one block piece in a chain payload (policy.chunks)
+
+_NONE = -(1 << 62)  # no parent in the arrays (roots are small negative ids)
 _GLOBAL_RESERVE = 1 << 24  # block ids reserved for global-scope (Mooncake) ids
 #: The scope of the block ids of the prefix every session shares (no trace scope starts with NUL).
 SHARED_PREFIX_SCOPE = "\0shared-prefix"
@@ -32,24 +49,27 @@ SHARED_PREFIX_SCOPE = "\0shared-prefix"
 @dataclass
 class _ThreadKeys:
     blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    digests: list[bytes] = field(default_factory=list)
     gids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class KeySpace:
     def __init__(self, namespace: str, chunk_tokens: int) -> None:
-        self.namespace = namespace
+        self.namespace = namespace  # every seed's: equal scopes give equal seeds (a root each)
         self.chunk_tokens = chunk_tokens
         self._scope_offsets: dict[str, tuple[int, int]] = {}
         self._next_block = 0
-        self._seeds: dict[str, bytes] = {}
-        self._gid: dict[bytes, int] = {}
+        self._roots: dict[tuple[str, int], int] = {}  # (scope, block tokens) -> a negative parent id
+        self._gid: dict[bytes, int] = {}  # parent id (i8) + payload -> group id, of chunks not below
+        self._groups = 0
+        # chunks numbered right after their parent: parent (_NONE: not here) and payload by group id
+        self._parent = np.full(1 << 14, _NONE, dtype=np.int64)
+        self._payload: np.ndarray | None = None  # [gid, u64 word], one payload size (the first seen)
         self._threads: dict[tuple[str, int], _ThreadKeys] = {}
-        self.hashed_chunks = 0
+        self.hashed_chunks = 0  # chunks named past their thread's common prefix
 
     @property
     def groups(self) -> int:
-        return len(self._gid)
+        return self._groups
 
     def block_offset(self, scope: str, max_id: int) -> int:
         """Where ``scope``'s block ids start in the dense global range; ``max_id`` bounds every
@@ -70,41 +90,131 @@ class KeySpace:
         return np.add(block_ids, self.block_offset(scope, max_id), dtype=np.int64)
 
     def chunk_gids(self, scope: str, thread: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int,
-                   *, chain_scope: str | None = None) -> np.ndarray:
+                   prefix: tuple[np.ndarray, int] | None = None, *, chain_scope: str | None = None) -> np.ndarray:
         """Group ids of the request's keyable chunks (policy.chunks rules), in order.
 
         ``chain_scope``: the scope whose chain seed starts the digests (default ``scope``); a
         caller that passes ids unique across scopes (``global_blocks``) passes ``""`` so that equal
         leading ids give equal chunks in every scope. A thread must keep one choice.
-        Tokens beyond the recorded blocks (traces whose ``in`` over-counts) are never keyed."""
+        Tokens beyond the recorded blocks (traces whose ``in`` over-counts) are never keyed.
+        ``prefix=(ids, n)``: the caller knows ``block_ids[:n]`` equals ``ids[:n]``; when ``ids``
+        is this thread's last list, that saves comparing them."""
         n_tokens = min(n_tokens, block_ids.size * block_tokens)
         st = self._threads.get((scope, thread))
         if st is None:
             st = self._threads[(scope, thread)] = _ThreadKeys()
         n = min(st.blocks.size, block_ids.size)
-        differ = st.blocks[:n] != block_ids[:n]
-        common_blocks = int(differ.argmax()) if n else 0  # the first difference, if any
-        if n and not differ[common_blocks]:  # none (argmax of all False is 0)
-            common_blocks = n
+        prev = st.blocks[:n]
+        if prefix is not None and prefix[0] is st.blocks and prefix[1] >= n:
+            common_blocks = n  # known equal over the whole common length
+        elif prev.dtype == block_ids.dtype and prev.tobytes() == block_ids[:n].tobytes():
+            common_blocks = n  # the usual case (a thread's prompt extends its last one): one memcmp
+        else:
+            differ = prev != block_ids[:n]
+            common_blocks = int(differ.argmax()) if n else 0  # the first difference, if any
+            if n and not differ[common_blocks]:  # none (argmax of all False is 0)
+                common_blocks = n
         keyable = min(n_tokens // self.chunk_tokens, n_tokens // block_tokens * block_tokens // self.chunk_tokens)
-        keep = min(len(st.digests), common_blocks * block_tokens // self.chunk_tokens, keyable)
-        chain = scope if chain_scope is None else chain_scope
-        seed = self._seeds.get(chain)
-        if seed is None:
-            seed = self._seeds[chain] = chain_seed(self.namespace, chain)
-        parent = st.digests[keep - 1] if keep else seed
-        new = digests_from_blocks(block_ids, block_tokens, n_tokens, self.chunk_tokens, parent, start_chunk=keep)
-        self.hashed_chunks += len(new)
-        del st.digests[keep:]  # the thread's own list: extended in place
-        st.digests.extend(new)
-        gids = np.concatenate([st.gids[:keep], self._number(new)]) if new else st.gids[:keep]
+        keep = min(st.gids.size, common_blocks * block_tokens // self.chunk_tokens, keyable)
+        if keep < keyable:
+            if keep:
+                parent = int(st.gids[keep - 1])
+            else:  # the chain's seed: one root per chain scope and block size
+                chain = scope if chain_scope is None else chain_scope
+                parent = self._roots.get((chain, block_tokens))
+                if parent is None:
+                    parent = self._roots[(chain, block_tokens)] = -1 - len(self._roots)
+            new = self._number(parent, block_ids, block_tokens, n_tokens, keep, keyable)
+            self.hashed_chunks += new.size
+            gids = np.concatenate([st.gids[:keep], new]) if keep else new
+        else:
+            gids = st.gids[:keep]
         st.blocks, st.gids = block_ids, gids
         return gids
 
-    def _number(self, digests: list[bytes]) -> np.ndarray:
-        """Group ids of ``digests``: a digest seen before keeps its id, a new one gets the next."""
+    def _number(self, parent: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int, first: int,
+                keyable: int) -> np.ndarray:
+        """Group ids of chunks ``first .. keyable - 1`` (at least one) of a prompt whose chunk
+        ``first - 1`` has group id ``parent`` (a root when ``first`` is 0): known chunks keep
+        their ids, up to the first new one; it and every later chunk get the next ids."""
+        ct = self.chunk_tokens
+        if ct % block_tokens == 0 and block_ids.dtype.kind == "u":
+            # whole blocks per chunk, ids that are u64 already: block_pieces' records written
+            # directly (block id; offset 0 | block size << 32), the same bytes
+            per = ct // block_tokens
+            m = keyable - first
+            rec = np.empty((m, 2 * per), dtype="<u8")
+            rec[:, 0::2] = block_ids[first * per: keyable * per].reshape(m, per)
+            rec[:, 1::2] = block_tokens << 32
+            raw, bounds = rec.tobytes(), ()
+        else:
+            raw, bounds = block_pieces(block_ids, block_tokens, n_tokens, ct, first)
         gid = self._gid
-        return np.asarray([gid.setdefault(d, len(gid)) for d in digests], dtype=np.int64)
+        if ct % block_tokens == 0 or block_tokens % ct == 0:  # payloads of one size
+            step = (ct // block_tokens if ct % block_tokens == 0 else 1) * _PIECE_BYTES
+            payload = self._payload
+            if payload is None:
+                payload = self._payload = np.zeros((self._parent.size, step // 8), dtype=np.uint64)
+            if payload.shape[1] * 8 == step:
+                return self._number_uniform(parent, raw, step)
+        out = []
+        for a, b in bounds:  # payloads of varying size (or not the first size): the dictionary
+            k = parent.to_bytes(8, "little", signed=True) + raw[a:b]
+            g = gid.get(k)
+            if g is None:
+                g = gid[k] = self._groups
+                self._groups += 1
+                self._grow(self._groups)
+            out.append(g)
+            parent = g
+        return np.asarray(out, dtype=np.int64)
+
+    def _number_uniform(self, parent: int, raw: bytes, step: int) -> np.ndarray:
+        gid = self._gid
+        groups = self._groups
+        parents, payload = self._parent, self._payload
+        m = len(raw) // step
+        known: list[int] = []
+        a = 0
+        while a < len(raw):  # known chunks: a continuation in the arrays, else the dictionary
+            chunk = raw[a:a + step]
+            c = parent + 1
+            if parent >= 0 and c < groups and parents[c] == parent and payload[c].tobytes() == chunk:
+                g = c
+            else:
+                g = gid.get(parent.to_bytes(8, "little", signed=True) + chunk)
+                if g is None:
+                    break
+            known.append(g)
+            parent = g
+            a += step
+        rest = m - len(known)
+        if not rest:
+            return np.asarray(known, dtype=np.int64)
+        self._groups = end = groups + rest
+        if end > parents.size:
+            self._grow(end)
+            parents, payload = self._parent, self._payload
+        ids = np.arange(groups, end, dtype=np.int64)
+        parents[groups] = parent  # the run's first chunk; every later one continues it
+        parents[groups + 1:end] = ids[:-1]
+        payload[groups:end] = np.frombuffer(raw, dtype=np.uint64, offset=a).reshape(rest, step // 8)
+        if parent < 0 or parent != groups - 1:  # not a continuation: found through the dictionary
+            gid[parent.to_bytes(8, "little", signed=True) + raw[a:a + step]] = groups
+        return np.concatenate([np.asarray(known, dtype=np.int64), ids]) if known else ids
+
+    def _grow(self, groups: int) -> None:
+        n = self._parent.size
+        if groups <= n:
+            return
+        new = max(groups, 4 * n)
+        parents = np.full(new, _NONE, dtype=np.int64)
+        parents[:n] = self._parent
+        self._parent = parents
+        if self._payload is not None:
+            payload = np.zeros((new, self._payload.shape[1]), dtype=np.uint64)
+            payload[:n] = self._payload
+            self._payload = payload
 
     def forget_scope(self, scope: str) -> None:
         """Drop per-thread state of a finished play (its group ids stay valid)."""

@@ -26,12 +26,41 @@ from __future__ import annotations
 from heapq import heappop, heappush
 
 import simpy
-from simpy.events import Event, Timeout
+from simpy.events import NORMAL, Event
 
-from kvpool.sim.events import fire
+from kvpool.sim.events import Call, call_later, fire
 
 _INF = float("inf")
 _EPS_S = 1e-9  # completions this close are due now (float rounding; keeps every wait > 0)
+
+
+class Join:
+    """Several transfers (on any links) completing as one, without an event per transfer: pass
+    it as ``transfer(..., join=)``; when the last of them completes, ``fn()`` is called, or
+    ``done`` (a SimPy event) completes, at once (``sim.events.fire``) where the last transfer's
+    own event would have completed. Exactly ``sim.engine.join`` over the transfers' events, whose
+    only callbacks it would have been. ``close()`` after adding them: with none (every transfer
+    empty), ``done`` succeeds through SimPy's queue, as that join's did."""
+
+    __slots__ = ("left", "fn", "done")
+
+    def __init__(self, env: simpy.Environment, fn=None) -> None:
+        self.left = 0
+        self.fn = fn
+        self.done = None if fn is not None else Event(env)
+
+    def one(self, _ev=None) -> None:
+        """One transfer done."""
+        self.left -= 1
+        if not self.left:
+            if self.fn is not None:
+                self.fn()
+            else:
+                fire(self.done)
+
+    def close(self) -> None:
+        if not self.left and self.done is not None:
+            self.done.succeed()
 
 
 class FairLink:
@@ -61,19 +90,27 @@ class FairLink:
         self._last = env.now
         self._version = 0
         self._wake_at = _INF
-        self._wake_cb = self._wake  # bound once: a wake-up is scheduled per completion
+        self._wake_cb = self._wake  # bound once: a wake-up is scheduled per completion (sim.events.Call)
 
     @property
     def active(self) -> int:
         return len(self._active)
 
-    def transfer(self, nbytes: int, writes: int = 1) -> simpy.Event:
-        """An event that succeeds when ``nbytes`` in ``writes`` writes have crossed the link."""
+    def transfer(self, nbytes: int, writes: int = 1, join: Join | None = None) -> simpy.Event | None:
+        """An event that succeeds when ``nbytes`` in ``writes`` writes have crossed the link;
+        with ``join``, no event: the join counts it (``None`` is returned)."""
         env = self.env
-        done = Event(env)
-        if nbytes <= 0:
-            done.succeed()
-            return done
+        if join is None:
+            done = Event(env)
+            if nbytes <= 0:
+                done.succeed()
+                return done
+        else:
+            join.left += 1
+            done = join
+            if nbytes <= 0:  # done through SimPy's queue, as an empty transfer's event is
+                call_later(env, 0.0, join.one)
+                return None
         self.bytes_moved += int(nbytes)
         work = float(nbytes) + writes * self._write_bytes + self._latency_bytes
         active = self._active
@@ -83,39 +120,48 @@ class FairLink:
             self._virtual += self.bytes_per_s * dt / len(active)
             self.busy_s += dt
         self._last = now
-        self._seq += 1
-        heappush(active, (self._virtual + work, self._seq, done))
+        self._seq = seq = self._seq + 1
+        heappush(active, (self._virtual + work, seq, done))
         # everyone slows down, so only this transfer can finish before the pending wake-up
         if now + work * len(active) / self.bytes_per_s < self._wake_at:
-            self._reschedule()
-        return done
+            self._version = version = self._version + 1
+            wait = (active[0][0] - self._virtual) * len(active) / self.bytes_per_s
+            if not wait > 0.0:
+                wait = 0.0
+            self._wake_at = now + wait
+            heappush(env._queue, (now + wait, NORMAL, next(env._eid), Call(self._wake_cb, version)))
+        return None if join is not None else done
 
-    def _reschedule(self) -> None:
-        self._version += 1
-        active = self._active
-        if not active:
-            self._wake_at = _INF
-            self._virtual = 0.0
+    def _wake(self, ev) -> None:
+        version = self._version
+        if ev._value != version:  # a later reschedule superseded this wake-up
             return
-        wait = max(0.0, (active[0][0] - self._virtual) * len(active) / self.bytes_per_s)
+        active = self._active
         env = self.env
-        self._wake_at = env._now + wait
-        Timeout(env, wait, self._version).callbacks.append(self._wake_cb)
-
-    def _wake(self, ev: simpy.Event) -> None:
-        if ev._value != self._version:  # a later reschedule superseded this wake-up
-            return
-        active = self._active
-        now = self.env._now
+        now = env._now
+        n = len(active)
         dt = now - self._last  # advance the virtual clock to now
         if dt > 0 and active:
-            self._virtual += self.bytes_per_s * dt / len(active)
+            self._virtual += self.bytes_per_s * dt / n
             self.busy_s += dt
         self._last = now
-        due = self._virtual + _EPS_S * self.bytes_per_s / len(active)
+        due = self._virtual + _EPS_S * self.bytes_per_s / n
         done = []
         while active and active[0][0] <= due:  # none when an arrival made this wake-up early
             done.append(heappop(active)[2])
-        self._reschedule()  # sets the next wake-up time (none when idle)
+        # the next wake-up (none when idle)
+        self._version = version = version + 1
+        if active:
+            wait = (active[0][0] - self._virtual) * len(active) / self.bytes_per_s
+            if not wait > 0.0:
+                wait = 0.0
+            self._wake_at = now + wait
+            heappush(env._queue, (now + wait, NORMAL, next(env._eid), Call(self._wake_cb, version)))
+        else:
+            self._wake_at = _INF
+            self._virtual = 0.0
         for ev in done:  # completed now, not queued: callbacks may start transfers on this link
-            fire(ev)
+            if type(ev) is Join:
+                ev.one()
+            else:
+                fire(ev)

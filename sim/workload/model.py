@@ -127,6 +127,11 @@ class BlockStore:
         """The full block id list of request ``i`` (a fresh array). ``known``: block id lists of
         other requests the caller already has (by request index); the walk along the prefix
         references stops at the first of them."""
+        return self.block_ids_from(i, known)[0]
+
+    def block_ids_from(self, i: int, known: Mapping[int, np.ndarray] | None = None) -> tuple[np.ndarray, int, int]:
+        """``block_ids(i, known)`` and where its leading ids came from: ``(ids, r, n)`` when
+        its first ``n`` ids are ``known[r]``'s first ``n`` (``(ids, -1, 0)``: none were)."""
         need = int(self.n_blocks[i])
         out = np.empty(need, dtype=self.tail.dtype)
         r = i
@@ -135,14 +140,14 @@ class BlockStore:
                 got = known.get(r)
                 if got is not None:  # its first `need` ids are this request's
                     out[:need] = got[:need]
-                    break
+                    return out, r, need
             lcp = int(self.lcp[r])
             if need > lcp:
                 start = int(self.off[r])
                 out[lcp:need] = self.tail[start : start + need - lcp]
                 need = lcp
             r = int(self.ref[r])
-        return out
+        return out, -1, 0
 
     def nbytes(self) -> int:
         """Memory held by the arrays."""

@@ -183,3 +183,34 @@ def test_lookup_runs_are_the_leading_runs_of_lookup_slots(puts, query, slots):
     rows = a.lookup_slots(query, slots, 99.0)
     assert b.lookup_runs(query, slots, 99.0, max_gid=30) == [leading_run(r) for r in rows]
     assert np.array_equal(a._last, b._last) and np.array_equal(a._count, b._count)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "put", "read", "pin", "unpin"]),
+                          st.lists(st.integers(0, 300), min_size=1, max_size=40, unique=True),
+                          st.sampled_from([[0], [1], [0, 1, 2], [0, 1, 2, 3]]),
+                          st.integers(0, 3)), max_size=60),
+       st.sampled_from(ORDERS), st.sampled_from([(0.9, 0.05), (0.8, 0.01), (0.5, 0.3)]))
+def test_partial_sort_evicts_what_a_full_sort_does(ops, order, marks):
+    """An eviction pass sorts only the groups that can lead the order: the same victims, in the
+    same passes, as sorting every candidate (ties in recency and reads included: times repeat)."""
+    hw, ratio = marks
+    fast = GroupTable(4000, [10, 20, 30, 40], order, high_watermark=hw, evict_ratio=ratio)
+    full = GroupTable(4000, [10, 20, 30, 40], order, high_watermark=hw, evict_ratio=ratio)
+    full._partial_sort = False
+    for i, (op, gids, slots, tick) in enumerate(ops):
+        now = float(i // (tick + 1))  # several operations at one moment: ties in recency
+        if op == "put":
+            a, b = fast.put(gids, slots, now, unique=True), full.put(gids, slots, now, unique=True)
+            assert a == b and np.array_equal(a.evicted_ids, b.evicted_ids)
+        elif op == "read":
+            assert (fast.lookup_slots(gids, slots, now) == full.lookup_slots(gids, slots, now)).all()
+        elif op == "pin":
+            fast.pin(gids, unique=True)
+            full.pin(gids, unique=True)
+        else:
+            fast.unpin(gids, unique=True)
+            full.unpin(gids, unique=True)
+        for name in ("_mask", "_last", "_count", "_inserted", "_pins"):
+            assert np.array_equal(getattr(fast, name), getattr(full, name)), name
+        assert (fast.used_bytes, fast.evicted_groups, fast.evict_passes) == (full.used_bytes, full.evicted_groups, full.evict_passes)

@@ -65,3 +65,50 @@ def test_a_completion_callback_may_start_a_transfer_on_the_same_link():
     # 0-0.5: first alone (50 B). 0.5-1.5: both at 50 B/s -> first done at 1.5, other has 100 left.
     # 1.5-3.5: second and other at 50 B/s, both 100 B -> both done at 3.5.
     assert done == pytest.approx({"first": 1.5, "second": 3.5, "other": 3.5})
+
+
+def test_call_later_runs_as_a_timeouts_callback_in_scheduling_order():
+    """call_later takes a Timeout's place on the queue: the same moment, and among callbacks due
+    at one moment the order they were scheduled in, interleaved with real Timeouts."""
+    from kvpool.sim.events import call_later
+
+    env = simpy.Environment()
+    seen = []
+    for i in range(6):
+        if i % 2:
+            call_later(env, 1.5 if i < 4 else 0.5, lambda ev, i=i: seen.append((env.now, i, ev._value)), value=i * 10)
+        else:
+            env.timeout(1.5 if i < 4 else 0.5, i * 10).callbacks.append(lambda ev, i=i: seen.append((env.now, i, ev._value)))
+    env.run()
+    assert seen == [(0.5, 4, 40), (0.5, 5, 50), (1.5, 0, 0), (1.5, 1, 10), (1.5, 2, 20), (1.5, 3, 30)]
+    with pytest.raises(ValueError):
+        call_later(env, -1.0, lambda ev: None)
+
+
+
+def test_run_all_steps_as_env_run():
+    """run_all processes the same events in the same order as env.run(), and a failed event
+    nobody waits on crashes it the same way."""
+    from kvpool.sim.events import call_later, run_all
+
+    def model(env, seen):
+        def proc(i):
+            for k in range(3):
+                yield env.timeout(0.5 * (i % 2) + k)
+                seen.append((env.now, i, k))
+                call_later(env, 0.25, lambda _e, i=i, k=k: seen.append((env.now, "call", i, k)))
+        for i in range(4):
+            env.process(proc(i))
+
+    a, b = [], []
+    env_a, env_b = simpy.Environment(), simpy.Environment()
+    model(env_a, a)
+    model(env_b, b)
+    env_a.run()
+    run_all(env_b)
+    assert a == b and env_a.now == env_b.now
+    env = simpy.Environment()
+    env.event().fail(ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        run_all(env)
+

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.sim.gpucache import GPUPrefixCache, first_occurrences
+from kvpool.sim.gpucache import GPUPrefixCache, first_occurrences, same
 
 
 def test_hit_is_the_leading_run():
@@ -82,16 +82,19 @@ def test_matches_a_direct_lru_model(ops, frac):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.booleans()), min_size=1, max_size=50),
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6), st.booleans(), st.integers(0, 30)),
+                min_size=1, max_size=50),
        st.sampled_from([0.0, 0.05, 0.25]))
 def test_replaced_entries_change_nothing(turns, frac):
     """Threads whose prompts grow (sometimes diverging): a cache told which earlier entries each
     insert replaces holds, hits and evicts exactly what a cache that is not told does."""
     plain, told = GPUPrefixCache(40 * 64, evict_fraction=frac), GPUPrefixCache(40 * 64, evict_fraction=frac)
+    pre = GPUPrefixCache(40 * 64, evict_fraction=frac)  # told the hit through `prefixes`
     prompts: dict[int, list[int]] = {}
     last: dict[int, object] = {}
+    last_pre: dict[int, object] = {}
     fresh = 1000
-    for i, (thread, grow, diverge) in enumerate(turns):
+    for i, (thread, grow, diverge, between) in enumerate(turns):
         p = list(prompts.get(thread, [thread * 100]))
         if diverge and len(p) > 1:
             p = p[: len(p) // 2]
@@ -102,11 +105,27 @@ def test_replaced_entries_change_nothing(turns, frac):
         now = 2.0 * i
         run, hit = told.use(ids, now)
         assert plain.hit_blocks(ids, now) == run
+        lead = last_pre.get(thread)  # the thread's last insert, when it leads the prompt
+        if lead is not None and not (lead.ids.size <= ids.size and same(lead.ids, ids[: lead.ids.size])):
+            lead = None
+        assert pre.use(ids, now, lead=lead)[0] == run
+        hit_pre = pre._log[-1] if run else None
+        if between:  # another prompt between the use and the insert (its evictions included)
+            other = np.arange(5000 + 100 * i, 5000 + 100 * i + between)
+            for c in (plain, told, pre):
+                c.insert(other, now + 0.5, 64)
         plain.insert(ids, now + 1, 64)
         last[thread] = told.insert(ids, now + 1, 64, replaces=(hit, last.get(thread)))
-        assert np.array_equal(plain.held, told.held)
-        assert np.array_equal(plain._last, told._last)
-        assert (plain.blocks, plain.evicted_blocks) == (told.blocks, told.evicted_blocks)
+        if lead is not None:
+            last_pre[thread] = pre.insert(ids, now + 1, 64, prefixes=(hit_pre, lead))
+        else:
+            last_pre[thread] = pre.insert(ids, now + 1, 64, prefixes=(hit_pre,), replaces=(last_pre.get(thread),))
+        if hit is not None:
+            assert hit.dead == hit_pre.dead
+        for c in (told, pre):
+            assert np.array_equal(plain.held, c.held)
+            assert np.array_equal(plain._last, c._last)
+            assert (plain.blocks, plain.evicted_blocks) == (c.blocks, c.evicted_blocks)
 
 
 def test_a_replaced_entry_must_be_a_prefix():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,12 +11,14 @@ from kvpool.policy.chunks import chain_seed, digests_from_blocks
 from kvpool.sim.keys import KeySpace
 
 
+@pytest.mark.parametrize("block_tokens", [64, 512, 96])
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["", "a#p0", "b#p1"]), st.integers(0, 2), st.integers(0, 3),
+@given(requests=st.lists(st.tuples(st.sampled_from(["", "a#p0", "b#p1"]), st.integers(0, 2), st.integers(0, 3),
                           st.integers(0, 12), st.integers(0, 63)), min_size=1, max_size=40))
-def test_chunk_gids_number_the_digests_first_seen(requests):
+def test_chunk_gids_number_the_digests_first_seen(block_tokens, requests):
     """Threads that grow, diverge and restart, in several scopes (shared prefixes across threads
-    and scopes included): the ids equal a plain dictionary numbering of every prompt's digests."""
+    and scopes included): the ids equal a plain dictionary numbering of every prompt's digests.
+    Blocks of whole chunks (64), chunks inside a block (512) and neither (96)."""
     keys = KeySpace("ns", 256)
     ref: dict[bytes, int] = {}
     prompts: dict[tuple[str, int], list[int]] = {}
@@ -26,8 +29,68 @@ def test_chunk_gids_number_the_digests_first_seen(requests):
         fresh += 4 * grow
         prompts[(scope, thread)] = p
         blocks = np.asarray(p, dtype=np.uint32)
-        n_tokens = max(0, blocks.size * 64 - short)
-        got = keys.chunk_gids(scope, thread, blocks, 64, n_tokens)
-        want = [ref.setdefault(d, len(ref)) for d in digests_from_blocks(p, 64, n_tokens, 256, chain_seed("ns", scope))]
+        n_tokens = max(0, blocks.size * block_tokens - short)
+        got = keys.chunk_gids(scope, thread, blocks, block_tokens, n_tokens)
+        want = [ref.setdefault(d, len(ref))
+                for d in digests_from_blocks(p, block_tokens, n_tokens, 256, chain_seed("ns", scope))]
         assert got.tolist() == want
     assert keys.groups == len(ref)
+
+
+def test_chunk_gids_two_block_sizes_in_one_scope():
+    """The same block ids under two block sizes are different chunks (the head differs)."""
+    keys = KeySpace("ns", 256)
+    blocks = np.arange(1, 17, dtype=np.int64)
+    a = keys.chunk_gids("s", 0, blocks, 64, 16 * 64)
+    b = keys.chunk_gids("s", 1, blocks, 128, 16 * 128)
+    assert set(a.tolist()).isdisjoint(b.tolist())
+    again = keys.chunk_gids("s", 2, blocks, 64, 16 * 64)
+    assert again.tolist() == a.tolist()
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint32])
+@pytest.mark.parametrize("block_tokens", [64, 16, 512, 96])
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 50), st.integers(0, 40), st.integers(0, 5)),
+                         min_size=1, max_size=30))
+def test_chunk_gids_prefixes_copied_across_threads(dtype, block_tokens, requests):
+    """Threads whose prompts copy a prefix of another thread's prompt (long shared runs, found
+    again through either of the key space's stores) then add fresh blocks or repeat old ones."""
+    keys = KeySpace("ns", 256)
+    ref: dict[bytes, int] = {}
+    prompts: list[list[int]] = [[]]
+    fresh = 1000
+    for thread, src_cut, grow, src in requests:
+        base = prompts[src % len(prompts)]
+        p = base[: min(len(base), src_cut)] + list(range(fresh, fresh + grow))
+        if grow % 3 == 0:
+            p = p + base[:grow]  # blocks seen before, after a new prefix
+        fresh += grow
+        prompts.append(p)
+        n_tokens = len(p) * block_tokens
+        got = keys.chunk_gids("s", thread, np.asarray(p, dtype=dtype), block_tokens, n_tokens)
+        want = [ref.setdefault(d, len(ref))
+                for d in digests_from_blocks(p, block_tokens, n_tokens, 256, chain_seed("ns", "s"))]
+        assert got.tolist() == want
+    assert keys.groups == len(ref)
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 20)), min_size=1, max_size=30))
+def test_chunk_gids_with_a_known_prefix_equal_those_without(requests):
+    """The caller's ``prefix=(ids, n)`` hint (block_ids[:n] == ids[:n]) changes no id: taken
+    when ``ids`` is the thread's last list, ignored otherwise."""
+    plain, hinted = KeySpace("ns", 256), KeySpace("ns", 256)
+    last: dict[int, np.ndarray] = {}
+    fresh = 10_000
+    for thread, keep, grow in requests:
+        prev = last.get(thread, np.zeros(0, dtype=np.uint32))
+        cut = min(prev.size, keep)
+        p = np.concatenate([prev[:cut], np.arange(fresh, fresh + grow, dtype=np.uint32)])
+        fresh += grow
+        other = np.array(p)  # equal ids in another array: not the thread's last list
+        hint = (prev, cut) if thread % 2 else (other, p.size)
+        want = plain.chunk_gids("s", thread, p, 64, p.size * 64)
+        got = hinted.chunk_gids("s", thread, p, 64, p.size * 64, prefix=hint)
+        assert got.tolist() == want.tolist()
+        last[thread] = p

@@ -89,3 +89,52 @@ def test_matches_processor_sharing_stated_directly(transfers):
     times, link = finish_times(transfers)
     assert times == pytest.approx(_reference_ps(transfers, 100.0), rel=1e-9, abs=1e-6)
     assert link.bytes_moved == sum(nb for _, nb, _ in transfers)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 5.0), st.lists(st.tuples(st.integers(0, 2), st.integers(0, 400)),
+                                                        min_size=1, max_size=4)), min_size=1, max_size=12))
+def test_join_completes_as_a_join_of_transfer_events(groups):
+    """Groups of transfers (on three links, empty ones included) finish as one: with links.Join,
+    at the moment and in the order engine.join over the transfers' events finishes them, and
+    the links carry the same traffic (a finished group starts a transfer on its first link)."""
+    from kvpool.sim.engine import join
+    from kvpool.sim.links import Join
+
+    def run(use_join):
+        env = simpy.Environment()
+        links = [FairLink(env, 100.0, writes_per_s=50.0, name=str(i)) for i in range(3)]
+        order = []
+
+        def group(i, start, members):
+            yield env.timeout(start)
+            if use_join:
+                j = Join(env)
+                for link, nbytes in members:
+                    links[link].transfer(nbytes, 1, j)
+                j.close()
+                yield j.done
+            else:
+                yield join(env, [links[link].transfer(nbytes, 1) for link, nbytes in members])
+            order.append((i, env.now))
+            links[members[0][0]].transfer(50, 1)
+
+        for i, (start, members) in enumerate(groups):
+            env.process(group(i, start, members))
+        env.run()
+        return order, [link.bytes_moved for link in links]
+
+    assert run(True) == run(False)
+
+
+def test_join_with_a_callback_and_empty_transfers():
+    from kvpool.sim.links import Join
+
+    env = simpy.Environment()
+    link = FairLink(env, 100.0)
+    seen = []
+    j = Join(env, lambda: seen.append(env.now))
+    link.transfer(0, 1, j)
+    assert j.left == 1 and not seen  # an empty transfer completes through the queue
+    env.run()
+    assert seen == [0.0]

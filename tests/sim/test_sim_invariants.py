@@ -240,3 +240,27 @@ def test_split_pool_serves_each_prefill_from_its_own_server():
                       every_request(w, lanes=len(w))).run()
     assert all(r.gpu_tokens + r.pool_tokens + r.computed_tokens == r.in_tokens for r in recs)
     assert len({r.prefill for r in recs}) > 1  # routing spreads the turns over prefill instances
+
+
+def test_simulation_runs_with_the_collector_off_and_restores_it():
+    """Simulation.run turns the cyclic collector off while it runs and back on after (left off
+    when the caller had it off)."""
+    import gc
+
+    from kvpool.scenario import load_scenario
+    from kvpool.sim.engine import Simulation
+    from kvpool.sim.run import make_replay, workload_for
+
+    s = load_scenario("mi355x-1p1d", ["workload.duration_s=20", "workload.preset=agentx-062126"])
+    seen = []
+    sim = Simulation(s, make_replay(s, workload_for(s), 2))
+    sim.env.process((lambda: (seen.append(gc.isenabled()), (yield sim.env.timeout(0))))())
+    assert gc.isenabled()
+    sim.run()
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        Simulation(s, make_replay(s, workload_for(s), 2)).run()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
