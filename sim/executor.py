@@ -14,10 +14,12 @@ Contract:
       ``min(workers, len(tasks))`` per ``map`` call.
     * ``ray`` with ``address`` (``host:port`` of the head's GCS, ``ray://host:port`` for Ray Client, or
       ``auto``): connects to that cluster, after checking within ``connect_timeout_s`` that something
-      listens there (Ray itself would retry for minutes); the nodes need kvpool installed. Without
-      ``address``: starts a private local Ray runtime bound to 127.0.0.1 only (no dashboard, no usage
-      stats) with ``workers`` CPUs (0: the cores). On exit it disconnects, which stops a runtime it
-      started; a Ray session that was already open in this process is used and left open.
+      listens there (Ray itself would retry for minutes); the nodes need kvpool installed; an
+      address on 127.0.0.0/8 or localhost is joined as node 127.0.0.1. Without ``address``: starts
+      a private local Ray runtime bound to 127.0.0.1 only (no dashboard, no usage stats), whoever
+      imported Ray first, with ``workers`` CPUs (0: the cores). On exit it disconnects, which stops
+      a runtime it started; a Ray session that was already open in this process is used and left
+      open.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def check(executor: str, address: str | None = None) -> None:
         raise ExecutorError(f"--executor {executor!r}: allowed: {', '.join(EXECUTORS)}")
     if address is not None and executor != "ray":
         raise ExecutorError(f"--address {address!r} needs --executor ray")
-    if executor == "ray" and importlib.util.find_spec("ray") is None:  # found, not imported: see _import_ray
+    if executor == "ray" and importlib.util.find_spec("ray") is None:  # found, not imported (an import is slow)
         raise ExecutorError(f"--executor ray needs Ray, which is not installed: {INSTALL_HINT}")
 
 
@@ -70,6 +72,14 @@ def _host_port(address: str) -> tuple[str, int] | None:
         return host, int(port) if port else RAY_PORT
     except ValueError:
         raise ExecutorError(f"--address {address!r}: port {port!r} is not a number") from None
+
+
+def _on_loopback(address: str) -> bool:
+    """Whether ``address`` names a cluster on this host's loopback (not a Ray Client address,
+    whose driver is not a node)."""
+    hp = _host_port(address)
+    return hp is not None and not address.strip().startswith("ray://") and (
+        hp[0] == "localhost" or hp[0] == "::1" or hp[0].startswith("127."))
 
 
 def probe(address: str, timeout_s: float) -> None:
@@ -126,21 +136,30 @@ class Runner:
         return [results[i] for i in range(len(tasks))]
 
 
-def _import_ray(local: bool):
-    """Import Ray with usage stats off (they would call home), unless the user
-    set these already. For a local runtime, also tell Ray, before its first import, to take
-    127.0.0.1 as this node's address instead of probing a route to 8.8.8.8 (which only warns inside
-    a network namespace with loopback alone, and which a loopback-only runtime never needs)."""
+def _import_ray():
+    """Import Ray with usage stats off (they would call home), unless the user set this already."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if local and "ray" not in sys.modules and "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ:
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read once, at import
-        try:
-            import ray
-        finally:
-            del os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"]
     import ray
 
     return ray
+
+
+@contextmanager
+def _loopback_node(ray) -> Iterator[None]:
+    """While a private runtime starts: Ray takes 127.0.0.1 as this node's address, the way it does
+    on a single-node Windows or macOS host, so every server it starts binds to loopback, and it
+    never probes a route to 8.8.8.8. Ray reads its switch (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER) once,
+    at import, and whoever imported Ray first may have set it; so the constant itself is switched
+    for the start and restored after (``_node_ip_address`` alone still lets the GCS pick the host's
+    routed address)."""
+    from ray._private import ray_constants
+
+    was = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = was
 
 
 @contextmanager
@@ -153,7 +172,7 @@ def runner(executor: str = "local", *, workers: int = 1, address: str | None = N
         return
     import logging
 
-    ray = _import_ray(local=address is None)
+    ray = _import_ray()
     if ray.is_initialized():  # a session this process already holds (e.g. the caller's): use it, leave it open
         yield Runner("ray", workers)
         return
@@ -167,7 +186,11 @@ def runner(executor: str = "local", *, workers: int = 1, address: str | None = N
                   "include_dashboard": False, "_node_ip_address": "127.0.0.1",
                   "object_store_memory": 128 * 1024 * 1024}
     try:
-        ray.init(**kwargs, log_to_driver=False, logging_level=logging.ERROR)
+        if address is None or _on_loopback(address):  # this node joins as 127.0.0.1, as the runtime's
+            with _loopback_node(ray):
+                ray.init(**kwargs, log_to_driver=False, logging_level=logging.ERROR)
+        else:
+            ray.init(**kwargs, log_to_driver=False, logging_level=logging.ERROR)
     except (ConnectionError, RuntimeError, ValueError, TimeoutError, SystemExit) as e:
         ray.shutdown()
         what = f"connect to the Ray cluster at {address}" if address is not None else "start a local Ray runtime"
