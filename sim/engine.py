@@ -40,29 +40,6 @@ from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.pool import SimPool
 
 
-def join(env: simpy.Environment, events: list[simpy.Event]) -> simpy.Event:
-    """An event that succeeds once every one of ``events`` has (``env.all_of`` without building
-    a condition value; a single event is returned as it is). When the last of ``events`` completes,
-    the joint event completes at once (``sim.events.fire``), not through SimPy's queue."""
-    if len(events) == 1:
-        return events[0]
-    done = env.event()
-    left = [0]
-
-    def one(_e) -> None:
-        left[0] -= 1
-        if not left[0]:
-            fire(done)
-
-    for ev in events:
-        if ev.callbacks is not None:  # not processed yet
-            left[0] += 1
-            ev.callbacks.append(one)
-    if not left[0]:
-        done.succeed()
-    return done
-
-
 _DEADLINE_SLACK_S = 1e-6  # a wait this close to its deadline has reached it (the clock's ulp is ~1e-9 s at 1e7 s)
 
 
@@ -87,7 +64,7 @@ class _PlayState:
 
     def block_ids(self, d, off: int) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray | None]:
         """Dispatch ``d``'s block ids and their ids in the GPU cache (``off`` + each: the play's
-        offset, ``keys.global_blocks``), kept as its thread's latest, and ``(r, n, ids_r)``: its
+        offset from ``keys.block_offset``), kept as its thread's latest, and ``(r, n, ids_r)``: its
         first ``n`` ids are those of kept request ``r``'s list ``ids_r`` (-1, 0, None: none),
         whose cache ids they take too (same play, same offset)."""
         req = d.request

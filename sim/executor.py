@@ -27,9 +27,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import socket
-import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 EXECUTORS = ("local", "ray")
@@ -186,10 +185,8 @@ def runner(executor: str = "local", *, workers: int = 1, address: str | None = N
                   "include_dashboard": False, "_node_ip_address": "127.0.0.1",
                   "object_store_memory": 128 * 1024 * 1024}
     try:
-        if address is None or _on_loopback(address):  # this node joins as 127.0.0.1, as the runtime's
-            with _loopback_node(ray):
-                ray.init(**kwargs, log_to_driver=False, logging_level=logging.ERROR)
-        else:
+        # a private runtime, or a cluster on loopback, which this node joins as 127.0.0.1
+        with _loopback_node(ray) if address is None or _on_loopback(address) else nullcontext():
             ray.init(**kwargs, log_to_driver=False, logging_level=logging.ERROR)
     except (ConnectionError, RuntimeError, ValueError, TimeoutError, SystemExit) as e:
         ray.shutdown()

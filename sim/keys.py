@@ -84,17 +84,12 @@ class KeySpace:
             raise ValueError(f"block id {max_id} beyond the {size} ids reserved for scope {scope!r}")
         return off
 
-    def global_blocks(self, block_ids: np.ndarray, scope: str, max_id: int) -> np.ndarray:
-        """Dense global ids of ``block_ids`` (each at most ``max_id``, which bounds every id the
-        scope will use)."""
-        return np.add(block_ids, self.block_offset(scope, max_id), dtype=np.int64)
-
     def chunk_gids(self, scope: str, thread: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int,
                    prefix: tuple[np.ndarray, int] | None = None, *, chain_scope: str | None = None) -> np.ndarray:
         """Group ids of the request's keyable chunks (policy.chunks rules), in order.
 
         ``chain_scope``: the scope whose chain seed starts the digests (default ``scope``); a
-        caller that passes ids unique across scopes (``global_blocks``) passes ``""`` so that equal
+        caller that passes ids unique across scopes (each plus its scope's ``block_offset``) passes ``""`` so that equal
         leading ids give equal chunks in every scope. A thread must keep one choice.
         Tokens beyond the recorded blocks (traces whose ``in`` over-counts) are never keyed.
         ``prefix=(ids, n)``: the caller knows ``block_ids[:n]`` equals ``ids[:n]``; when ``ids``

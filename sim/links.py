@@ -38,8 +38,9 @@ class Join:
     """Several transfers (on any links) completing as one, without an event per transfer: pass
     it as ``transfer(..., join=)``; when the last of them completes, ``fn()`` is called, or
     ``done`` (a SimPy event) completes, at once (``sim.events.fire``) where the last transfer's
-    own event would have completed. Exactly ``sim.engine.join`` over the transfers' events, whose
-    only callbacks it would have been. ``close()`` after adding them: with none (every transfer
+    own event would have completed. Exactly a join of the transfers' events that completes when
+    the last one does (``tests/sim/test_links.py`` checks it against one), whose only callbacks it
+    would have been. ``close()`` after adding them: with none (every transfer
     empty), ``done`` succeeds through SimPy's queue, as that join's did."""
 
     __slots__ = ("left", "fn", "done")
