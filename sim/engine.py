@@ -169,8 +169,9 @@ class Simulation:
         # scope's own range lies above it); chunk keys then come from global ids under one chain
         self._shared_prefix_tokens = s.workload.shared_prefix_tokens
         self._frontend_s = s.cost.frontend_overhead_s
-        self._shared_base = (self.keys.block_offset(SHARED_PREFIX_SCOPE, self._shared_prefix_tokens)
-                             if self._shared_prefix_tokens else 0)
+        shared_base = (self.keys.block_offset(SHARED_PREFIX_SCOPE, self._shared_prefix_tokens)
+                       if self._shared_prefix_tokens else 0)
+        self._shared_ids = np.arange(shared_base, shared_base + self._shared_prefix_tokens, dtype=np.int64)
         for layers in self._distinct_stage_layers:  # the plan's checks, once (per request: rank_plan)
             HandoffPlan(tokens=0, layers=layers, record_bytes=s.model.record_bytes, ranks=s.decode.dcp,
                         max_write_bytes=s.handoff.max_write_bytes)
@@ -337,7 +338,7 @@ class Simulation:
             if req.thread == 0:  # the main thread's prompts open with the shared prefix
                 gblocks = gblocks.copy()  # (the kept ids stay the plain ones other threads copy)
                 k = min(self._shared_prefix_tokens // bt, gblocks.size)
-                gblocks[:k] = np.arange(self._shared_base, self._shared_base + k)
+                gblocks[:k] = self._shared_ids[:k]
             gids = self.keys.chunk_gids(d.scope, req.thread, gblocks, bt, req.in_tokens, chain_scope="")
         else:
             gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens,
