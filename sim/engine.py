@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import random
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -143,7 +142,7 @@ class Simulation:
         self.gate = (AdmissionGate(GateConfig(s.gate.tokens_per_decode, s.gate.budget_fraction, s.gate.max_input_tokens,
                                               s.gate.max_output_tokens, s.gate.max_wait_s), len(self.decodes))
                      if s.gate.enabled else None)
-        self._gate_waiters: deque[tuple[object, simpy.Event]] = deque()
+        self._gate_waiters: dict[object, tuple[RequestRecord, simpy.Event]] = {}  # arrival order
         self.records: list[RequestRecord] = []
         self._session_max_block: dict[str, int] = {}
         self._plays: dict[int, _PlayState] = {}
@@ -255,34 +254,58 @@ class Simulation:
 
     # -- one request -------------------------------------------------------------------------
     def _admit(self, rec: RequestRecord):
-        """Wait at the gate; returns the decode instance index or None when rejected."""
+        """Wait at the gate; returns the decode instance index or None when rejected.
+
+        A request is admitted at once when its tokens fit; otherwise it queues until a release
+        admits it (``_release_gate``) or its wait reaches ``gate.max_wait_s`` (rejected then).
+        """
         gate = self.gate
         key = rec.key
         bad = gate.check(rec.in_tokens, rec.out_tokens)
         if bad is not None:
             rec.rejected = bad.value
             return None
-        deadline = self.env.now + gate.config.max_wait_s
-        while True:
-            decode = choose_decode([gate.free_tokens(i) for i in range(len(self.decodes))])
-            if gate.try_admit(key, rec.in_tokens, rec.out_tokens, decode) is Verdict.ADMITTED:
-                return decode
-            left = deadline - self.env.now
-            # at the deadline up to rounding: a timeout shorter than half the clock's ulp never
-            # advances it, and waiting on one again and again would hang the run at that moment
-            if left <= _DEADLINE_SLACK_S:
-                rec.rejected = Verdict.REJECT_TIMEOUT.value
-                return None
+        decode = choose_decode([gate.free_tokens(i) for i in range(len(self.decodes))])
+        if gate.try_admit(key, rec.in_tokens, rec.out_tokens, decode) is Verdict.ADMITTED:
+            return decode
+        wait_s = gate.config.max_wait_s
+        if wait_s > _DEADLINE_SLACK_S:
             ev = self.env.event()
-            self._gate_waiters.append((key, ev))
-            yield ev | self.env.timeout(left)
+            self._gate_waiters[key] = (rec, ev)
+            yield ev | self.env.timeout(wait_s)
+            if ev.triggered:  # admitted by a release (at the deadline too, if the release came first)
+                return ev.value
+            del self._gate_waiters[key]
+        rec.rejected = Verdict.REJECT_TIMEOUT.value
+        return None
 
     def _release_gate(self, key) -> None:
-        self.gate.release(key)
-        waiters, self._gate_waiters = self._gate_waiters, deque()
-        for _, ev in waiters:
-            if not ev.triggered:
-                ev.succeed()
+        """Give back ``key``'s reservation and admit waiters first-fit, in arrival order.
+
+        Each waiter is offered the freed budget once per release; one that does not fit keeps
+        its place. The waiter's own process resumes with the decode instance it was given.
+        """
+        gate = self.gate
+        gate.release(key)
+        waiters = self._gate_waiters
+        if not waiters:
+            return
+        n = len(self.decodes)
+        free = [gate.free_tokens(i) for i in range(n)]
+        most = max(free)
+        for wkey, (rec, ev) in list(waiters.items()):
+            need = rec.in_tokens + rec.out_tokens
+            if need > most:
+                continue
+            decode = choose_decode(free)
+            if gate.try_admit(wkey, rec.in_tokens, rec.out_tokens, decode) is not Verdict.ADMITTED:
+                continue
+            del waiters[wkey]
+            ev.succeed(decode)
+            free[decode] = gate.free_tokens(decode)
+            most = max(free)
+            if most <= 0:
+                break
 
     def _serve(self, d):
         env = self.env

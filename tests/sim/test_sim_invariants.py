@@ -234,6 +234,48 @@ def test_a_full_gate_rejects_at_its_deadline_whatever_the_clock_rounding():
     assert rec.rejected == "reject_admission_timeout"
 
 
+def test_gate_admits_waiters_first_fit_in_arrival_order_at_the_release():
+    """A release offers the freed budget to the waiters in arrival order: one that does not fit
+    keeps its place while a later, smaller one is admitted; each is admitted at the release's
+    moment on the decode instance with room, and one that never fits is rejected at its bound."""
+    from kvpool.sim.metrics import RequestRecord
+
+    s = load_scenario("mi350x-6p2d-shared", ["gate.tokens_per_decode=1000000", "gate.max_wait_s=30"])
+    sim = Simulation(s, every_request(small_workload(1), lanes=1))
+    env, gate = sim.env, sim.gate
+    budget = gate.free_tokens(0)
+    assert budget == gate.free_tokens(1) == 900_000
+    for d in (0, 1):
+        assert gate.try_admit(("blocker", d), budget - 1000, 1000, d).value == "admitted"
+    done: dict[int, tuple[float, int | None]] = {}
+
+    def ask(key: int, at_s: float, need: int):
+        yield env.timeout(at_s - env.now)
+        rec = RequestRecord(key, "s", 0, True, env.now, need - 1000, 1000)
+        decode = yield from sim._admit(rec)
+        done[key] = (env.now, decode, rec.rejected)
+
+    def release(at_s: float, key):
+        yield env.timeout(at_s)
+        sim._release_gate(key)
+
+    for key, at_s, need in ((1, 1.0, 600_000), (2, 2.0, 700_000), (3, 3.0, 200_000), (4, 4.0, 120_000)):
+        env.process(ask(key, at_s, need))
+    env.process(release(5.0, ("blocker", 0)))
+    env.process(release(10.0, ("blocker", 1)))
+    env.run(until=100.0)
+    assert done[1] == (5.0, 0, "")  # first in line, fits the freed 900K
+    assert done[3] == (5.0, 0, "")  # the 300K left fit the third, not the second
+    assert done[2] == (10.0, 1, "")  # the second kept its place until decode 1 freed
+    assert done[4] == (10.0, 1, "")  # 100K left on decode 0 was too little; after the second, 200K on 1
+    assert gate.free_tokens(0) == 100_000 and gate.free_tokens(1) == 900_000 - 700_000 - 120_000
+    assert not sim._gate_waiters
+    # nothing is released any more: a request that does not fit waits its 30 s and is rejected
+    env.process(ask(5, 101.0, 400_000))
+    env.run(until=200.0)
+    assert done[5] == (131.0, None, "reject_admission_timeout") and not sim._gate_waiters
+
+
 def test_split_pool_serves_each_prefill_from_its_own_server():
     w = small_workload()
     recs = Simulation(load_scenario("mi350x-6p2d-split", ["prefill.gpu_mem_utilization=0.38"]),
