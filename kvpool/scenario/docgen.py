@@ -6,6 +6,7 @@ exactly this text, so the documentation cannot drift from the code.
 
 from __future__ import annotations
 
+import inspect
 import typing
 
 from pydantic import BaseModel
@@ -36,7 +37,7 @@ def _table_array_item(ann: object) -> type[BaseModel] | None:
 
 def _section(model: type[BaseModel], path: str) -> tuple[list[str], list[tuple[str, type[BaseModel]]]]:
     title = f"### `[{path}]`" if path else "### top level"
-    lines = [title, "", (model.__doc__ or "").strip(), "", "| field | type | default | meaning |", "|---|---|---|---|"]
+    lines = [title, "", inspect.cleandoc(model.__doc__ or ""), "", "| field | type | default | meaning |", "|---|---|---|---|"]
     subs = []
     for name, f in model.model_fields.items():
         ann = f.annotation

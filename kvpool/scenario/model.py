@@ -140,7 +140,13 @@ class HandoffConfig(_Section):
 
 
 class GateConfigModel(_Section):
-    """The KV admission gate in front of decode."""
+    """The KV admission gate in front of decode.
+
+    A request reserves its input + output tokens on the decode instance with the most room. One
+    that fits nowhere waits; every release offers the freed budget to the waiting requests in
+    arrival order (first fit: one that still does not fit keeps its place), and a request still
+    waiting after ``max_wait_s`` is rejected. A new request that fits is admitted at once.
+    """
 
     enabled: bool = Field(default=True, description="put the gate in front of decode")
     tokens_per_decode: int = Field(default=10_000_000, gt=0, description="token budget per decode instance")
