@@ -68,6 +68,14 @@ def figure(arms: dict[str, Sequence[dict]], path: Path) -> None:
         a3.bar(x + j * w, gpu, w, color="#55a868", label="GPU" if j == 0 else None)
         a3.bar(x + j * w, pool, w, bottom=gpu, color="#dd8452", label="pool" if j == 0 else None)
         a3.bar(x + j * w, comp, w, bottom=gpu + pool, color="#c44e52", label="computed" if j == 0 else None)
+    ref = [r["throughput_tok_s"] for r in first]
+    for j, n in enumerate(names[1:], start=1):  # the throughput ratio, first arm / this arm, on its bar
+        for i, r in enumerate(arms[n]):
+            if r["throughput_tok_s"] > 0:
+                a1.text(x[i] + j * w, r["throughput_tok_s"] / 1e3, f"{ref[i] / r['throughput_tok_s']:.2f}x",
+                        ha="center", va="bottom", fontsize=7)
+    if len(names) > 1:
+        a1.set_title(f"labels: {names[0]} / arm", fontsize=8)
     for ax in (a1, a3):
         ax.set_xticks(x + w * (len(names) - 1) / 2, loads)
         ax.set_xlabel(key)
