@@ -53,6 +53,21 @@ def handoff_plans(tokens: int, ranks: int, consts: list[tuple[int, int, int]]) -
     return rank_tokens, {layers: [-(-t * per_token // step) for t in rank_tokens] for layers, per_token, step in consts}
 
 
+class _Ids:
+    """A thread's block ids and their GPU cache ids, in buffers with room to grow: a request whose
+    ids extend the list at a buffer's tip (its thread's last prompt, typically) writes only its
+    new ids past it, and its lists are views of the same buffers. Ids are only ever written past
+    the tip, so every earlier view (a log entry of the GPU cache, a key space's last list) keeps
+    its ids."""
+
+    __slots__ = ("blocks", "gblocks", "tip")
+
+    def __init__(self, capacity: int, dtype) -> None:
+        self.blocks = np.empty(capacity, dtype=dtype)
+        self.gblocks = np.empty(capacity, dtype=np.int64)
+        self.tip = 0  # ids written (every view handed out lies below)
+
+
 @dataclass
 class _PlayState:
     """What a play's next requests reuse, per thread: its last request's block ids (a later
@@ -61,6 +76,7 @@ class _PlayState:
 
     blocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> block ids
     gblocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> GPU cache ids
+    bufs: dict[int, _Ids] = field(default_factory=dict)  # request index -> the buffers of its lists
     last_request: dict[int, int] = field(default_factory=dict)  # thread -> request index
     gpu_entry: dict[int, tuple[int, LogEntry | None, int]] = field(default_factory=dict)  # thread -> (prefill, entry, request)
 
@@ -68,22 +84,34 @@ class _PlayState:
         """Dispatch ``d``'s block ids and their ids in the GPU cache (``off`` + each: the play's
         offset from ``keys.block_offset``), kept as its thread's latest, and ``(r, n, ids_r)``: its
         first ``n`` ids are those of kept request ``r``'s list ``ids_r`` (-1, 0, None: none),
-        whose cache ids they take too (same play, same offset)."""
+        whose cache ids they take too (same play, same offset). Both lists are views of
+        ``_Ids`` buffers (read-only by contract)."""
         req = d.request
-        blocks, r, n = d.session.blocks.block_ids_from(req.index, self.blocks)
+        store = d.session.blocks
+        pieces, r, n = store.pieces_from(req.index, self.blocks)
+        total = int(store.n_blocks[req.index])
         src = self.blocks.get(r) if n else None
-        if n:
-            gblocks = np.empty(blocks.size, dtype=np.int64)
-            gblocks[:n] = self.gblocks[r][:n]
-            np.add(blocks[n:], off, out=gblocks[n:], dtype=np.int64)
-        else:
-            gblocks = np.add(blocks, off, dtype=np.int64)
+        buf = self.bufs.get(r) if n else None
+        if buf is None or n != src.size or buf.tip != n or buf.blocks.size < total:
+            old = buf
+            buf = _Ids(max(2 * total, 64), store.tail.dtype)  # room for the thread's next prompts
+            if n:
+                buf.blocks[:n] = src[:n]
+                buf.gblocks[:n] = (old.gblocks if old is not None else self.gblocks[r])[:n]
+        blocks, gblocks, tail = buf.blocks, buf.gblocks, store.tail
+        for at, start, count in pieces:  # past the tip: no view handed out covers them
+            blocks[at:at + count] = tail[start:start + count]
+            np.add(tail[start:start + count], off, out=gblocks[at:at + count], dtype=np.int64)
+        buf.tip = total
+        blocks, gblocks = blocks[:total], gblocks[:total]
         old = self.last_request.get(req.thread)
         if old is not None:
             self.blocks.pop(old, None)
             self.gblocks.pop(old, None)
+            self.bufs.pop(old, None)
         self.blocks[req.index] = blocks
         self.gblocks[req.index] = gblocks
+        self.bufs[req.index] = buf
         self.last_request[req.thread] = req.index
         return blocks, gblocks, r, n, src
 

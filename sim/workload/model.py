@@ -132,22 +132,36 @@ class BlockStore:
     def block_ids_from(self, i: int, known: Mapping[int, np.ndarray] | None = None) -> tuple[np.ndarray, int, int]:
         """``block_ids(i, known)`` and where its leading ids came from: ``(ids, r, n)`` when
         its first ``n`` ids are ``known[r]``'s first ``n`` (``(ids, -1, 0)``: none were)."""
+        pieces, r, n = self.pieces_from(i, known)
+        tail = self.tail
+        out = np.empty(int(self.n_blocks[i]), dtype=tail.dtype)
+        if n:
+            out[:n] = known[r][:n]
+        for at, start, count in pieces:
+            out[at:at + count] = tail[start:start + count]
+        return out, r, n
+
+    def pieces_from(self, i: int, known: Mapping[int, np.ndarray] | None = None
+                    ) -> tuple[list[tuple[int, int, int]], int, int]:
+        """Where request ``i``'s block ids come from, without building them: ``(pieces, r, n)``:
+        its first ``n`` ids are ``known[r]``'s first ``n`` (``r, n = -1, 0``: none are), and
+        each ``(at, start, count)`` of ``pieces`` puts ``tail[start:start + count]`` at
+        ``at`` (together they cover ``n .. n_blocks[i]``, last piece first)."""
         need = int(self.n_blocks[i])
-        out = np.empty(need, dtype=self.tail.dtype)
+        pieces = []
         r = i
         while need > 0:
             if known and r != i:
                 got = known.get(r)
                 if got is not None:  # its first `need` ids are this request's
-                    out[:need] = got[:need]
-                    return out, r, need
+                    return pieces, r, need
             lcp = int(self.lcp[r])
             if need > lcp:
                 start = int(self.off[r])
-                out[lcp:need] = self.tail[start : start + need - lcp]
+                pieces.append((lcp, start, need - lcp))
                 need = lcp
             r = int(self.ref[r])
-        return out, -1, 0
+        return pieces, -1, 0
 
     def nbytes(self) -> int:
         """Memory held by the arrays."""
