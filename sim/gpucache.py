@@ -61,31 +61,6 @@ def first_occurrences(ids: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     return scratch[ids] == at
 
 
-def deepest_first(entries: list) -> tuple[np.ndarray, np.ndarray]:
-    """The blocks of several log entries (``ids``, ``depth``: ``None`` for 0..n-1, else
-    increasing) with their depths, deepest first and, at one depth, in entry order: what a
-    stable sort of the concatenation by descending depth gives. Without a sort when the depths
-    are dense enough: each entry is a column of a [depth, entry] table read from its last row
-    up (empty cells -1)."""
-    m = len(entries)
-    rows = max(e.ids.size if e.depth is None else (int(e.depth[-1]) + 1 if e.depth.size else 0) for e in entries)
-    total = sum(e.ids.size for e in entries)
-    if rows * m > 4 * total + 64:  # sparse depths: sort
-        ids = np.concatenate([e.ids for e in entries])
-        depth = np.concatenate([np.arange(e.ids.size) if e.depth is None else e.depth for e in entries])
-        order = np.argsort(-depth, kind="stable")
-        return ids[order], depth[order]
-    table = np.full((rows, m), -1, dtype=np.int64)
-    for j, e in enumerate(entries):
-        if e.depth is None:
-            table[:e.ids.size, j] = e.ids
-        else:
-            table[e.depth, j] = e.ids
-    flat = table[::-1].ravel()
-    pos = np.flatnonzero(flat >= 0)
-    return flat[pos], (rows - 1) - pos // m
-
-
 class LogEntry:
     """One logged use: its moment, its blocks in use order, their depths (``None``: 0..n-1) and
     whether a later use of a superset made every block of it stale (``dead``)."""
@@ -275,9 +250,12 @@ class GPUPrefixCache:
                 return ids[::-1], np.arange(ids.size - 1, -1, -1) if e.depth is None else e.depth[::-1], t
             pos = np.flatnonzero(live)[::-1]
             return ids[pos], pos if e.depth is None else e.depth[pos], t
-        ids, depth = deepest_first(entries)
+        ids = np.concatenate([e.ids for e in entries])
+        depth = np.concatenate([np.arange(e.ids.size) if e.depth is None else e.depth for e in entries])
         live = self._last[ids] == t
         ids, depth = ids[live], depth[live]
+        order = np.argsort(-depth, kind="stable")
+        ids, depth = ids[order], depth[order]
         if self._first.size < self._last.size:  # a block logged twice at one moment counts once
             self._first = np.zeros(self._last.size, dtype=np.int32)
         first = first_occurrences(ids, self._first)

@@ -1,7 +1,6 @@
 """sim.gpucache: prefix hits, LRU with tail-first ties, capacity."""
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,28 +150,3 @@ def test_first_occurrences_are_those_of_a_sort(ids):
     want[np.unique(ids, return_index=True)[1]] = True
     scratch = np.full(64, 7, dtype=np.int32)
     assert np.array_equal(first_occurrences(ids, scratch), want)
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_deepest_first_is_a_stable_sort_by_descending_depth(seed):
-    """gpucache.deepest_first orders a moment's entries as a stable argsort of the concatenated
-    blocks by descending depth does (dense tables and the sorting fallback alike)."""
-    from kvpool.sim.gpucache import LogEntry, deepest_first
-
-    rng = np.random.default_rng(seed)
-    entries = []
-    for _ in range(int(rng.integers(1, 6))):
-        n = int(rng.integers(0, 40)) if seed % 3 else int(rng.integers(0, 4))
-        ids = rng.integers(0, 50, size=n).astype(np.int64)
-        if rng.random() < 0.5:
-            entries.append(LogEntry(1.0, ids))
-        else:  # increasing depths, dense or (some seeds) spread far apart
-            gap = 1000 if seed % 4 == 0 else 3
-            depth = np.sort(rng.choice(np.arange(n * gap + 1), size=n, replace=False)).astype(np.int64)
-            entries.append(LogEntry(1.0, ids, depth))
-    ids = np.concatenate([e.ids for e in entries])
-    depth = np.concatenate([np.arange(e.ids.size) if e.depth is None else e.depth for e in entries])
-    order = np.argsort(-depth, kind="stable")
-    got_ids, got_depth = deepest_first(entries)
-    assert got_ids.tolist() == ids[order].tolist()
-    assert got_depth.tolist() == depth[order].tolist()
