@@ -48,8 +48,15 @@ SHARED_PREFIX_SCOPE = "\0shared-prefix"
 
 @dataclass
 class _ThreadKeys:
+    """A thread's last block ids and chunk group ids. The group ids are a view of ``buf``, whose
+    first ``tip`` entries have been handed out (views of them may still be in use): a request
+    that keeps all of them writes its new ids past the tip, in place, and anything else gets a
+    new buffer, so no id handed out ever changes."""
+
     blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     gids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    buf: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    tip: int = 0
 
 
 class KeySpace:
@@ -121,7 +128,14 @@ class KeySpace:
                     parent = self._roots[(chain, block_tokens)] = -1 - len(self._roots)
             new = self._number(parent, block_ids, block_tokens, n_tokens, keep, keyable)
             self.hashed_chunks += new.size
-            gids = np.concatenate([st.gids[:keep], new]) if keep else new
+            buf = st.buf
+            if keep != st.tip or buf.size < keyable:  # not an extension at the tip: a new buffer
+                buf = np.empty(max(2 * keyable, 64), dtype=np.int64)
+                buf[:keep] = st.gids[:keep]
+                st.buf = buf
+            buf[keep:keyable] = new
+            st.tip = keyable
+            gids = buf[:keyable]
         else:
             gids = st.gids[:keep]
         st.blocks, st.gids = block_ids, gids
