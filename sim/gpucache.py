@@ -21,8 +21,9 @@ Contract:
       ``capacity_tokens // block_tokens`` blocks of the first workload it sees.
 
 Implementation: every use (a hit's leading run, an insert) is logged as ``(time, ids)`` in time
-order; a block's live entry is the one whose time equals its last use (an evicted block's last
-use is set to -1, before any moment). Eviction consumes the log from its oldest end, so a pass
+order; a block's live entry is the one whose time equals its last use. One array by block id
+holds the last use, 0 for a block not held (never inserted or evicted; every moment is > 0, a use
+at time 0 counting at the smallest positive float). Eviction consumes the log from its oldest end, so a pass
 costs what it evicts plus the stale entries it reads, not a scan of the whole cache. Within one
 moment, a block's depth is its position in its entry; a block logged twice at one moment counts
 once, at its deepest (``first_occurrences`` after ordering by depth).
@@ -34,10 +35,15 @@ from collections import deque
 
 import numpy as np
 
+from kvpool.policy.grouptable import grown
+
 _ALL = np.logical_and.reduce
-_EVICTED = -1.0  # the last use of a block not held (never inserted, or evicted): no moment, so a
+_EVICTED = 0.0  # the last use of a block not held (never inserted, or evicted): no moment, so a
 # log entry's live blocks are those whose last use is the entry's moment, and a block is held
-# exactly when its last use is a moment (>= 0): one array says both
+# exactly when its last use is a moment (> 0): one array says both, and fresh (zeroed) memory
+# reads as not held. Moments are kept > 0: a use or insert at time 0 counts at _FIRST_MOMENT,
+# the smallest positive float, which keeps every order and equality between moments.
+_FIRST_MOMENT = 5e-324
 
 
 def same(a: np.ndarray, b: np.ndarray) -> bool:
@@ -81,7 +87,7 @@ class GPUPrefixCache:
         self.capacity_tokens = capacity_tokens
         self.capacity_blocks: int | None = None
         self.evict_fraction = evict_fraction
-        self._last = np.full(initial, _EVICTED, dtype=np.float64)  # by block id; _EVICTED: not held
+        self._last = np.zeros(initial, dtype=np.float64)  # last use by block id (_EVICTED: not held)
         self.blocks = 0
         self.evicted_blocks = 0
         self._log: deque[LogEntry] = deque()  # only kept when the capacity is bounded
@@ -94,15 +100,13 @@ class GPUPrefixCache:
     @property
     def held(self) -> np.ndarray:
         """Whether each block id is held (a fresh bool array by block id)."""
-        return self._last >= 0
+        return self._last > 0
 
     def _grow(self, max_id: int) -> None:
         n = len(self._last)
         if max_id < n:
             return
-        last = np.full(max(max_id + 1, 4 * n), _EVICTED, dtype=np.float64)
-        last[:n] = self._last
-        self._last = last
+        self._last = grown(self._last, max(max_id + 1, 4 * n))  # (zeros: _EVICTED)
 
     def hit_blocks(self, ids: np.ndarray, now: float, max_id: int | None = None) -> int:
         """Leading blocks of ``ids`` held; they count as used now."""
@@ -116,14 +120,16 @@ class GPUPrefixCache:
         held, and only the blocks past it are looked at."""
         if not ids.size:
             return 0, None
+        if not now > 0:
+            now = _FIRST_MOMENT
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
         known = lead.ids.size if lead is not None and lead.t > self._evicted_upto else 0
         if known:
-            held = self._last[ids[known:]] >= 0
+            held = self._last[ids[known:]] > 0
             run = int(held.argmin()) if held.size else 0
             run = known + (int(held.size) if not held.size or held[run] else run)
         else:
-            held = self._last[ids] >= 0
+            held = self._last[ids] > 0
             run = int(held.argmin())  # the first block not held, or 0 when every one is
             if held[run]:
                 run = int(ids.size)
@@ -144,6 +150,8 @@ class GPUPrefixCache:
         blocks by construction), which ``replaces`` would find to be prefixes without comparing."""
         if not ids.size:
             return None
+        if not now > 0:
+            now = _FIRST_MOMENT
         if self.capacity_tokens is not None and self.capacity_blocks is None:
             self.capacity_blocks = self.capacity_tokens // block_tokens
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
@@ -159,9 +167,9 @@ class GPUPrefixCache:
         last = self._last
         if known:
             rest = ids[known:]
-            self.blocks += rest.size - int(np.count_nonzero(last[rest] >= 0))
+            self.blocks += rest.size - int(np.count_nonzero(last[rest] > 0))
         else:
-            self.blocks += ids.size - int(np.count_nonzero(last[ids] >= 0))
+            self.blocks += ids.size - int(np.count_nonzero(last[ids] > 0))
         last[ids] = now  # held, used now
         entry = None
         if self._bounded:
