@@ -109,3 +109,22 @@ def test_play_state_does_not_write_over_a_list_another_thread_extended():
     want = [[1, 2, 3], [1, 2, 3, 7, 8], [1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9]]
     for (blocks, gblocks), ids in zip(got, want):
         assert blocks.tolist() == ids and gblocks.tolist() == [i + 10 for i in ids]
+
+
+def test_dispatch_and_wake_are_frozen_dataclasses():
+    """The replay's Dispatch and Wake keep the frozen-dataclass contract with their hand-written
+    initialisers."""
+    import dataclasses
+
+    import pytest
+
+    from kvpool.sim.workload.replay import Dispatch, Wake
+
+    d = Dispatch(1, 2, 3, None, None, "s", 5, "profile", 1.5)
+    assert [getattr(d, f.name) for f in dataclasses.fields(d)] == [1, 2, 3, None, None, "s", 5, "profile", 1.5]
+    assert d.measured and d == Dispatch(1, 2, 3, None, None, "s", 5, "profile", 1.5)
+    w = Wake((d,), None, True)
+    assert (w.ready, w.next_due_s, w.done) == ((d,), None, True) and w == Wake((d,), None, True)
+    for obj, name in ((d, "key"), (w, "done")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, 0)
