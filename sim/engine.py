@@ -78,8 +78,6 @@ class _PlayState:
     gblocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> GPU cache ids
     bufs: dict[int, _Ids] = field(default_factory=dict)  # request index -> the buffers of its lists
     last_request: dict[int, int] = field(default_factory=dict)  # thread -> request index
-    gtail: np.ndarray | None = None  # the session's tail ids + the play's offset (int64), made once
-    gtail_off: int = 0
     gpu_entry: dict[int, tuple[int, LogEntry | None, int]] = field(default_factory=dict)  # thread -> (prefill, entry, request)
 
     def block_ids(self, d, off: int) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray | None]:
@@ -101,13 +99,12 @@ class _PlayState:
                 buf.blocks[:n] = src[:n]
                 buf.gblocks[:n] = (old.gblocks if old is not None else self.gblocks[r])[:n]
         blocks, gblocks, tail = buf.blocks, buf.gblocks, store.tail
-        gtail = self.gtail
-        if pieces and (gtail is None or self.gtail_off != off):  # (one offset per play)
-            gtail = self.gtail = np.add(tail, off, dtype=np.int64)
-            self.gtail_off = off
         for at, start, count in pieces:  # past the tip: no view handed out covers them
             blocks[at:at + count] = tail[start:start + count]
-            gblocks[at:at + count] = gtail[start:start + count]
+            gblocks[at:at + count] = tail[start:start + count]
+        if n < total:  # the new ids' cache ids: one add over them all
+            new = gblocks[n:total]
+            np.add(new, off, out=new)
         buf.tip = total
         blocks, gblocks = blocks[:total], gblocks[:total]
         old = self.last_request.get(req.thread)
