@@ -80,16 +80,16 @@ class _PlayState:
     last_request: dict[int, int] = field(default_factory=dict)  # thread -> request index
     gpu_entry: dict[int, tuple[int, LogEntry | None, int]] = field(default_factory=dict)  # thread -> (prefill, entry, request)
 
-    def block_ids(self, d, off: int) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray | None]:
+    def block_ids(self, d, off: int, lists=None) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray | None]:
         """Dispatch ``d``'s block ids and their ids in the GPU cache (``off`` + each: the play's
         offset from ``keys.block_offset``), kept as its thread's latest, and ``(r, n, ids_r)``: its
         first ``n`` ids are those of kept request ``r``'s list ``ids_r`` (-1, 0, None: none),
         whose cache ids they take too (same play, same offset). Both lists are views of
-        ``_Ids`` buffers (read-only by contract)."""
+        ``_Ids`` buffers (read-only by contract). ``lists``: the store's ``lists()``, if kept."""
         req = d.request
         store = d.session.blocks
-        pieces, r, n = store.pieces_from(req.index, self.blocks)
-        total = int(store.n_blocks[req.index])
+        pieces, r, n = store.pieces_from(req.index, self.blocks, lists)
+        total = int(store.n_blocks[req.index]) if lists is None else lists[3][req.index]
         src = self.blocks.get(r) if n else None
         buf = self.bufs.get(r) if n else None
         if buf is None or n != src.size or buf.tip != n or buf.blocks.size < total:
@@ -179,6 +179,7 @@ class Simulation:
         self._gate_waiters: deque[tuple[object, simpy.Event]] = deque()
         self.records: list[RequestRecord] = []
         self._session_max_block: dict[str, int] = {}
+        self._store_lists: dict[str, tuple] = {}  # session id -> its BlockStore.lists()
         self._plays: dict[int, _PlayState] = {}
         # (pool capacity is fixed; one table is read directly when it is the only one)
         self._pool_tables = [t for row in self.pool.tables for t in row] if self.pool is not None else []
@@ -421,7 +422,10 @@ class Simulation:
             play = self._plays[d.play] = _PlayState()
         max_block = self._max_block_id(session)
         off = self.keys.block_offset(d.scope, max_block)
-        blocks, gblocks, src, src_n, src_ids = play.block_ids(d, off)  # gblocks: ids in the GPU cache
+        lists = self._store_lists.get(session.id)
+        if lists is None:
+            lists = self._store_lists[session.id] = session.blocks.lists()
+        blocks, gblocks, src, src_n, src_ids = play.block_ids(d, off, lists)  # gblocks: ids in the GPU cache
         if self._shared_prefix_tokens:
             if req.thread == 0:  # the main thread's prompts open with the shared prefix
                 gblocks = gblocks.copy()  # (the kept ids stay the plain ones other threads copy)

@@ -72,6 +72,7 @@ class KeySpace:
         self._parent = np.full(1 << 14, _NONE, dtype=np.int64)
         self._payload: np.ndarray | None = None  # [gid, u64 word], one payload size (the first seen)
         self._threads: dict[tuple[str, int], _ThreadKeys] = {}
+        self._scope_threads: dict[str, list[int]] = {}  # scope -> its threads in _threads
         self.hashed_chunks = 0  # chunks named past their thread's common prefix
 
     @property
@@ -105,6 +106,7 @@ class KeySpace:
         st = self._threads.get((scope, thread))
         if st is None:
             st = self._threads[(scope, thread)] = _ThreadKeys()
+            self._scope_threads.setdefault(scope, []).append(thread)
         n = min(st.blocks.size, block_ids.size)
         prev = st.blocks[:n]
         if prefix is not None and prefix[0] is st.blocks and prefix[1] >= n:
@@ -227,5 +229,5 @@ class KeySpace:
 
     def forget_scope(self, scope: str) -> None:
         """Drop per-thread state of a finished play (its group ids stay valid)."""
-        for key in [k for k in self._threads if k[0] == scope]:
-            del self._threads[key]
+        for thread in self._scope_threads.pop(scope, ()):
+            del self._threads[(scope, thread)]

@@ -141,13 +141,17 @@ class BlockStore:
             out[at:at + count] = tail[start:start + count]
         return out, r, n
 
-    def pieces_from(self, i: int, known: Mapping[int, np.ndarray] | None = None
+    def pieces_from(self, i: int, known: Mapping[int, np.ndarray] | None = None,
+                    lists: tuple[list[int], list[int], list[int], list[int]] | None = None
                     ) -> tuple[list[tuple[int, int, int]], int, int]:
         """Where request ``i``'s block ids come from, without building them: ``(pieces, r, n)``:
         its first ``n`` ids are ``known[r]``'s first ``n`` (``r, n = -1, 0``: none are), and
         each ``(at, start, count)`` of ``pieces`` puts ``tail[start:start + count]`` at
-        ``at`` (together they cover ``n .. n_blocks[i]``, last piece first)."""
-        need = int(self.n_blocks[i])
+        ``at`` (together they cover ``n .. n_blocks[i]``, last piece first). ``lists``: this
+        store's ``lists()``, for a caller that walks often (list items cost less than numpy
+        scalars)."""
+        ref, lcps, offs, n_blocks = lists if lists is not None else (self.ref, self.lcp, self.off, self.n_blocks)
+        need = int(n_blocks[i])
         pieces = []
         r = i
         while need > 0:
@@ -155,13 +159,16 @@ class BlockStore:
                 got = known.get(r)
                 if got is not None:  # its first `need` ids are this request's
                     return pieces, r, need
-            lcp = int(self.lcp[r])
+            lcp = int(lcps[r])
             if need > lcp:
-                start = int(self.off[r])
-                pieces.append((lcp, start, need - lcp))
+                pieces.append((lcp, int(offs[r]), need - lcp))
                 need = lcp
-            r = int(self.ref[r])
+            r = int(ref[r])
         return pieces, -1, 0
+
+    def lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """``ref``, ``lcp``, ``off`` and ``n_blocks`` as lists of ints (a fresh copy)."""
+        return self.ref.tolist(), self.lcp.tolist(), self.off.tolist(), self.n_blocks.tolist()
 
     def nbytes(self) -> int:
         """Memory held by the arrays."""

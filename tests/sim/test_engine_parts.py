@@ -35,6 +35,7 @@ def test_block_ids_from_reports_the_known_prefix_it_copied():
         copied = 0
         for req in s.requests[:80]:
             ids, r, n = store.block_ids_from(req.index, known)
+            assert store.pieces_from(req.index, known, store.lists()) == store.pieces_from(req.index, known)
             assert np.array_equal(ids, store.block_ids(req.index))
             if n:
                 copied += 1
@@ -66,11 +67,13 @@ def test_play_state_lists_extend_in_place_and_keep_earlier_views():
     in_place = 0
     for s in w.sessions[:6]:
         store = s.blocks
+        lists = store.lists()
         play = _PlayState()
         handed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for req in s.requests[:120]:
             prev = play.blocks.get(play.last_request.get(req.thread, -1))
-            blocks, gblocks, r, n, src = play.block_ids(SimpleNamespace(request=req, session=s), off)
+            blocks, gblocks, r, n, src = play.block_ids(SimpleNamespace(request=req, session=s), off,
+                                                        lists if req.index % 2 else None)
             want = store.block_ids(req.index)
             assert blocks.dtype == want.dtype and np.array_equal(blocks, want)
             assert gblocks.dtype == np.int64 and np.array_equal(gblocks, want.astype(np.int64) + off)
