@@ -34,7 +34,7 @@ from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
 from kvpool.sim.events import Call, call_later, fire, run_all
-from kvpool.sim.gpucache import GPUPrefixCache, LogEntry, same
+from kvpool.sim.gpucache import GPUPrefixCache, LogEntry, same, spans_of
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import SHARED_PREFIX_SCOPE, KeySpace
 from kvpool.sim.links import FairLink, Join
@@ -445,7 +445,8 @@ class Simulation:
             k = e.ids.size
             if k <= prompt.size and ((last[2] == src and k <= src_n) or same(e.ids, prompt[:k])):
                 lead = e
-        run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block, lead=lead)
+        pspans = spans_of(prompt)  # the prompt as runs of consecutive ids (None: too many)
+        run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block, lead=lead, spans=pspans)
         gpu_hit = run * bt
         top = self.keys.groups - 1  # a bound on every group id of this request
         present = runs = on_ssd = None
@@ -474,11 +475,13 @@ class Simulation:
             p.outstanding_tokens -= req.in_tokens
             now_last = play.gpu_entry.get(req.thread)
             if now_last is last and lead is not None:  # checked above: a prefix of the prompt
-                entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry, lead))
+                entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry, lead),
+                                       spans=pspans)
             else:
                 last = now_last
                 entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry,),
-                                       replaces=(last[1],) if last is not None and last[0] == p.index else ())
+                                       replaces=(last[1],) if last is not None and last[0] == p.index else (),
+                                       spans=pspans)
             play.gpu_entry[req.thread] = (p.index, entry, req.index)
             if self.pool is not None and gids.size:
                 new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids
