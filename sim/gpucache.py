@@ -38,8 +38,6 @@ import numpy as np
 from kvpool.policy.grouptable import grown
 
 _ALL = np.logical_and.reduce
-_MIN = np.minimum.reduce
-_MAX = np.maximum.reduce
 _EVICTED = 0.0  # the last use of a block not held (never inserted, or evicted): no moment, so a
 # log entry's live blocks are those whose last use is the entry's moment, and a block is held
 # exactly when its last use is a moment (> 0): one array says both, and fresh (zeroed) memory
@@ -194,11 +192,11 @@ class GPUPrefixCache:
             if e <= known:
                 continue
             lo = max(s, known)
-            seg = last[f + lo - s:f + e - s]
-            if _MIN(seg) > 0:  # every block of the run held (one reduction)
-                continue
-            run = lo + int((seg > 0).argmin())  # the first block not held
-            break
+            held = last[f + lo - s:f + e - s] > 0
+            miss = int(held.argmin())  # the first block not held, or 0 when every one is
+            if not held[miss]:
+                run = lo + miss
+                break
         entry = None
         if run:
             used = spans if run == ids.size else clip_spans(spans, 0, run)
@@ -239,15 +237,15 @@ class GPUPrefixCache:
             for s, e, f in spans:
                 if e > known:
                     lo = max(s, known)
-                    held += int(np.count_nonzero(last[f + lo - s:f + e - s]))  # (not held: 0, else > 0)
+                    held += int(np.count_nonzero(last[f + lo - s:f + e - s] > 0))
             self.blocks += ids.size - known - held
             fill_spans(last, spans, now)  # held, used now
         elif known:
             rest = ids[known:]
-            self.blocks += rest.size - int(np.count_nonzero(last[rest]))
+            self.blocks += rest.size - int(np.count_nonzero(last[rest] > 0))
             last[ids] = now
         else:
-            self.blocks += ids.size - int(np.count_nonzero(last[ids]))
+            self.blocks += ids.size - int(np.count_nonzero(last[ids] > 0))
             last[ids] = now  # held, used now
         entry = None
         if self._bounded:
@@ -277,18 +275,14 @@ class GPUPrefixCache:
                 # general path below evicts its live blocks from its end and puts the shallower
                 # rest back as an entry in front: done here with slices of its live blocks
                 ids, depth, spans = e.ids, e.depth, e.spans
-                t = e.t
-                if spans is not None:  # every block live: each run's last uses all t (min and max)
-                    for s, end, f in spans:
-                        seg = last[f:f + end - s]
-                        if not (_MIN(seg) == t and _MAX(seg) == t):
-                            spans = None
-                            break
-                if spans is None:
-                    live = last[ids] == t
-                    if not _ALL(live):
-                        pos = np.flatnonzero(live)
-                        ids, depth = ids[pos], (pos if depth is None else depth[pos])
+                if spans is not None:  # (runs in position order, covering ids)
+                    segs = [last[f:f + end - s] == e.t for s, end, f in spans]
+                    live = segs[0] if len(segs) == 1 else np.concatenate(segs)
+                else:
+                    live = last[ids] == e.t
+                if not _ALL(live):
+                    pos = np.flatnonzero(live)
+                    ids, depth, spans = ids[pos], (pos if depth is None else depth[pos]), None
                 if e.t > self._evicted_upto:
                     self._evicted_upto = e.t
                 log.popleft()
