@@ -67,20 +67,21 @@ def first_occurrences(ids: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     return scratch[ids] == at
 
 
-_MAX_SPANS = 8  # more runs of consecutive ids than this: index arrays instead of slices
+MAX_SPANS = 8  # more runs of consecutive ids than this: index arrays instead of slices
+_MAX_SPANS = MAX_SPANS
 
 
-def spans_of(ids: np.ndarray) -> list[tuple[int, int, int]] | None:
+def spans_of(ids: np.ndarray, limit: int = MAX_SPANS) -> list[tuple[int, int, int]] | None:
     """``ids`` as runs of consecutive ids: ``(start, end, first)`` says positions
     ``start .. end-1`` hold ``first, first + 1, ...``; ``None`` when there are more than
-    ``_MAX_SPANS`` runs. A prompt's ids are a handful of runs (new blocks are numbered in order),
+    ``limit`` runs. A prompt's ids are a handful of runs (new blocks are numbered in order),
     so an operation on its blocks by id is a few slices of a by-id array instead of a gather or
-    scatter through an index array."""
+    scatter through an index array (``use``, ``insert`` take up to ``MAX_SPANS``)."""
     n = int(ids.size)
     if n < 2:
         return [(0, n, int(ids[0]))] if n else []
     cut = np.flatnonzero(ids[1:] - ids[:-1] != 1)
-    if cut.size >= _MAX_SPANS:
+    if cut.size >= limit:
         return None
     starts = [0, *(cut + 1).tolist()]
     return list(zip(starts, [*starts[1:], n], ids[starts].tolist()))
