@@ -108,7 +108,7 @@ class LogEntry:
     whether a later use of a superset made every block of it stale (``dead``) and, when known,
     its ids as runs (``spans``, see ``spans_of``; positions within ``ids``)."""
 
-    __slots__ = ("t", "ids", "depth", "dead", "spans")
+    __slots__ = ("dead", "depth", "ids", "spans", "t")
 
     def __init__(self, t: float, ids: np.ndarray, depth: np.ndarray | None = None,
                  spans: list[tuple[int, int, int]] | None = None) -> None:

@@ -65,9 +65,9 @@ class Join:
 
 
 class FairLink:
-    __slots__ = ("env", "bytes_per_s", "latency_s", "writes_per_s", "name", "bytes_moved", "busy_s", "_write_bytes",
-                 "_latency_bytes", "_active", "_seq", "_virtual", "_last", "_version", "_wake_at", "_wake_cb", "_queue",
-                 "_eid")
+    __slots__ = ("_active", "_eid", "_last", "_latency_bytes", "_queue", "_seq", "_version", "_virtual", "_wake_at",
+                 "_wake_cb", "_write_bytes", "busy_s", "bytes_moved", "bytes_per_s", "env", "latency_s", "name",
+                 "writes_per_s")
 
     def __init__(
         self,
@@ -186,8 +186,8 @@ class FairLink:
             else:
                 fire(first)
             if more is not None:
-                for ev in more:
-                    if type(ev) is Join:
-                        ev.one()
+                for done in more:
+                    if type(done) is Join:
+                        done.one()
                     else:
-                        fire(ev)
+                        fire(done)

@@ -74,7 +74,7 @@ def test_play_state_lists_extend_in_place_and_keep_earlier_views():
         handed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for req in s.requests[:120]:
             prev = play.blocks.get(play.last_request.get(req.thread, -1))
-            blocks, gblocks, r, n, src, spans = play.block_ids(SimpleNamespace(request=req, session=s), off,
+            blocks, gblocks, _, n, src, spans = play.block_ids(SimpleNamespace(request=req, session=s), off,
                                                                lists if req.index % 2 else None,
                                                                breaks if req.index % 3 else None)
             assert spans == spans_of(gblocks, 64)  # the runs, made from the tail's breaks or not
@@ -159,6 +159,6 @@ def test_play_state_runs_of_pieces_with_several_breaks():
     play = _PlayState()
     for i in range(3):
         d = SimpleNamespace(request=SimpleNamespace(index=i, thread=0), session=SimpleNamespace(blocks=store))
-        blocks, gblocks, *_, spans = play.block_ids(d, 100, None, breaks)
+        _, gblocks, *_, spans = play.block_ids(d, 100, None, breaks)
         assert gblocks.tolist() == [x + 100 for x in store.block_ids(i).tolist()]
         assert spans == spans_of(gblocks), i

@@ -182,11 +182,13 @@ def test_moment_zero_is_a_moment_before_every_later_one():
 def test_spans_describe_the_ids(ids):
     """spans_of: runs of consecutive ids covering every position in order (None past
     _MAX_SPANS runs); clip_spans and fill_spans act on the positions and ids they name."""
+    import itertools
+
     from kvpool.sim.gpucache import _MAX_SPANS, clip_spans, fill_spans
 
     arr = np.asarray(ids, dtype=np.int64)
     spans = spans_of(arr)
-    runs = 1 + sum(1 for a, b in zip(ids, ids[1:]) if b != a + 1) if ids else 0
+    runs = 1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1) if ids else 0
     if runs > _MAX_SPANS:
         assert spans is None
         return
