@@ -181,8 +181,13 @@ class FairLink:
             self._virtual = 0.0
         # completed now, not queued: callbacks may start transfers on this link
         if first is not None:
-            if type(first) is Join:
-                first.one()
+            if type(first) is Join:  # Join.one, inline
+                first.left -= 1
+                if not first.left:
+                    if first.fn is not None:
+                        first.fn()
+                    else:
+                        fire(first.done)
             else:
                 fire(first)
             if more is not None:

@@ -425,7 +425,9 @@ class AgentXReplay:
         live = bool(due_now) or bool(dues and dues[0][0] < end)
         nxt = dues[0][0] if dues and dues[0][0] < end else None
         ready: list[Dispatch] = []
-        for _, due, j, play in sorted(due_now, key=lambda e: e[:3]):  # lane order, then due
+        if len(due_now) > 1:
+            due_now.sort(key=lambda e: e[:3])  # lane order, then due
+        for _, due, j, play in due_now:
             del play.pending[j]
             ready.append(self._dispatch(play, j, due))
         done = not self._inflight and not live and (self.profile_start_s is not None or not self._held)
