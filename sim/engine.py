@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import random
-from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -35,7 +34,7 @@ from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
 from kvpool.sim.events import Call, call_later, fire, run_all
-from kvpool.sim.gpucache import MAX_SPANS, GPUPrefixCache, LogEntry, clip_spans, same, spans_of
+from kvpool.sim.gpucache import GPUPrefixCache, LogEntry, same
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import SHARED_PREFIX_SCOPE, KeySpace
 from kvpool.sim.links import FairLink, Join
@@ -78,20 +77,15 @@ class _PlayState:
     blocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> block ids
     gblocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> GPU cache ids
     bufs: dict[int, _Ids] = field(default_factory=dict)  # request index -> the buffers of its lists
-    spans: dict[int, list | None] = field(default_factory=dict)  # request index -> its GPU cache ids' runs
     last_request: dict[int, int] = field(default_factory=dict)  # thread -> request index
     gpu_entry: dict[int, tuple[int, LogEntry | None, int]] = field(default_factory=dict)  # thread -> (prefill, entry, request)
 
-    def block_ids(self, d, off: int, lists=None, breaks: list[int] | None = None
-                  ) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray | None, list | None]:
+    def block_ids(self, d, off: int, lists=None) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray | None]:
         """Dispatch ``d``'s block ids and their ids in the GPU cache (``off`` + each: the play's
-        offset from ``keys.block_offset``), kept as its thread's latest, ``(r, n, ids_r)``: its
+        offset from ``keys.block_offset``), kept as its thread's latest, and ``(r, n, ids_r)``: its
         first ``n`` ids are those of kept request ``r``'s list ``ids_r`` (-1, 0, None: none),
-        whose cache ids they take too (same play, same offset), and the cache ids as runs
-        (``gpucache.spans_of``'s form, any number up to ``_MAX_KEPT_SPANS``; ``None``: more, or
-        not known). Both lists are views of ``_Ids`` buffers (read-only by contract).
-        ``lists``: the store's ``lists()``, if kept; ``breaks``: ``tail_breaks(store.tail)``,
-        which gives the runs of the new ids without a pass over them (else ``spans_of``)."""
+        whose cache ids they take too (same play, same offset). Both lists are views of
+        ``_Ids`` buffers (read-only by contract). ``lists``: the store's ``lists()``, if kept."""
         req = d.request
         store = d.session.blocks
         pieces, r, n = store.pieces_from(req.index, self.blocks, lists)
@@ -113,50 +107,16 @@ class _PlayState:
             np.add(new, off, out=new)
         buf.tip = total
         blocks, gblocks = blocks[:total], gblocks[:total]
-        # the runs: the kept list's over the shared prefix, then each new piece's (its tail
-        # breaks, found by bisection), adjacent runs that continue each other merged
-        spans = (clip_spans(self.spans[r], 0, n) if self.spans.get(r) is not None else None) if n else []
-        if spans is not None and breaks is not None:
-            for at, start, count in sorted(pieces):
-                i = bisect_left(breaks, start)
-                s0, end = start, start + count - 1
-                while True:
-                    b = breaks[i] if i < len(breaks) and breaks[i] < end else end
-                    f = tail.item(s0) + off
-                    a, e = at + s0 - start, at + b + 1 - start
-                    if spans and spans[-1][1] == a and spans[-1][2] + (a - spans[-1][0]) == f:
-                        spans[-1] = (spans[-1][0], e, spans[-1][2])
-                    else:
-                        spans.append((a, e, f))
-                    if b == end:
-                        break
-                    s0, i = b + 1, i + 1
-            if len(spans) > _MAX_KEPT_SPANS:
-                spans = None
-        else:
-            spans = spans_of(gblocks, _MAX_KEPT_SPANS)
         old = self.last_request.get(req.thread)
         if old is not None:
             self.blocks.pop(old, None)
             self.gblocks.pop(old, None)
             self.bufs.pop(old, None)
-            self.spans.pop(old, None)
         self.blocks[req.index] = blocks
         self.gblocks[req.index] = gblocks
         self.bufs[req.index] = buf
-        self.spans[req.index] = spans
         self.last_request[req.thread] = req.index
-        return blocks, gblocks, r, n, src, spans
-
-
-_MAX_KEPT_SPANS = 64  # runs kept per list (a prompt's are passed to the GPU cache up to its limit)
-
-
-def tail_breaks(tail: np.ndarray) -> list[int]:
-    """Positions ``i`` of a session's tail ids where ``tail[i + 1] != tail[i] + 1`` (a run of
-    consecutive ids ends at ``i``), ascending."""
-    t = tail.astype(np.int64)
-    return np.flatnonzero(t[1:] - t[:-1] != 1).tolist()
+        return blocks, gblocks, r, n, src
 
 
 @dataclass
@@ -462,17 +422,15 @@ class Simulation:
             play = self._plays[d.play] = _PlayState()
         max_block = self._max_block_id(session)
         off = self.keys.block_offset(d.scope, max_block)
-        kept = self._store_lists.get(session.id)
-        if kept is None:
-            kept = self._store_lists[session.id] = (session.blocks.lists(), tail_breaks(session.blocks.tail))
-        # gblocks: ids in the GPU cache, gspans: their runs
-        blocks, gblocks, src, src_n, src_ids, gspans = play.block_ids(d, off, *kept)
+        lists = self._store_lists.get(session.id)
+        if lists is None:
+            lists = self._store_lists[session.id] = session.blocks.lists()
+        blocks, gblocks, src, src_n, src_ids = play.block_ids(d, off, lists)  # gblocks: ids in the GPU cache
         if self._shared_prefix_tokens:
             if req.thread == 0:  # the main thread's prompts open with the shared prefix
                 gblocks = gblocks.copy()  # (the kept ids stay the plain ones other threads copy)
                 k = min(self._shared_prefix_tokens // bt, gblocks.size)
                 gblocks[:k] = self._shared_ids[:k]
-                gspans = spans_of(gblocks, _MAX_KEPT_SPANS)
             gids = self.keys.chunk_gids(d.scope, req.thread, gblocks, bt, req.in_tokens, chain_scope="")
         else:
             gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens,
@@ -487,11 +445,7 @@ class Simulation:
             k = e.ids.size
             if k <= prompt.size and ((last[2] == src and k <= src_n) or same(e.ids, prompt[:k])):
                 lead = e
-        # the prompt as runs of consecutive ids (None: too many)
-        pspans = None if gspans is None else clip_spans(gspans, 0, full_blocks)
-        if pspans is not None and len(pspans) > MAX_SPANS:
-            pspans = None
-        run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block, lead=lead, spans=pspans)
+        run, hit_entry = p.cache.use(prompt, env.now, max_id=off + max_block, lead=lead)
         gpu_hit = run * bt
         top = self.keys.groups - 1  # a bound on every group id of this request
         present = runs = on_ssd = None
@@ -520,13 +474,11 @@ class Simulation:
             p.outstanding_tokens -= req.in_tokens
             now_last = play.gpu_entry.get(req.thread)
             if now_last is last and lead is not None:  # checked above: a prefix of the prompt
-                entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry, lead),
-                                       spans=pspans)
+                entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry, lead))
             else:
                 last = now_last
                 entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry,),
-                                       replaces=(last[1],) if last is not None and last[0] == p.index else (),
-                                       spans=pspans)
+                                       replaces=(last[1],) if last is not None and last[0] == p.index else ())
             play.gpu_entry[req.thread] = (p.index, entry, req.index)
             if self.pool is not None and gids.size:
                 new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids

@@ -67,56 +67,17 @@ def first_occurrences(ids: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     return scratch[ids] == at
 
 
-MAX_SPANS = 8  # more runs of consecutive ids than this: index arrays instead of slices
-_MAX_SPANS = MAX_SPANS
-
-
-def spans_of(ids: np.ndarray, limit: int = MAX_SPANS) -> list[tuple[int, int, int]] | None:
-    """``ids`` as runs of consecutive ids: ``(start, end, first)`` says positions
-    ``start .. end-1`` hold ``first, first + 1, ...``; ``None`` when there are more than
-    ``limit`` runs. A prompt's ids are a handful of runs (new blocks are numbered in order),
-    so an operation on its blocks by id is a few slices of a by-id array instead of a gather or
-    scatter through an index array (``use``, ``insert`` take up to ``MAX_SPANS``)."""
-    n = int(ids.size)
-    if n < 2:
-        return [(0, n, int(ids[0]))] if n else []
-    cut = np.flatnonzero(ids[1:] - ids[:-1] != 1)
-    if cut.size >= limit:
-        return None
-    starts = [0, *(cut + 1).tolist()]
-    return list(zip(starts, [*starts[1:], n], ids[starts].tolist()))
-
-
-def clip_spans(spans: list[tuple[int, int, int]], a: int, b: int) -> list[tuple[int, int, int]]:
-    """The runs of ``spans`` within positions ``a .. b-1`` (positions kept as they were)."""
-    out = []
-    for s, e, f in spans:
-        lo, hi = max(s, a), min(e, b)
-        if lo < hi:
-            out.append((lo, hi, f + lo - s))
-    return out
-
-
-def fill_spans(arr: np.ndarray, spans: list[tuple[int, int, int]], value) -> None:
-    """``arr[ids] = value`` for the ids ``spans`` describe."""
-    for s, e, f in spans:
-        arr[f:f + e - s] = value
-
-
 class LogEntry:
-    """One logged use: its moment, its blocks in use order, their depths (``None``: 0..n-1),
-    whether a later use of a superset made every block of it stale (``dead``) and, when known,
-    its ids as runs (``spans``, see ``spans_of``; positions within ``ids``)."""
+    """One logged use: its moment, its blocks in use order, their depths (``None``: 0..n-1) and
+    whether a later use of a superset made every block of it stale (``dead``)."""
 
-    __slots__ = ("dead", "depth", "ids", "spans", "t")
+    __slots__ = ("dead", "depth", "ids", "t")
 
-    def __init__(self, t: float, ids: np.ndarray, depth: np.ndarray | None = None,
-                 spans: list[tuple[int, int, int]] | None = None) -> None:
+    def __init__(self, t: float, ids: np.ndarray, depth: np.ndarray | None = None) -> None:
         self.t = t
         self.ids = ids
         self.depth = depth
         self.dead = False
-        self.spans = spans
 
 
 class GPUPrefixCache:
@@ -152,20 +113,17 @@ class GPUPrefixCache:
         return self.use(ids, now, max_id)[0]
 
     def use(self, ids: np.ndarray, now: float, max_id: int | None = None,
-            lead: LogEntry | None = None, spans: list[tuple[int, int, int]] | None = None) -> tuple[int, LogEntry | None]:
+            lead: LogEntry | None = None) -> tuple[int, LogEntry | None]:
         """``hit_blocks`` and the log entry of the use (``None`` when nothing was used or the
         capacity is unbounded). ``lead``: an entry of this cache whose blocks the caller knows
         lead ``ids``; newer than every moment eviction has taken blocks from, all its blocks are
-        held, and only the blocks past it are looked at. ``spans``: ``spans_of(ids)``, when
-        the caller has it (here and in ``insert``): the same work by slices."""
+        held, and only the blocks past it are looked at."""
         if not ids.size:
             return 0, None
         if not now > 0:
             now = _FIRST_MOMENT
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
         known = lead.ids.size if lead is not None and lead.t > self._evicted_upto else 0
-        if spans is not None:
-            return self._use_spans(ids, now, known, spans)
         if known:
             held = self._last[ids[known:]] > 0
             run = int(held.argmin()) if held.size else 0
@@ -184,32 +142,8 @@ class GPUPrefixCache:
                 self._log.append(entry)
         return run, entry
 
-    def _use_spans(self, ids: np.ndarray, now: float, known: int, spans: list[tuple[int, int, int]]
-                   ) -> tuple[int, LogEntry | None]:
-        """``use`` past ``known`` leading held blocks, by the runs of ``ids``."""
-        last = self._last
-        run = int(ids.size)
-        for s, e, f in spans:
-            if e <= known:
-                continue
-            lo = max(s, known)
-            held = last[f + lo - s:f + e - s] > 0
-            miss = int(held.argmin())  # the first block not held, or 0 when every one is
-            if not held[miss]:
-                run = lo + miss
-                break
-        entry = None
-        if run:
-            used = spans if run == ids.size else clip_spans(spans, 0, run)
-            fill_spans(last, used, now)
-            if self._bounded:
-                entry = LogEntry(now, ids[:run], spans=used)
-                self._log.append(entry)
-        return run, entry
-
     def insert(self, ids: np.ndarray, now: float, block_tokens: int, *, replaces: tuple[LogEntry | None, ...] = (),
-               prefixes: tuple[LogEntry | None, ...] = (), max_id: int | None = None,
-               spans: list[tuple[int, int, int]] | None = None) -> LogEntry | None:
+               prefixes: tuple[LogEntry | None, ...] = (), max_id: int | None = None) -> LogEntry | None:
         """Hold ``ids`` (a prompt's full blocks, in order) as used now; evict if over capacity.
         Returns the insert's log entry (``None``: unbounded); see ``replaces`` in the module
         docstring. ``prefixes``: entries of ``use`` calls on this same array (its leading
@@ -223,8 +157,6 @@ class GPUPrefixCache:
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
         if self.capacity_blocks is not None and ids.size > self.capacity_blocks:
             ids = ids[: self.capacity_blocks]
-            if spans is not None:
-                spans = clip_spans(spans, 0, self.capacity_blocks)
         known = 0  # leading blocks known to be held: a use's newer than every evicted moment
         for old in prefixes:
             if old is not None and old.ids.size <= ids.size:
@@ -233,28 +165,19 @@ class GPUPrefixCache:
                 if old.t < now and not old.dead:
                     old.dead = True  # as in `replaces` below: its blocks lead ids
         last = self._last
-        if spans is not None:
-            held = 0
-            for s, e, f in spans:
-                if e > known:
-                    lo = max(s, known)
-                    held += int(np.count_nonzero(last[f + lo - s:f + e - s] > 0))
-            self.blocks += ids.size - known - held
-            fill_spans(last, spans, now)  # held, used now
-        elif known:
+        if known:
             rest = ids[known:]
             self.blocks += rest.size - int(np.count_nonzero(last[rest] > 0))
-            last[ids] = now
         else:
             self.blocks += ids.size - int(np.count_nonzero(last[ids] > 0))
-            last[ids] = now  # held, used now
+        last[ids] = now  # held, used now
         entry = None
         if self._bounded:
             for old in replaces:
                 if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead \
                         and same(old.ids, ids[: old.ids.size]):
                     old.dead = True  # every block of it was used again now: none is live there
-            entry = LogEntry(now, ids, spans=spans)
+            entry = LogEntry(now, ids)
             self._log.append(entry)
         if self.capacity_blocks is not None and self.blocks > self.capacity_blocks:
             self._evict(ids, now)
@@ -275,32 +198,21 @@ class GPUPrefixCache:
                 # a moment of one entry (the usual one). An entry lies in depth order, so the
                 # general path below evicts its live blocks from its end and puts the shallower
                 # rest back as an entry in front: done here with slices of its live blocks
-                ids, depth, spans = e.ids, e.depth, e.spans
-                if spans is not None:  # (runs in position order, covering ids)
-                    segs = [last[f:f + end - s] == e.t for s, end, f in spans]
-                    live = segs[0] if len(segs) == 1 else np.concatenate(segs)
-                else:
-                    live = last[ids] == e.t
+                ids, depth = e.ids, e.depth
+                live = last[ids] == e.t
                 if not _ALL(live):
                     pos = np.flatnonzero(live)
-                    ids, depth, spans = ids[pos], (pos if depth is None else depth[pos]), None
+                    ids, depth = ids[pos], (pos if depth is None else depth[pos])
                 if e.t > self._evicted_upto:
                     self._evicted_upto = e.t
                 log.popleft()
                 n = int(ids.size)
                 if n > target:
                     keep = n - target
-                    log.appendleft(LogEntry(e.t, ids[:keep], None if depth is None else depth[:keep],
-                                            None if spans is None else clip_spans(spans, 0, keep)))
-                    if spans is not None:
-                        fill_spans(last, clip_spans(spans, keep, n), _EVICTED)  # not held
-                    else:
-                        last[ids[keep:]] = _EVICTED
+                    log.appendleft(LogEntry(e.t, ids[:keep], None if depth is None else depth[:keep]))
+                    ids = ids[keep:]
                     n = target
-                elif spans is not None:
-                    fill_spans(last, spans, _EVICTED)
-                else:
-                    last[ids] = _EVICTED  # not held
+                last[ids] = _EVICTED  # not held
                 self.blocks -= n
                 self.evicted_blocks += n
                 target -= n

@@ -59,8 +59,7 @@ def test_play_state_lists_extend_in_place_and_keep_earlier_views():
     import numpy as np
 
     from kvpool.scenario import load_scenario
-    from kvpool.sim.engine import _PlayState, tail_breaks
-    from kvpool.sim.gpucache import spans_of
+    from kvpool.sim.engine import _PlayState
     from kvpool.sim.run import workload_for
 
     w = workload_for(load_scenario("mi355x-1p1d"))
@@ -69,15 +68,12 @@ def test_play_state_lists_extend_in_place_and_keep_earlier_views():
     for s in w.sessions[:6]:
         store = s.blocks
         lists = store.lists()
-        breaks = tail_breaks(store.tail)
         play = _PlayState()
         handed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for req in s.requests[:120]:
             prev = play.blocks.get(play.last_request.get(req.thread, -1))
-            blocks, gblocks, _, n, src, spans = play.block_ids(SimpleNamespace(request=req, session=s), off,
-                                                               lists if req.index % 2 else None,
-                                                               breaks if req.index % 3 else None)
-            assert spans == spans_of(gblocks, 64)  # the runs, made from the tail's breaks or not
+            blocks, gblocks, _, n, src = play.block_ids(SimpleNamespace(request=req, session=s), off,
+                                                        lists if req.index % 2 else None)
             want = store.block_ids(req.index)
             assert blocks.dtype == want.dtype and np.array_equal(blocks, want)
             assert gblocks.dtype == np.int64 and np.array_equal(gblocks, want.astype(np.int64) + off)
@@ -98,8 +94,7 @@ def test_play_state_does_not_write_over_a_list_another_thread_extended():
 
     import numpy as np
 
-    from kvpool.sim.engine import _PlayState, tail_breaks
-    from kvpool.sim.gpucache import spans_of
+    from kvpool.sim.engine import _PlayState
     from kvpool.sim.workload.model import BlockStoreBuilder
 
     b = BlockStoreBuilder()
@@ -112,8 +107,7 @@ def test_play_state_does_not_write_over_a_list_another_thread_extended():
     got = []
     for i, thread in enumerate([0, 1, 0, 1]):
         d = SimpleNamespace(request=SimpleNamespace(index=i, thread=thread), session=SimpleNamespace(blocks=store))
-        blocks, gblocks, *_, spans = play.block_ids(d, 10, None, tail_breaks(store.tail))
-        assert spans == spans_of(gblocks)
+        blocks, gblocks, *_ = play.block_ids(d, 10)
         got.append((blocks, gblocks))
     want = [[1, 2, 3], [1, 2, 3, 7, 8], [1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9]]
     for (blocks, gblocks), ids in zip(got, want):
@@ -137,28 +131,3 @@ def test_dispatch_and_wake_are_frozen_dataclasses():
     for obj, name in ((d, "key"), (w, "done")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, name, 0)
-
-
-def test_play_state_runs_of_pieces_with_several_breaks():
-    """The runs of a prompt's cache ids made from the tail's breaks: pieces holding several
-    runs, runs continuing across pieces (merged) and across the kept prefix."""
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from kvpool.sim.engine import _PlayState, tail_breaks
-    from kvpool.sim.gpucache import spans_of
-    from kvpool.sim.workload.model import BlockStoreBuilder
-
-    b = BlockStoreBuilder()
-    b.add(-1, 0, np.array([1, 2, 3, 10, 11, 20, 30, 31]), 8)  # one piece, four runs
-    b.add(0, 8, np.array([32, 33, 5, 6, 40]), 13)  # continues the last run, then two more
-    b.add(1, 10, np.array([7, 8, 9, 41]), 14)  # continues a run inside the kept prefix's tail
-    store = b.build()
-    breaks = tail_breaks(store.tail)
-    play = _PlayState()
-    for i in range(3):
-        d = SimpleNamespace(request=SimpleNamespace(index=i, thread=0), session=SimpleNamespace(blocks=store))
-        _, gblocks, *_, spans = play.block_ids(d, 100, None, breaks)
-        assert gblocks.tolist() == [x + 100 for x in store.block_ids(i).tolist()]
-        assert spans == spans_of(gblocks), i

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.sim.gpucache import GPUPrefixCache, first_occurrences, same, spans_of
+from kvpool.sim.gpucache import GPUPrefixCache, first_occurrences, same
 
 
 def test_hit_is_the_leading_run():
@@ -90,11 +90,9 @@ def test_replaced_entries_change_nothing(turns, frac):
     insert replaces holds, hits and evicts exactly what a cache that is not told does."""
     plain, told = GPUPrefixCache(40 * 64, evict_fraction=frac), GPUPrefixCache(40 * 64, evict_fraction=frac)
     pre = GPUPrefixCache(40 * 64, evict_fraction=frac)  # told the hit through `prefixes`
-    sp = GPUPrefixCache(40 * 64, evict_fraction=frac)  # as `pre`, told the ids' runs (spans)
     prompts: dict[int, list[int]] = {}
     last: dict[int, object] = {}
     last_pre: dict[int, object] = {}
-    last_sp: dict[int, object] = {}
     fresh = 1000
     for i, (thread, grow, diverge, between) in enumerate(turns):
         p = list(prompts.get(thread, [thread * 100]))
@@ -112,29 +110,19 @@ def test_replaced_entries_change_nothing(turns, frac):
             lead = None
         assert pre.use(ids, now, lead=lead)[0] == run
         hit_pre = pre._log[-1] if run else None
-        spans = spans_of(ids)
-        lead_sp = last_sp.get(thread) if lead is not None else None
-        assert sp.use(ids, now, lead=lead_sp, spans=spans)[0] == run
-        hit_sp = sp._log[-1] if run else None
         if between:  # another prompt between the use and the insert (its evictions included)
             other = np.arange(5000 + 100 * i, 5000 + 100 * i + between)
             for c in (plain, told, pre):
                 c.insert(other, now + 0.5, 64)
-            sp.insert(other, now + 0.5, 64, spans=spans_of(other))
         plain.insert(ids, now + 1, 64)
         last[thread] = told.insert(ids, now + 1, 64, replaces=(hit, last.get(thread)))
         if lead is not None:
             last_pre[thread] = pre.insert(ids, now + 1, 64, prefixes=(hit_pre, lead))
         else:
             last_pre[thread] = pre.insert(ids, now + 1, 64, prefixes=(hit_pre,), replaces=(last_pre.get(thread),))
-        if lead_sp is not None:
-            last_sp[thread] = sp.insert(ids, now + 1, 64, prefixes=(hit_sp, lead_sp), spans=spans)
-        else:
-            last_sp[thread] = sp.insert(ids, now + 1, 64, prefixes=(hit_sp,), replaces=(last_sp.get(thread),),
-                                        spans=spans)
         if hit is not None:
-            assert hit.dead == hit_pre.dead == hit_sp.dead
-        for c in (told, pre, sp):
+            assert hit.dead == hit_pre.dead
+        for c in (told, pre):
             assert np.array_equal(plain.held, c.held)
             assert np.array_equal(plain._last, c._last)
             assert (plain.blocks, plain.evicted_blocks) == (c.blocks, c.evicted_blocks)
@@ -175,29 +163,3 @@ def test_moment_zero_is_a_moment_before_every_later_one():
     c.insert(np.array([5]), 1.0, 64)
     assert set(np.flatnonzero(c.held).tolist()) == {1, 3, 4, 5}
     assert c.blocks == 4 and c.evicted_blocks == 1
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(0, 40), min_size=0, max_size=60))
-def test_spans_describe_the_ids(ids):
-    """spans_of: runs of consecutive ids covering every position in order (None past
-    _MAX_SPANS runs); clip_spans and fill_spans act on the positions and ids they name."""
-    import itertools
-
-    from kvpool.sim.gpucache import _MAX_SPANS, clip_spans, fill_spans
-
-    arr = np.asarray(ids, dtype=np.int64)
-    spans = spans_of(arr)
-    runs = 1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1) if ids else 0
-    if runs > _MAX_SPANS:
-        assert spans is None
-        return
-    assert [f + k for s, e, f in spans for k in range(e - s)] == ids
-    assert [s for s, _, _ in spans] == sorted(s for s, _, _ in spans)
-    a, b = len(ids) // 3, 2 * len(ids) // 3
-    assert [f + k for s, e, f in clip_spans(spans, a, b) for k in range(e - s)] == ids[a:b]
-    out = np.zeros(64)
-    fill_spans(out, clip_spans(spans, a, b), 1.0)
-    want = np.zeros(64)
-    want[np.asarray(ids[a:b], dtype=np.int64)] = 1.0
-    assert np.array_equal(out, want)
