@@ -65,7 +65,7 @@ class IdList:
         return dropped
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class PutOutcome:
     """What a batched put did: objects stored (new ones), and what was evicted to make room."""
 
@@ -74,6 +74,17 @@ class PutOutcome:
     evicted_groups: int
     evicted_bytes: int
     evicted_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), compare=False)
+
+    def __init__(self, stored: int, rejected: int, evicted_groups: int, evicted_bytes: int,
+                 evicted_ids: np.ndarray | None = None) -> None:
+        # frozen: the fields are set once, here, in the instance dict (the generated __init__
+        # does it through object.__setattr__, one call per field); no evicted_ids: none
+        d = self.__dict__
+        d["stored"] = stored
+        d["rejected"] = rejected
+        d["evicted_groups"] = evicted_groups
+        d["evicted_bytes"] = evicted_bytes
+        d["evicted_ids"] = np.zeros(0, dtype=np.int64) if evicted_ids is None else evicted_ids
 
 
 class GroupTable:

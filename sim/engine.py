@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import simpy
+from heapq import heappush
+from simpy.events import URGENT
 
 from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
 from kvpool.policy.chunks import namespace_for
@@ -30,7 +32,7 @@ from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacit
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
-from kvpool.sim.events import call_later, fire, run_all
+from kvpool.sim.events import Call, call_later, fire, run_all
 from kvpool.sim.gpucache import GPUPrefixCache, LogEntry, same
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import SHARED_PREFIX_SCOPE, KeySpace
@@ -50,6 +52,21 @@ def handoff_plans(tokens: int, ranks: int, consts: list[tuple[int, int, int]]) -
     return rank_tokens, {layers: [-(-t * per_token // step) for t in rank_tokens] for layers, per_token, step in consts}
 
 
+class _Ids:
+    """A thread's block ids and their GPU cache ids, in buffers with room to grow: a request whose
+    ids extend the list at a buffer's tip (its thread's last prompt, typically) writes only its
+    new ids past it, and its lists are views of the same buffers. Ids are only ever written past
+    the tip, so every earlier view (a log entry of the GPU cache, a key space's last list) keeps
+    its ids."""
+
+    __slots__ = ("blocks", "gblocks", "tip")
+
+    def __init__(self, capacity: int, dtype) -> None:
+        self.blocks = np.empty(capacity, dtype=dtype)
+        self.gblocks = np.empty(capacity, dtype=np.int64)
+        self.tip = 0  # ids written (every view handed out lies below)
+
+
 @dataclass
 class _PlayState:
     """What a play's next requests reuse, per thread: its last request's block ids (a later
@@ -58,29 +75,45 @@ class _PlayState:
 
     blocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> block ids
     gblocks: dict[int, np.ndarray] = field(default_factory=dict)  # request index -> GPU cache ids
+    bufs: dict[int, _Ids] = field(default_factory=dict)  # request index -> the buffers of its lists
     last_request: dict[int, int] = field(default_factory=dict)  # thread -> request index
     gpu_entry: dict[int, tuple[int, LogEntry | None, int]] = field(default_factory=dict)  # thread -> (prefill, entry, request)
 
-    def block_ids(self, d, off: int) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray | None]:
+    def block_ids(self, d, off: int, lists=None) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray | None]:
         """Dispatch ``d``'s block ids and their ids in the GPU cache (``off`` + each: the play's
         offset from ``keys.block_offset``), kept as its thread's latest, and ``(r, n, ids_r)``: its
         first ``n`` ids are those of kept request ``r``'s list ``ids_r`` (-1, 0, None: none),
-        whose cache ids they take too (same play, same offset)."""
+        whose cache ids they take too (same play, same offset). Both lists are views of
+        ``_Ids`` buffers (read-only by contract). ``lists``: the store's ``lists()``, if kept."""
         req = d.request
-        blocks, r, n = d.session.blocks.block_ids_from(req.index, self.blocks)
+        store = d.session.blocks
+        pieces, r, n = store.pieces_from(req.index, self.blocks, lists)
+        total = int(store.n_blocks[req.index]) if lists is None else lists[3][req.index]
         src = self.blocks.get(r) if n else None
-        if n:
-            gblocks = np.empty(blocks.size, dtype=np.int64)
-            gblocks[:n] = self.gblocks[r][:n]
-            np.add(blocks[n:], off, out=gblocks[n:], dtype=np.int64)
-        else:
-            gblocks = np.add(blocks, off, dtype=np.int64)
+        buf = self.bufs.get(r) if n else None
+        if buf is None or n != src.size or buf.tip != n or buf.blocks.size < total:
+            old = buf
+            buf = _Ids(max(2 * total, 64), store.tail.dtype)  # room for the thread's next prompts
+            if n:
+                buf.blocks[:n] = src[:n]
+                buf.gblocks[:n] = (old.gblocks if old is not None else self.gblocks[r])[:n]
+        blocks, gblocks, tail = buf.blocks, buf.gblocks, store.tail
+        for at, start, count in pieces:  # past the tip: no view handed out covers them
+            blocks[at:at + count] = tail[start:start + count]
+            gblocks[at:at + count] = tail[start:start + count]
+        if n < total:  # the new ids' cache ids: one add over them all
+            new = gblocks[n:total]
+            np.add(new, off, out=new)
+        buf.tip = total
+        blocks, gblocks = blocks[:total], gblocks[:total]
         old = self.last_request.get(req.thread)
         if old is not None:
             self.blocks.pop(old, None)
             self.gblocks.pop(old, None)
+            self.bufs.pop(old, None)
         self.blocks[req.index] = blocks
         self.gblocks[req.index] = gblocks
+        self.bufs[req.index] = buf
         self.last_request[req.thread] = req.index
         return blocks, gblocks, r, n, src
 
@@ -145,6 +178,7 @@ class Simulation:
         self._gate_waiters: dict[object, tuple[RequestRecord, simpy.Event]] = {}  # arrival order
         self.records: list[RequestRecord] = []
         self._session_max_block: dict[str, int] = {}
+        self._store_lists: dict[str, tuple] = {}  # session id -> its BlockStore.lists()
         self._plays: dict[int, _PlayState] = {}
         # (pool capacity is fixed; one table is read directly when it is the only one)
         self._pool_tables = [t for row in self.pool.tables for t in row] if self.pool is not None else []
@@ -223,21 +257,38 @@ class Simulation:
 
     def _start_driver(self) -> None:
         """Drive the replay (sim.workload.replay's interface) with callbacks, no driver process:
-        ``start`` now, ``finished`` as each request completes (in its own process), ``poll``
-        when the newest ``Wake.next_due_s`` comes; every Wake's ready dispatches are issued at
-        once. One timer is pending at a time; a Wake that moves the due time makes it stale
-        (ignored by a version counter), one that keeps it adds no event."""
+        ``start`` now, ``finished`` as each request completes, ``poll`` when the newest
+        ``Wake.next_due_s`` comes; every Wake's ready dispatches are issued at once. One timer is
+        pending at a time; a Wake that moves the due time makes it stale (ignored by a version
+        counter), one that keeps it adds no event.
+
+        A request is a chain of callbacks (``_serve``) started where a SimPy process would have
+        started (an urgent queue entry now: the process's ``Initialize`` slot); with the admission
+        gate it is a process (``_serve_gated``: the gate's wait is a generator)."""
         env = self.env
         replay = self.replay
         timer = [0, None]  # version, due time of the pending timer (None: none)
+        queue = env._queue
+        eid = env._eid
+
+        def finished(d) -> None:
+            handle(replay.finished(d.key, env.now))
 
         def run_one(d):
-            yield from self._serve(d)
-            handle(replay.finished(d.key, env.now))
+            yield from self._serve_gated(d)
+            finished(d)
+
+        def begin(ev) -> None:
+            self._serve(ev._value, finished)
+
+        gated = self.gate is not None
 
         def handle(w) -> None:
             for d in w.ready:
-                env.process(run_one(d))
+                if gated:
+                    env.process(run_one(d))
+                else:  # a process's Initialize slot: now, urgent, the next sequence number
+                    heappush(queue, (env._now, URGENT, next(eid), Call(begin, d)))
             due = None if w.done else w.next_due_s
             if due != timer[1]:
                 timer[0] += 1
@@ -307,21 +358,49 @@ class Simulation:
             if most <= 0:
                 break
 
-    def _serve(self, d):
-        env = self.env
+    def _record(self, d) -> RequestRecord:
         req = d.request
-        out_tokens = max(1, d.out_tokens)
-        rec = RequestRecord(d.key, d.session.id, req.thread, d.measured, env.now, req.in_tokens, out_tokens)
+        rec = RequestRecord(d.key, d.session.id, req.thread, d.measured, self.env.now, req.in_tokens,
+                            max(1, d.out_tokens))
         self.records.append(rec)
+        return rec
+
+    def _serve(self, d, finished) -> None:
+        """One request without the gate, as callbacks: front end -> decode group -> prefill ->
+        hand-off -> decode; ``finished(d)`` once it is done. Each step runs where the request's
+        process resumed (the same callback slot of the same event, or the same queue entry)."""
+        env = self.env
+        rec = self._record(d)
+        if self._frontend_s:
+            call_later(env, self._frontend_s, lambda _e: self._route(d, rec, None, finished))
+        else:
+            self._route(d, rec, None, finished)
+
+    def _serve_gated(self, d):
+        """One request through the admission gate (a SimPy process: the gate's wait is one)."""
+        env = self.env
+        rec = self._record(d)
         if self._frontend_s:
             yield env.timeout(self._frontend_s)
-        # 1. gate and decode group
-        if self.gate is not None:
-            decode = yield from self._admit(rec)
-            if decode is None:
-                rec.end_s = env.now
-                return
-        else:
+        decode = yield from self._admit(rec)
+        if decode is None:
+            rec.end_s = env.now
+            return
+        done = env.event()
+        self._route(d, rec, decode, lambda _d: fire(done))
+        try:
+            yield done
+        finally:
+            if not rec.rejected:
+                self._release_gate(rec.key)
+        self._forget(d)
+
+    def _route(self, d, rec: RequestRecord, decode: int | None, then) -> None:
+        """Decode group (``decode``: given by the gate, else chosen), prefill instance, and the
+        request's way through them; ``then(d)`` when its last token is out (``rec.end_s`` set)."""
+        env = self.env
+        req = d.request
+        if decode is None:
             decode = choose_decode([dd.free_tokens for dd in self.decodes])
         rec.decode = decode
         group = self.group_prefills[decode] or list(range(len(self.prefills)))
@@ -329,24 +408,34 @@ class Simulation:
         p = self.prefills[group[self.routers[decode].choose(d.scope or d.session.id, load)]]
         rec.prefill = p.index
         p.outstanding_tokens += req.in_tokens
-        try:
-            yield from self._prefill(d, rec, p)
-            yield self._handoff(rec, p, self.decodes[decode])
-            dec = self.decodes[decode]
-            first, done = dec.generate(req.in_tokens, out_tokens)
-            # the first token is noted by a callback (where this process would resume to note it)
-            first.callbacks.append(lambda _e: setattr(rec, "first_token_s", env.now))
-            yield done
+        dec = self.decodes[decode]
+        gated = self.gate is not None
+
+        def decoded(_e) -> None:
             rec.end_s = env.now
-        finally:
-            if self.gate is not None and not rec.rejected:
-                self._release_gate(rec.key)
-        if req.index == len(d.session.requests) - 1:
+            if not gated:
+                self._forget(d)
+            then(d)
+
+        def handed_off() -> None:
+            first, done = dec.generate(req.in_tokens, rec.out_tokens)
+            # the first token is noted by a callback (where the process resumed to note it)
+            first.callbacks.append(lambda _e: setattr(rec, "first_token_s", env.now))
+            done.callbacks.append(decoded)
+
+        self._prefill(d, rec, p, lambda: self._handoff(rec, p, dec, handed_off))
+
+    def _forget(self, d) -> None:
+        """After a play's last request: its key scope and play state go."""
+        if d.request.index == len(d.session.requests) - 1:
             if d.scope:
                 self.keys.forget_scope(d.scope)
             self._plays.pop(d.play, None)
 
-    def _prefill(self, d, rec: RequestRecord, p: PrefillInstance):
+    def _prefill(self, d, rec: RequestRecord, p: PrefillInstance, then) -> None:
+        """Lookup (GPU cache, pool), restore, compute, GPU cache insert and the save of new
+        chunks; ``then()`` once the prompt is computed (callbacks where the request's process
+        resumed)."""
         env = self.env
         req = d.request
         session = d.session
@@ -356,7 +445,10 @@ class Simulation:
             play = self._plays[d.play] = _PlayState()
         max_block = self._max_block_id(session)
         off = self.keys.block_offset(d.scope, max_block)
-        blocks, gblocks, src, src_n, src_ids = play.block_ids(d, off)  # gblocks: ids in the GPU cache
+        lists = self._store_lists.get(session.id)
+        if lists is None:
+            lists = self._store_lists[session.id] = session.blocks.lists()
+        blocks, gblocks, src, src_n, src_ids = play.block_ids(d, off, lists)  # gblocks: ids in the GPU cache
         if self._shared_prefix_tokens:
             if req.thread == 0:  # the main thread's prompts open with the shared prefix
                 gblocks = gblocks.copy()  # (the kept ids stay the plain ones other threads copy)
@@ -394,34 +486,54 @@ class Simulation:
         rec.pool_tokens = hits.pool_tokens
         rec.computed_tokens = hits.computed_tokens
         rec.prefill_start_s = env.now
-        if hits.pool_tokens:
-            load_ids = gids[hits.load_first_chunk:hits.load_end_chunk]
-            ssd_ids = load_ids[~in_dram[hits.load_first_chunk:hits.load_end_chunk]] if on_ssd is not None else load_ids[:0]
-            if ssd_ids.size:  # read from SSD first, then the chunks travel like DRAM ones
-                rec.ssd_tokens = min(hits.pool_tokens, ssd_ids.size * self.chunk_tokens)
-                rec.pool_tokens -= rec.ssd_tokens
-                yield self.ssd_links[p.server].transfer(int(ssd_ids.size) * sum(self.rank_bytes), int(ssd_ids.size))
-                self.pool.save(p.server, p.ranks, ssd_ids, env.now)  # promoted back to DRAM
+
+        def compute() -> None:
+            done = p.compute(rec.computed_tokens, req.in_tokens - rec.computed_tokens)  # context: every reused token
+            done.callbacks.append(computed)
+
+        def computed(_e) -> None:
+            nonlocal last
+            rec.prefill_end_s = env.now
+            p.outstanding_tokens -= req.in_tokens
+            now_last = play.gpu_entry.get(req.thread)
+            if now_last is last and lead is not None:  # checked above: a prefix of the prompt
+                entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry, lead))
+            else:
+                last = now_last
+                entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry,),
+                                       replaces=(last[1],) if last is not None and last[0] == p.index else ())
+            play.gpu_entry[req.thread] = (p.index, entry, req.index)
+            if self.pool is not None and gids.size:
+                new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids
+                if new.size:
+                    self._save(rec, p, new)
+            then()
+
+        if not hits.pool_tokens:
+            compute()
+            return
+        load_ids = gids[hits.load_first_chunk:hits.load_end_chunk]
+        ssd_ids = load_ids[~in_dram[hits.load_first_chunk:hits.load_end_chunk]] if on_ssd is not None else load_ids[:0]
+
+        def restore() -> None:
             self.pool.pin(p.server, p.ranks, load_ids, top)
-            try:
-                yield self._restore(rec, p, load_ids.size)
-            finally:
-                self.pool.unpin(p.server, p.ranks, load_ids, top)
-        yield p.compute(rec.computed_tokens, req.in_tokens - rec.computed_tokens)  # context: every reused token
-        rec.prefill_end_s = env.now
-        p.outstanding_tokens -= req.in_tokens
-        now_last = play.gpu_entry.get(req.thread)
-        if now_last is last and lead is not None:  # checked above: a prefix of the prompt
-            entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry, lead))
+            self._restore(rec, p, load_ids.size, restored)
+
+        def restored() -> None:
+            self.pool.unpin(p.server, p.ranks, load_ids, top)
+            compute()
+
+        if ssd_ids.size:  # read from SSD first, then the chunks travel like DRAM ones
+            rec.ssd_tokens = min(hits.pool_tokens, ssd_ids.size * self.chunk_tokens)
+            rec.pool_tokens -= rec.ssd_tokens
+
+            def promote(_e) -> None:
+                self.pool.save(p.server, p.ranks, ssd_ids, env.now)  # promoted back to DRAM
+                restore()
+
+            self.ssd_links[p.server].transfer(int(ssd_ids.size) * sum(self.rank_bytes), int(ssd_ids.size)).callbacks.append(promote)
         else:
-            last = now_last
-            entry = p.cache.insert(prompt, env.now, bt, max_id=off + max_block, prefixes=(hit_entry,),
-                                   replaces=(last[1],) if last is not None and last[0] == p.index else ())
-        play.gpu_entry[req.thread] = (p.index, entry, req.index)
-        if self.pool is not None and gids.size:
-            new = gids[hits.pool_prefix_chunks:] if hits.pool_prefix_chunks else gids
-            if new.size:
-                self._save(rec, p, new)
+            restore()
 
     def _max_block_id(self, session) -> int:
         """The largest block id a session uses (bounds its id range in the GPU cache), memoized."""
@@ -456,16 +568,16 @@ class Simulation:
             out.append((self.net.nic[gpu], remotes))
         return out
 
-    def _restore(self, rec: RequestRecord, p: PrefillInstance, chunks: int) -> simpy.Event:
+    def _restore(self, rec: RequestRecord, p: PrefillInstance, chunks: int, then) -> None:
         """Every rank loads its objects of ``chunks`` chunks on its load worker, after the forwards
-        queued ahead of its stage; the returned event succeeds when every rank is done.
+        queued ahead of its stage; ``then()`` is called when every rank is done (where an event
+        that succeeds then would run its callbacks).
 
         Written as callbacks (no process per rank): one rank's load is delay -> worker -> links ->
         read + unpack -> worker free."""
         env = self.env
         ranks = p.ranks
         starts, ends = [0.0] * ranks, [0.0] * ranks
-        done = env.event()
         left = [ranks]
         load_s = self.cost.pool_load_s
 
@@ -476,7 +588,7 @@ class Simulation:
             if not left[0]:
                 rec.restore_stage_s = [e - b for b, e in zip(starts, ends)]
                 rec.restore_spread_s = max(ends) - min(starts)
-                fire(done)
+                then()
 
         def start(rank: int) -> None:
             starts[rank] = env.now
@@ -491,7 +603,6 @@ class Simulation:
                 call_later(env, delay, lambda _e, r=rank, sub=submit: sub(lambda: start(r)))
             else:
                 submit(lambda r=rank: start(r))
-        return done
 
     def _save(self, rec: RequestRecord, p: PrefillInstance, gids: np.ndarray) -> None:
         """Every rank packs its objects of the new chunks (in parallel) and puts them with group
@@ -511,10 +622,10 @@ class Simulation:
 
         call_later(env, self.cost.unpack_s(max(nbytes)), send)  # pack
 
-    def _handoff(self, rec: RequestRecord, p: PrefillInstance, dec: DecodeInstance) -> simpy.Event:
+    def _handoff(self, rec: RequestRecord, p: PrefillInstance, dec: DecodeInstance, then) -> None:
         """Every stage gathers its layers of every token per decode rank and sends them in large
-        writes (``policy.layout``); each decode rank receives its tokens from every stage. The
-        returned event succeeds when the last rank has its tokens (``rec.handoff_s`` set)."""
+        writes (``policy.layout``); each decode rank receives its tokens from every stage.
+        ``then()`` is called when the last rank has its tokens (``rec.handoff_s`` set)."""
         env = self.env
         start = env.now
         tokens = rec.in_tokens
@@ -535,14 +646,12 @@ class Simulation:
             link.transfer(rank_tokens[r] * bpt, sum([n * plans[layers][r] for layers, n in self._stage_depths]), j)
         # once every write has landed: gather + scatter, then the request goes on (scheduled where
         # a process resumed by the join would have scheduled its timeout)
-        gathered = env.event()
         gather_s = 2 * self.cost.unpack_s(rec.handoff_bytes // self.spec.stages)
 
         def done(_e) -> None:
             rec.handoff_s = env.now - start
-            fire(gathered)
+            then()
 
         j.fn = lambda: call_later(env, gather_s, done)
         if not j.left:  # nothing to send: through SimPy's queue, as an empty join
             call_later(env, 0.0, lambda _e: j.fn())
-        return gathered

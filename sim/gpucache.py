@@ -21,8 +21,9 @@ Contract:
       ``capacity_tokens // block_tokens`` blocks of the first workload it sees.
 
 Implementation: every use (a hit's leading run, an insert) is logged as ``(time, ids)`` in time
-order; a block's live entry is the one whose time equals its last use (an evicted block's last
-use is set to -1, before any moment). Eviction consumes the log from its oldest end, so a pass
+order; a block's live entry is the one whose time equals its last use. One array by block id
+holds the last use, 0 for a block not held (never inserted or evicted; every moment is > 0, a use
+at time 0 counting at the smallest positive float). Eviction consumes the log from its oldest end, so a pass
 costs what it evicts plus the stale entries it reads, not a scan of the whole cache. Within one
 moment, a block's depth is its position in its entry; a block logged twice at one moment counts
 once, at its deepest (``first_occurrences`` after ordering by depth).
@@ -37,8 +38,12 @@ import numpy as np
 from kvpool.policy.grouptable import grown
 
 _ALL = np.logical_and.reduce
-_EVICTED = -1.0  # the last use of an evicted block: no moment, so a log entry's live blocks are
-# those whose last use is the entry's moment (held follows)
+_EVICTED = 0.0  # the last use of a block not held (never inserted, or evicted): no moment, so a
+# log entry's live blocks are those whose last use is the entry's moment, and a block is held
+# exactly when its last use is a moment (> 0): one array says both, and fresh (zeroed) memory
+# reads as not held. Moments are kept > 0: a use or insert at time 0 counts at _FIRST_MOMENT,
+# the smallest positive float, which keeps every order and equality between moments.
+_FIRST_MOMENT = 5e-324
 
 
 def same(a: np.ndarray, b: np.ndarray) -> bool:
@@ -66,7 +71,7 @@ class LogEntry:
     """One logged use: its moment, its blocks in use order, their depths (``None``: 0..n-1) and
     whether a later use of a superset made every block of it stale (``dead``)."""
 
-    __slots__ = ("t", "ids", "depth", "dead")
+    __slots__ = ("dead", "depth", "ids", "t")
 
     def __init__(self, t: float, ids: np.ndarray, depth: np.ndarray | None = None) -> None:
         self.t = t
@@ -82,8 +87,7 @@ class GPUPrefixCache:
         self.capacity_tokens = capacity_tokens
         self.capacity_blocks: int | None = None
         self.evict_fraction = evict_fraction
-        self.held = np.zeros(initial, dtype=bool)
-        self._last = np.zeros(initial, dtype=np.float64)
+        self._last = np.zeros(initial, dtype=np.float64)  # last use by block id (_EVICTED: not held)
         self.blocks = 0
         self.evicted_blocks = 0
         self._log: deque[LogEntry] = deque()  # only kept when the capacity is bounded
@@ -93,13 +97,16 @@ class GPUPrefixCache:
         # (eviction takes moments oldest first, and only blocks whose last use is that moment)
         self._evicted_upto = -np.inf
 
+    @property
+    def held(self) -> np.ndarray:
+        """Whether each block id is held (a fresh bool array by block id)."""
+        return self._last > 0
+
     def _grow(self, max_id: int) -> None:
-        n = len(self.held)
+        n = len(self._last)
         if max_id < n:
             return
-        new = max(max_id + 1, 4 * n)
-        self.held = grown(self.held, new)
-        self._last = grown(self._last, new)
+        self._last = grown(self._last, max(max_id + 1, 4 * n))  # (zeros: _EVICTED)
 
     def hit_blocks(self, ids: np.ndarray, now: float, max_id: int | None = None) -> int:
         """Leading blocks of ``ids`` held; they count as used now."""
@@ -113,14 +120,16 @@ class GPUPrefixCache:
         held, and only the blocks past it are looked at."""
         if not ids.size:
             return 0, None
+        if not now > 0:
+            now = _FIRST_MOMENT
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
         known = lead.ids.size if lead is not None and lead.t > self._evicted_upto else 0
         if known:
-            held = self.held[ids[known:]]
+            held = self._last[ids[known:]] > 0
             run = int(held.argmin()) if held.size else 0
             run = known + (int(held.size) if not held.size or held[run] else run)
         else:
-            held = self.held[ids]
+            held = self._last[ids] > 0
             run = int(held.argmin())  # the first block not held, or 0 when every one is
             if held[run]:
                 run = int(ids.size)
@@ -141,6 +150,8 @@ class GPUPrefixCache:
         blocks by construction), which ``replaces`` would find to be prefixes without comparing."""
         if not ids.size:
             return None
+        if not now > 0:
+            now = _FIRST_MOMENT
         if self.capacity_tokens is not None and self.capacity_blocks is None:
             self.capacity_blocks = self.capacity_tokens // block_tokens
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
@@ -153,15 +164,13 @@ class GPUPrefixCache:
                     known = old.ids.size
                 if old.t < now and not old.dead:
                     old.dead = True  # as in `replaces` below: its blocks lead ids
-        held = self.held
+        last = self._last
         if known:
             rest = ids[known:]
-            self.blocks += rest.size - int(np.count_nonzero(held[rest]))
-            held[rest] = True
+            self.blocks += rest.size - int(np.count_nonzero(last[rest] > 0))
         else:
-            self.blocks += ids.size - int(np.count_nonzero(held[ids]))
-            held[ids] = True
-        self._last[ids] = now
+            self.blocks += ids.size - int(np.count_nonzero(last[ids] > 0))
+        last[ids] = now  # held, used now
         entry = None
         if self._bounded:
             for old in replaces:
@@ -178,7 +187,7 @@ class GPUPrefixCache:
         cap = self.capacity_blocks or 0
         target = self.blocks - cap + int(cap * self.evict_fraction)
         log = self._log
-        held, last = self.held, self._last
+        last = self._last
         skipped: list[LogEntry] = []  # protected entries of `now`
         while target > 0 and log:
             e = log[0]
@@ -203,8 +212,7 @@ class GPUPrefixCache:
                     log.appendleft(LogEntry(e.t, ids[:keep], None if depth is None else depth[:keep]))
                     ids = ids[keep:]
                     n = target
-                held[ids] = False
-                last[ids] = _EVICTED
+                last[ids] = _EVICTED  # not held
                 self.blocks -= n
                 self.evicted_blocks += n
                 target -= n
@@ -213,7 +221,7 @@ class GPUPrefixCache:
             if t > self._evicted_upto:
                 self._evicted_upto = t
             if t == now and protect.size:
-                guard = np.zeros(self.held.size, dtype=bool)
+                guard = np.zeros(self._last.size, dtype=bool)
                 guard[protect] = True
                 keep = guard[ids]
                 if keep.any():
@@ -222,8 +230,7 @@ class GPUPrefixCache:
             if ids.size > target:  # the shallower rest goes back, in depth order
                 log.appendleft(LogEntry(t, ids[target:][::-1].copy(), depth[target:][::-1].copy()))
                 ids = ids[:target]
-            self.held[ids] = False
-            self._last[ids] = _EVICTED
+            self._last[ids] = _EVICTED  # not held
             self.blocks -= int(ids.size)
             self.evicted_blocks += int(ids.size)
             target -= int(ids.size)
@@ -257,8 +264,8 @@ class GPUPrefixCache:
         ids, depth = ids[live], depth[live]
         order = np.argsort(-depth, kind="stable")
         ids, depth = ids[order], depth[order]
-        if self._first.size < self.held.size:  # a block logged twice at one moment counts once
-            self._first = np.zeros(self.held.size, dtype=np.int32)
+        if self._first.size < self._last.size:  # a block logged twice at one moment counts once
+            self._first = np.zeros(self._last.size, dtype=np.int32)
         first = first_occurrences(ids, self._first)
         if _ALL(first):
             return ids, depth, t

@@ -48,8 +48,15 @@ SHARED_PREFIX_SCOPE = "\0shared-prefix"
 
 @dataclass
 class _ThreadKeys:
+    """A thread's last block ids and chunk group ids. The group ids are a view of ``buf``, whose
+    first ``tip`` entries have been handed out (views of them may still be in use): a request
+    that keeps all of them writes its new ids past the tip, in place, and anything else gets a
+    new buffer, so no id handed out ever changes."""
+
     blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     gids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    buf: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    tip: int = 0
 
 
 class KeySpace:
@@ -65,6 +72,7 @@ class KeySpace:
         self._parent = np.full(1 << 14, _NONE, dtype=np.int64)
         self._payload: np.ndarray | None = None  # [gid, u64 word], one payload size (the first seen)
         self._threads: dict[tuple[str, int], _ThreadKeys] = {}
+        self._scope_threads: dict[str, list[int]] = {}  # scope -> its threads in _threads
         self.hashed_chunks = 0  # chunks named past their thread's common prefix
 
     @property
@@ -98,6 +106,7 @@ class KeySpace:
         st = self._threads.get((scope, thread))
         if st is None:
             st = self._threads[(scope, thread)] = _ThreadKeys()
+            self._scope_threads.setdefault(scope, []).append(thread)
         n = min(st.blocks.size, block_ids.size)
         prev = st.blocks[:n]
         if prefix is not None and prefix[0] is st.blocks and prefix[1] >= n:
@@ -121,7 +130,14 @@ class KeySpace:
                     parent = self._roots[(chain, block_tokens)] = -1 - len(self._roots)
             new = self._number(parent, block_ids, block_tokens, n_tokens, keep, keyable)
             self.hashed_chunks += new.size
-            gids = np.concatenate([st.gids[:keep], new]) if keep else new
+            buf = st.buf
+            if keep != st.tip or buf.size < keyable:  # not an extension at the tip: a new buffer
+                buf = np.empty(max(2 * keyable, 64), dtype=np.int64)
+                buf[:keep] = st.gids[:keep]
+                st.buf = buf
+            buf[keep:keyable] = new
+            st.tip = keyable
+            gids = buf[:keyable]
         else:
             gids = st.gids[:keep]
         st.blocks, st.gids = block_ids, gids
@@ -213,5 +229,5 @@ class KeySpace:
 
     def forget_scope(self, scope: str) -> None:
         """Drop per-thread state of a finished play (its group ids stay valid)."""
-        for key in [k for k in self._threads if k[0] == scope]:
-            del self._threads[key]
+        for thread in self._scope_threads.pop(scope, ()):
+            del self._threads[(scope, thread)]

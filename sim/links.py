@@ -65,6 +65,10 @@ class Join:
 
 
 class FairLink:
+    __slots__ = ("_active", "_eid", "_last", "_latency_bytes", "_queue", "_seq", "_version", "_virtual", "_wake_at",
+                 "_wake_cb", "_write_bytes", "busy_s", "bytes_moved", "bytes_per_s", "env", "latency_s", "name",
+                 "writes_per_s")
+
     def __init__(
         self,
         env: simpy.Environment,
@@ -92,6 +96,8 @@ class FairLink:
         self._version = 0
         self._wake_at = _INF
         self._wake_cb = self._wake  # bound once: a wake-up is scheduled per completion (sim.events.Call)
+        self._queue = env._queue  # SimPy's event queue and sequence numbers (a wake-up is a Call on them)
+        self._eid = env._eid
 
     @property
     def active(self) -> int:
@@ -100,9 +106,8 @@ class FairLink:
     def transfer(self, nbytes: int, writes: int = 1, join: Join | None = None) -> simpy.Event | None:
         """An event that succeeds when ``nbytes`` in ``writes`` writes have crossed the link;
         with ``join``, no event: the join counts it (``None`` is returned)."""
-        env = self.env
         if join is None:
-            done = Event(env)
+            done = Event(self.env)
             if nbytes <= 0:
                 done.succeed()
                 return done
@@ -110,27 +115,32 @@ class FairLink:
             join.left += 1
             done = join
             if nbytes <= 0:  # done through SimPy's queue, as an empty transfer's event is
-                call_later(env, 0.0, join.one)
+                call_later(self.env, 0.0, join.one)
                 return None
         self.bytes_moved += int(nbytes)
+        bps = self.bytes_per_s
         work = float(nbytes) + writes * self._write_bytes + self._latency_bytes
         active = self._active
-        now = env._now
-        dt = now - self._last  # advance the virtual clock to now
-        if dt > 0 and active:
-            self._virtual += self.bytes_per_s * dt / len(active)
-            self.busy_s += dt
+        now = self.env._now
+        n = len(active)
+        if n:
+            dt = now - self._last  # advance the virtual clock to now
+            if dt > 0:
+                self._virtual += bps * dt / n
+                self.busy_s += dt
         self._last = now
         self._seq = seq = self._seq + 1
-        heappush(active, (self._virtual + work, seq, done))
+        virtual = self._virtual
+        heappush(active, (virtual + work, seq, done))
+        n += 1
         # everyone slows down, so only this transfer can finish before the pending wake-up
-        if now + work * len(active) / self.bytes_per_s < self._wake_at:
+        if now + work * n / bps < self._wake_at:
             self._version = version = self._version + 1
-            wait = (active[0][0] - self._virtual) * len(active) / self.bytes_per_s
+            wait = (active[0][0] - virtual) * n / bps
             if not wait > 0.0:
                 wait = 0.0
-            self._wake_at = now + wait
-            heappush(env._queue, (now + wait, NORMAL, next(env._eid), Call(self._wake_cb, version)))
+            self._wake_at = at = now + wait
+            heappush(self._queue, (at, NORMAL, next(self._eid), Call(self._wake_cb, version)))
         return None if join is not None else done
 
     def _wake(self, ev) -> None:
@@ -138,31 +148,51 @@ class FairLink:
         if ev._value != version:  # a later reschedule superseded this wake-up
             return
         active = self._active
-        env = self.env
-        now = env._now
+        now = self.env._now
         n = len(active)
-        dt = now - self._last  # advance the virtual clock to now
-        if dt > 0 and active:
-            self._virtual += self.bytes_per_s * dt / n
-            self.busy_s += dt
+        bps = self.bytes_per_s
+        if n:
+            dt = now - self._last  # advance the virtual clock to now
+            if dt > 0:
+                self._virtual += bps * dt / n
+                self.busy_s += dt
         self._last = now
-        due = self._virtual + _EPS_S * self.bytes_per_s / n
-        done = []
+        virtual = self._virtual
+        due = virtual + _EPS_S * bps / n
+        first = None  # the completed transfers: the first, then any others (rare)
+        more = None
         while active and active[0][0] <= due:  # none when an arrival made this wake-up early
-            done.append(heappop(active)[2])
+            if first is None:
+                first = heappop(active)[2]
+            elif more is None:
+                more = [heappop(active)[2]]
+            else:
+                more.append(heappop(active)[2])
         # the next wake-up (none when idle)
         self._version = version = version + 1
         if active:
-            wait = (active[0][0] - self._virtual) * len(active) / self.bytes_per_s
+            wait = (active[0][0] - virtual) * len(active) / bps
             if not wait > 0.0:
                 wait = 0.0
-            self._wake_at = now + wait
-            heappush(env._queue, (now + wait, NORMAL, next(env._eid), Call(self._wake_cb, version)))
+            self._wake_at = at = now + wait
+            heappush(self._queue, (at, NORMAL, next(self._eid), Call(self._wake_cb, version)))
         else:
             self._wake_at = _INF
             self._virtual = 0.0
-        for ev in done:  # completed now, not queued: callbacks may start transfers on this link
-            if type(ev) is Join:
-                ev.one()
+        # completed now, not queued: callbacks may start transfers on this link
+        if first is not None:
+            if type(first) is Join:  # Join.one, inline
+                first.left -= 1
+                if not first.left:
+                    if first.fn is not None:
+                        first.fn()
+                    else:
+                        fire(first.done)
             else:
-                fire(ev)
+                fire(first)
+            if more is not None:
+                for done in more:
+                    if type(done) is Join:
+                        done.one()
+                    else:
+                        fire(done)

@@ -132,22 +132,43 @@ class BlockStore:
     def block_ids_from(self, i: int, known: Mapping[int, np.ndarray] | None = None) -> tuple[np.ndarray, int, int]:
         """``block_ids(i, known)`` and where its leading ids came from: ``(ids, r, n)`` when
         its first ``n`` ids are ``known[r]``'s first ``n`` (``(ids, -1, 0)``: none were)."""
-        need = int(self.n_blocks[i])
-        out = np.empty(need, dtype=self.tail.dtype)
+        pieces, r, n = self.pieces_from(i, known)
+        tail = self.tail
+        out = np.empty(int(self.n_blocks[i]), dtype=tail.dtype)
+        if n:
+            out[:n] = known[r][:n]
+        for at, start, count in pieces:
+            out[at:at + count] = tail[start:start + count]
+        return out, r, n
+
+    def pieces_from(self, i: int, known: Mapping[int, np.ndarray] | None = None,
+                    lists: tuple[list[int], list[int], list[int], list[int]] | None = None
+                    ) -> tuple[list[tuple[int, int, int]], int, int]:
+        """Where request ``i``'s block ids come from, without building them: ``(pieces, r, n)``:
+        its first ``n`` ids are ``known[r]``'s first ``n`` (``r, n = -1, 0``: none are), and
+        each ``(at, start, count)`` of ``pieces`` puts ``tail[start:start + count]`` at
+        ``at`` (together they cover ``n .. n_blocks[i]``, last piece first). ``lists``: this
+        store's ``lists()``, for a caller that walks often (list items cost less than numpy
+        scalars)."""
+        ref, lcps, offs, n_blocks = lists if lists is not None else (self.ref, self.lcp, self.off, self.n_blocks)
+        need = int(n_blocks[i])
+        pieces = []
         r = i
         while need > 0:
             if known and r != i:
                 got = known.get(r)
                 if got is not None:  # its first `need` ids are this request's
-                    out[:need] = got[:need]
-                    return out, r, need
-            lcp = int(self.lcp[r])
+                    return pieces, r, need
+            lcp = int(lcps[r])
             if need > lcp:
-                start = int(self.off[r])
-                out[lcp:need] = self.tail[start : start + need - lcp]
+                pieces.append((lcp, int(offs[r]), need - lcp))
                 need = lcp
-            r = int(self.ref[r])
-        return out, -1, 0
+            r = int(ref[r])
+        return pieces, -1, 0
+
+    def lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """``ref``, ``lcp``, ``off`` and ``n_blocks`` as lists of ints (a fresh copy)."""
+        return self.ref.tolist(), self.lcp.tolist(), self.off.tolist(), self.n_blocks.tolist()
 
     def nbytes(self) -> int:
         """Memory held by the arrays."""

@@ -35,6 +35,7 @@ def test_block_ids_from_reports_the_known_prefix_it_copied():
         copied = 0
         for req in s.requests[:80]:
             ids, r, n = store.block_ids_from(req.index, known)
+            assert store.pieces_from(req.index, known, store.lists()) == store.pieces_from(req.index, known)
             assert np.array_equal(ids, store.block_ids(req.index))
             if n:
                 copied += 1
@@ -47,3 +48,86 @@ def test_block_ids_from_reports_the_known_prefix_it_copied():
             known[req.index] = ids
             latest[req.thread] = req.index
         assert copied  # the walks do stop at kept lists
+
+
+def test_play_state_lists_extend_in_place_and_keep_earlier_views():
+    """_PlayState.block_ids: every request's block ids and GPU cache ids (ids + offset) are
+    right, most extend their thread's last list in its buffer (a view of the same memory), and
+    no list handed out earlier changes afterwards (the GPU cache log and the key space keep them)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvpool.scenario import load_scenario
+    from kvpool.sim.engine import _PlayState
+    from kvpool.sim.run import workload_for
+
+    w = workload_for(load_scenario("mi355x-1p1d"))
+    off = 1000
+    in_place = 0
+    for s in w.sessions[:6]:
+        store = s.blocks
+        lists = store.lists()
+        play = _PlayState()
+        handed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for req in s.requests[:120]:
+            prev = play.blocks.get(play.last_request.get(req.thread, -1))
+            blocks, gblocks, _, n, src = play.block_ids(SimpleNamespace(request=req, session=s), off,
+                                                        lists if req.index % 2 else None)
+            want = store.block_ids(req.index)
+            assert blocks.dtype == want.dtype and np.array_equal(blocks, want)
+            assert gblocks.dtype == np.int64 and np.array_equal(gblocks, want.astype(np.int64) + off)
+            if n:
+                assert src is not None and np.array_equal(blocks[:n], src[:n])
+            if prev is not None and prev.size and np.shares_memory(prev, blocks):
+                in_place += 1
+            handed.append((blocks, gblocks, want.copy()))
+            for b, g, ref in handed:  # earlier views unchanged
+                assert np.array_equal(b, ref) and np.array_equal(g, ref.astype(np.int64) + off)
+    assert in_place  # the buffers are extended, not copied
+
+
+def test_play_state_does_not_write_over_a_list_another_thread_extended():
+    """Two threads extend the same list in turn (a subagent opening with its parent's whole
+    prompt, then the parent going on): the second may not write where the first's ids lie."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvpool.sim.engine import _PlayState
+    from kvpool.sim.workload.model import BlockStoreBuilder
+
+    b = BlockStoreBuilder()
+    b.add(-1, 0, np.array([1, 2, 3]), 3)  # request 0, thread 0
+    b.add(0, 3, np.array([7, 8]), 5)  # request 1, thread 1: request 0's ids, then its own
+    b.add(0, 3, np.array([4, 5]), 5)  # request 2, thread 0: request 0's ids, then others
+    b.add(1, 5, np.array([9]), 6)  # request 3, thread 1: extends request 1
+    store = b.build()
+    play = _PlayState()
+    got = []
+    for i, thread in enumerate([0, 1, 0, 1]):
+        d = SimpleNamespace(request=SimpleNamespace(index=i, thread=thread), session=SimpleNamespace(blocks=store))
+        blocks, gblocks, *_ = play.block_ids(d, 10)
+        got.append((blocks, gblocks))
+    want = [[1, 2, 3], [1, 2, 3, 7, 8], [1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9]]
+    for (blocks, gblocks), ids in zip(got, want):
+        assert blocks.tolist() == ids and gblocks.tolist() == [i + 10 for i in ids]
+
+
+def test_dispatch_and_wake_are_frozen_dataclasses():
+    """The replay's Dispatch and Wake keep the frozen-dataclass contract with their hand-written
+    initialisers."""
+    import dataclasses
+
+    import pytest
+
+    from kvpool.sim.workload.replay import Dispatch, Wake
+
+    d = Dispatch(1, 2, 3, None, None, "s", 5, "profile", 1.5)
+    assert [getattr(d, f.name) for f in dataclasses.fields(d)] == [1, 2, 3, None, None, "s", 5, "profile", 1.5]
+    assert d.measured and d == Dispatch(1, 2, 3, None, None, "s", 5, "profile", 1.5)
+    w = Wake((d,), None, True)
+    assert (w.ready, w.next_due_s, w.done) == ((d,), None, True) and w == Wake((d,), None, True)
+    for obj, name in ((d, "key"), (w, "done")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, 0)

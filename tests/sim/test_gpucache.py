@@ -150,3 +150,16 @@ def test_first_occurrences_are_those_of_a_sort(ids):
     want[np.unique(ids, return_index=True)[1]] = True
     scratch = np.full(64, 7, dtype=np.int32)
     assert np.array_equal(first_occurrences(ids, scratch), want)
+
+
+def test_moment_zero_is_a_moment_before_every_later_one():
+    """Blocks used at time 0 are held (the last-use array's 0 means 'not held', so time 0
+    counts at the smallest positive float) and are the first evicted, deepest first, even
+    against a moment a subnormal later."""
+    c = GPUPrefixCache(4 * 64, evict_fraction=0.0)
+    c.insert(np.array([1, 2]), 0.0, 64)
+    assert c.hit_blocks(np.array([1, 2, 9]), 0.0) == 2
+    c.insert(np.array([3, 4]), 1e-320, 64)
+    c.insert(np.array([5]), 1.0, 64)
+    assert set(np.flatnonzero(c.held).tolist()) == {1, 3, 4, 5}
+    assert c.blocks == 4 and c.evicted_blocks == 1

@@ -22,6 +22,7 @@ def test_chunk_gids_number_the_digests_first_seen(block_tokens, requests):
     keys = KeySpace("ns", 256)
     ref: dict[bytes, int] = {}
     prompts: dict[tuple[str, int], list[int]] = {}
+    handed: list[tuple[np.ndarray, list[int]]] = []  # every list returned: it never changes later
     fresh = 100
     for scope, thread, cut, grow, short in requests:
         p = prompts.get((scope, thread), [1, 2, 3, 4])  # every thread starts with the same prefix
@@ -34,6 +35,9 @@ def test_chunk_gids_number_the_digests_first_seen(block_tokens, requests):
         want = [ref.setdefault(d, len(ref))
                 for d in digests_from_blocks(p, block_tokens, n_tokens, 256, chain_seed("ns", scope))]
         assert got.tolist() == want
+        handed.append((got, want))
+        for ids, was in handed:
+            assert ids.tolist() == was
     assert keys.groups == len(ref)
 
 
