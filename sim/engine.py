@@ -17,10 +17,10 @@ from __future__ import annotations
 import gc
 import random
 from dataclasses import dataclass, field
+from heapq import heappush
 
 import numpy as np
 import simpy
-from heapq import heappush
 from simpy.events import URGENT
 
 from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
