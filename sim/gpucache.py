@@ -124,15 +124,12 @@ class GPUPrefixCache:
             now = _FIRST_MOMENT
         self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
         known = lead.ids.size if lead is not None and lead.t > self._evicted_upto else 0
-        if known:
-            held = self._last[ids[known:]] > 0
-            run = int(held.argmin()) if held.size else 0
-            run = known + (int(held.size) if not held.size or held[run] else run)
-        else:
-            held = self._last[ids] > 0
-            run = int(held.argmin())  # the first block not held, or 0 when every one is
-            if held[run]:
-                run = int(ids.size)
+        held = self._last[ids[known:] if known else ids] > 0
+        run = known + int(held.size)  # every block held ...
+        if held.size:
+            first = int(held.argmin())  # ... unless this one, the first not held (0 when all are)
+            if not held[first]:
+                run = known + first
         entry = None
         if run:
             used = ids[:run]
@@ -165,11 +162,8 @@ class GPUPrefixCache:
                 if old.t < now and not old.dead:
                     old.dead = True  # as in `replaces` below: its blocks lead ids
         last = self._last
-        if known:
-            rest = ids[known:]
-            self.blocks += rest.size - int(np.count_nonzero(last[rest] > 0))
-        else:
-            self.blocks += ids.size - int(np.count_nonzero(last[ids] > 0))
+        rest = ids[known:] if known else ids
+        self.blocks += rest.size - int(np.count_nonzero(last[rest] > 0))
         last[ids] = now  # held, used now
         entry = None
         if self._bounded:

@@ -46,6 +46,11 @@ _GLOBAL_RESERVE = 1 << 24  # block ids reserved for global-scope (Mooncake) ids
 SHARED_PREFIX_SCOPE = "\0shared-prefix"
 
 
+def _name(parent: int, payload: bytes) -> bytes:
+    """A chunk's key in the dictionary of group ids: its parent's group id (i8) and payload."""
+    return parent.to_bytes(8, "little", signed=True) + payload
+
+
 @dataclass
 class _ThreadKeys:
     """A thread's last block ids and chunk group ids. The group ids are a view of ``buf``, whose
@@ -66,7 +71,7 @@ class KeySpace:
         self._scope_offsets: dict[str, tuple[int, int]] = {}
         self._next_block = 0
         self._roots: dict[tuple[str, int], int] = {}  # (scope, block tokens) -> a negative parent id
-        self._gid: dict[bytes, int] = {}  # parent id (i8) + payload -> group id, of chunks not below
+        self._gid: dict[bytes, int] = {}  # _name(parent id, payload) -> group id, of chunks not below
         self._groups = 0
         # chunks numbered right after their parent: parent (_NONE: not here) and payload by group id
         self._parent = np.full(1 << 14, _NONE, dtype=np.int64)
@@ -170,7 +175,7 @@ class KeySpace:
                 return self._number_uniform(parent, raw, step)
         out = []
         for a, b in bounds:  # payloads of varying size (or not the first size): the dictionary
-            k = parent.to_bytes(8, "little", signed=True) + raw[a:b]
+            k = _name(parent, raw[a:b])
             g = gid.get(k)
             if g is None:
                 g = gid[k] = self._groups
@@ -193,7 +198,7 @@ class KeySpace:
             if parent >= 0 and c < groups and parents[c] == parent and payload[c].tobytes() == chunk:
                 g = c
             else:
-                g = gid.get(parent.to_bytes(8, "little", signed=True) + chunk)
+                g = gid.get(_name(parent, chunk))
                 if g is None:
                     break
             known.append(g)
@@ -211,7 +216,7 @@ class KeySpace:
         parents[groups + 1:end] = ids[:-1]
         payload[groups:end] = np.frombuffer(raw, dtype=np.uint64, offset=a).reshape(rest, step // 8)
         if parent < 0 or parent != groups - 1:  # not a continuation: found through the dictionary
-            gid[parent.to_bytes(8, "little", signed=True) + raw[a:a + step]] = groups
+            gid[_name(parent, raw[a:a + step])] = groups
         return np.concatenate([np.asarray(known, dtype=np.int64), ids]) if known else ids
 
     def _grow(self, groups: int) -> None:
