@@ -180,9 +180,7 @@ class Simulation:
         self._session_max_block: dict[str, int] = {}
         self._store_lists: dict[str, tuple] = {}  # session id -> its BlockStore.lists()
         self._plays: dict[int, _PlayState] = {}
-        # (pool capacity is fixed; one table is read directly when it is the only one)
-        self._pool_tables = [t for row in self.pool.tables for t in row] if self.pool is not None else []
-        self._pool_capacity = max(1, self.pool.capacity_bytes) if self.pool is not None else 1
+        self._pool_capacity = max(1, self.pool.capacity_bytes) if self.pool is not None else 1  # fixed
         ssd = s.pool.ssd
         self.ssd_links = [FairLink(env, ssd.read_gb_s_per_server * 1e9, name=f"ssd{i}") for i in range(s.cluster.servers)]
         self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus
@@ -227,14 +225,8 @@ class Simulation:
             return
         tl = self.timeline
         tl.pool_t.append(self.env.now)
-        tables = self._pool_tables
-        if len(tables) == 1:
-            t = tables[0]
-            used, evicted = t.used_bytes, t.evicted_groups
-        else:
-            used, evicted = pool.used_bytes, pool.evicted_groups
-        tl.pool_used.append(used / self._pool_capacity)
-        tl.pool_evicted.append(evicted)
+        tl.pool_used.append(pool.used_bytes / self._pool_capacity)
+        tl.pool_evicted.append(pool.evicted_groups)
 
     # -- the driver (sim.workload.replay's interface) ------------------------------------------
     def run(self) -> list[RequestRecord]:

@@ -59,6 +59,7 @@ class SimPool:
                 row.append(GroupTable(per_table, sizes, p.eviction_policy,
                                       high_watermark=p.high_watermark, evict_ratio=p.evict_ratio))
             self.tables.append(row)
+        self._all_tables = [t for row in self.tables for t in row]  # fixed from here on
         self._parts_memo: dict[int, list[tuple[int, list[int], list[int]]]] = {}
         self.ssd: list[GroupTable] | None = None
         if p.ssd.enabled and p.ssd.gib_per_server > 0:
@@ -70,15 +71,17 @@ class SimPool:
 
     @property
     def capacity_bytes(self) -> int:
-        return sum(t.capacity_bytes for row in self.tables for t in row)
+        return sum([t.capacity_bytes for t in self._all_tables])
 
     @property
     def used_bytes(self) -> int:
-        return sum(t.used_bytes for row in self.tables for t in row)
+        tables = self._all_tables  # one table (one server, one part): read directly
+        return tables[0].used_bytes if len(tables) == 1 else sum([t.used_bytes for t in tables])
 
     @property
     def evicted_groups(self) -> int:
-        return sum(t.evicted_groups for row in self.tables for t in row)
+        tables = self._all_tables  # one table (one server, one part): read directly
+        return tables[0].evicted_groups if len(tables) == 1 else sum([t.evicted_groups for t in tables])
 
     def _group(self, server: int) -> int:
         return 0 if self.mode == "shared" else server
