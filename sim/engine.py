@@ -17,11 +17,9 @@ from __future__ import annotations
 import gc
 import random
 from dataclasses import dataclass, field
-from heapq import heappush
 
 import numpy as np
 import simpy
-from simpy.events import URGENT
 
 from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
 from kvpool.policy.chunks import namespace_for
@@ -32,7 +30,7 @@ from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacit
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
-from kvpool.sim.events import Call, call_later, fire, run_all
+from kvpool.sim.events import call_later, fire, run_all, start
 from kvpool.sim.gpucache import GPUPrefixCache, LogEntry, same
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import SHARED_PREFIX_SCOPE, KeySpace
@@ -260,8 +258,6 @@ class Simulation:
         env = self.env
         replay = self.replay
         timer = [0, None]  # version, due time of the pending timer (None: none)
-        queue = env._queue
-        eid = env._eid
 
         def finished(d) -> None:
             handle(replay.finished(d.key, env.now))
@@ -271,7 +267,7 @@ class Simulation:
             finished(d)
 
         def begin(ev) -> None:
-            self._serve(ev._value, finished)
+            self._serve(ev.value, finished)
 
         gated = self.gate is not None
 
@@ -280,7 +276,7 @@ class Simulation:
                 if gated:
                     env.process(run_one(d))
                 else:  # a process's Initialize slot: now, urgent, the next sequence number
-                    heappush(queue, (env._now, URGENT, next(eid), Call(begin, d)))
+                    start(env, begin, d)
             due = None if w.done else w.next_due_s
             if due != timer[1]:
                 timer[0] += 1
@@ -289,7 +285,7 @@ class Simulation:
                     call_later(env, max(0.0, due - env.now), on_timer, timer[0])
 
         def on_timer(ev) -> None:
-            if ev._value == timer[0]:  # not superseded by a later Wake
+            if ev.value == timer[0]:  # not superseded by a later Wake
                 timer[1] = None
                 handle(replay.poll(env.now))
 
