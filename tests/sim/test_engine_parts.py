@@ -1,4 +1,4 @@
-"""Pieces of sim.engine written out for speed, checked against the policy core they stand for."""
+"""Pieces of the simulator's request steps written out for speed, checked against what they stand for."""
 
 import pytest
 
@@ -7,7 +7,7 @@ import pytest
 def test_handoff_plans_equal_policy_rank_plan(ranks):
     """The simulator's per-request hand-off plan equals policy.layout.rank_plan, write for write."""
     from kvpool.policy.layout import rank_plan
-    from kvpool.sim.engine import handoff_plans
+    from kvpool.sim.steps.handoff import handoff_plans
 
     record, max_write = 576, 8 << 20
     consts = [(layers, layers * record, max_write // record * record) for layers in (18, 20, 79)]
@@ -50,16 +50,15 @@ def test_block_ids_from_reports_the_known_prefix_it_copied():
         assert copied  # the walks do stop at kept lists
 
 
-def test_play_state_lists_extend_in_place_and_keep_earlier_views():
-    """_PlayState.block_ids: every request's block ids and GPU cache ids (ids + offset) are
-    right, most extend their thread's last list in its buffer (a view of the same memory), and
-    no list handed out earlier changes afterwards (the GPU cache log and the key space keep them)."""
-    from types import SimpleNamespace
-
+def test_play_prompts_extend_in_place_and_keep_earlier_views():
+    """PlayPrompts.ids: every request's block ids and GPU cache ids (ids + offset) are right,
+    most extend their thread's last list in its buffer (a view of the same memory), and no list
+    handed out earlier changes afterwards (earlier prompts, the GPU cache log and the key space
+    keep them)."""
     import numpy as np
 
     from kvpool.scenario import load_scenario
-    from kvpool.sim.engine import _PlayState
+    from kvpool.sim.prompt import PlayPrompts
     from kvpool.sim.run import workload_for
 
     w = workload_for(load_scenario("mi355x-1p1d"))
@@ -68,17 +67,18 @@ def test_play_state_lists_extend_in_place_and_keep_earlier_views():
     for s in w.sessions[:6]:
         store = s.blocks
         lists = store.lists()
-        play = _PlayState()
+        play = PlayPrompts()
         handed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for req in s.requests[:120]:
             prev = play.blocks.get(play.last_request.get(req.thread, -1))
-            blocks, gblocks, _, n, src = play.block_ids(SimpleNamespace(request=req, session=s), off,
-                                                        lists if req.index % 2 else None)
+            blocks, gblocks, r, n = play.ids(store, req.index, req.thread, off, lists)
             want = store.block_ids(req.index)
             assert blocks.dtype == want.dtype and np.array_equal(blocks, want)
             assert gblocks.dtype == np.int64 and np.array_equal(gblocks, want.astype(np.int64) + off)
             if n:
-                assert src is not None and np.array_equal(blocks[:n], src[:n])
+                assert r != req.index and np.array_equal(blocks[:n], store.block_ids(r)[:n])
+            else:
+                assert r == -1
             if prev is not None and prev.size and np.shares_memory(prev, blocks):
                 in_place += 1
             handed.append((blocks, gblocks, want.copy()))
@@ -87,14 +87,12 @@ def test_play_state_lists_extend_in_place_and_keep_earlier_views():
     assert in_place  # the buffers are extended, not copied
 
 
-def test_play_state_does_not_write_over_a_list_another_thread_extended():
+def test_play_prompts_do_not_write_over_a_list_another_thread_extended():
     """Two threads extend the same list in turn (a subagent opening with its parent's whole
     prompt, then the parent going on): the second may not write where the first's ids lie."""
-    from types import SimpleNamespace
-
     import numpy as np
 
-    from kvpool.sim.engine import _PlayState
+    from kvpool.sim.prompt import PlayPrompts
     from kvpool.sim.workload.model import BlockStoreBuilder
 
     b = BlockStoreBuilder()
@@ -103,11 +101,10 @@ def test_play_state_does_not_write_over_a_list_another_thread_extended():
     b.add(0, 3, np.array([4, 5]), 5)  # request 2, thread 0: request 0's ids, then others
     b.add(1, 5, np.array([9]), 6)  # request 3, thread 1: extends request 1
     store = b.build()
-    play = _PlayState()
+    play = PlayPrompts()
     got = []
     for i, thread in enumerate([0, 1, 0, 1]):
-        d = SimpleNamespace(request=SimpleNamespace(index=i, thread=thread), session=SimpleNamespace(blocks=store))
-        blocks, gblocks, *_ = play.block_ids(d, 10)
+        blocks, gblocks, *_ = play.ids(store, i, thread, 10, store.lists())
         got.append((blocks, gblocks))
     want = [[1, 2, 3], [1, 2, 3, 7, 8], [1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9]]
     for (blocks, gblocks), ids in zip(got, want):
