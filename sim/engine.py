@@ -41,9 +41,6 @@ from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.pool import SimPool
 
 
-_DEADLINE_SLACK_S = 1e-6  # a wait this close to its deadline has reached it (the clock's ulp is ~1e-9 s at 1e7 s)
-
-
 def handoff_plans(tokens: int, ranks: int, consts: list[tuple[int, int, int]]) -> tuple[list[int], dict[int, list[int]]]:
     """``policy.layout.rank_plan`` for a hand-off of ``tokens`` tokens from position 0, for every
     distinct stage depth at once: each rank's token count, and per depth each rank's writes.
@@ -175,7 +172,7 @@ class Simulation:
         self.gate = (AdmissionGate(GateConfig(s.gate.tokens_per_decode, s.gate.budget_fraction, s.gate.max_input_tokens,
                                               s.gate.max_output_tokens, s.gate.max_wait_s), len(self.decodes))
                      if s.gate.enabled else None)
-        self._gate_waiters: dict[object, tuple[RequestRecord, simpy.Event]] = {}  # arrival order
+        self._gate_waiters: dict[object, simpy.Event] = {}  # request key -> its wait's end (the decode given)
         self.records: list[RequestRecord] = []
         self._session_max_block: dict[str, int] = {}
         self._store_lists: dict[str, tuple] = {}  # session id -> its BlockStore.lists()
@@ -297,58 +294,37 @@ class Simulation:
 
     # -- one request -------------------------------------------------------------------------
     def _admit(self, rec: RequestRecord):
-        """Wait at the gate; returns the decode instance index or None when rejected.
+        """Wait at the gate (``policy.admission``: its waiting discipline); returns the decode
+        instance index or None when rejected (``rec.rejected`` set).
 
-        A request is admitted at once when its tokens fit; otherwise it queues until a release
-        admits it (``_release_gate``) or its wait reaches ``gate.max_wait_s`` (rejected then).
+        A waiting request's process waits on its event (a release admits it: ``_release_gate``)
+        or its deadline, where the gate rejects it unless a release came first.
         """
         gate = self.gate
         key = rec.key
-        bad = gate.check(rec.in_tokens, rec.out_tokens)
-        if bad is not None:
-            rec.rejected = bad.value
-            return None
-        decode = choose_decode([gate.free_tokens(i) for i in range(len(self.decodes))])
-        if gate.try_admit(key, rec.in_tokens, rec.out_tokens, decode) is Verdict.ADMITTED:
-            return decode
-        wait_s = gate.config.max_wait_s
-        if wait_s > _DEADLINE_SLACK_S:
-            ev = self.env.event()
-            self._gate_waiters[key] = (rec, ev)
-            yield ev | self.env.timeout(wait_s)
-            if ev.triggered:  # admitted by a release (at the deadline too, if the release came first)
+        env = self.env
+        admission = gate.arrive(key, rec.in_tokens, rec.out_tokens, env.now)
+        if admission.verdict is Verdict.ADMITTED:
+            return admission.decode
+        if admission.verdict is Verdict.WAIT:
+            ev = env.event()
+            self._gate_waiters[key] = ev
+            # SimPy adds the delay to now as the gate does: the timeout is at admission.deadline_s, bit for bit
+            yield ev | env.timeout(gate.config.max_wait_s)
+            if not gate.expire(key):  # a release admitted it (at the deadline too, if it came first)
                 return ev.value
             del self._gate_waiters[key]
-        rec.rejected = Verdict.REJECT_TIMEOUT.value
+            rec.rejected = Verdict.REJECT_TIMEOUT.value
+            return None
+        rec.rejected = admission.verdict.value
         return None
 
     def _release_gate(self, key) -> None:
-        """Give back ``key``'s reservation and admit waiters first-fit, in arrival order.
-
-        Each waiter is offered the freed budget once per release; one that does not fit keeps
-        its place. The waiter's own process resumes with the decode instance it was given.
-        """
-        gate = self.gate
-        gate.release(key)
+        """Give back ``key``'s reservation; each waiter the gate admits resumes with its decode
+        instance, in the gate's order."""
         waiters = self._gate_waiters
-        if not waiters:
-            return
-        n = len(self.decodes)
-        free = [gate.free_tokens(i) for i in range(n)]
-        most = max(free)
-        for wkey, (rec, ev) in list(waiters.items()):
-            need = rec.in_tokens + rec.out_tokens
-            if need > most:
-                continue
-            decode = choose_decode(free)
-            if gate.try_admit(wkey, rec.in_tokens, rec.out_tokens, decode) is not Verdict.ADMITTED:
-                continue
-            del waiters[wkey]
-            ev.succeed(decode)
-            free[decode] = gate.free_tokens(decode)
-            most = max(free)
-            if most <= 0:
-                break
+        for wkey, decode in self.gate.release(key):
+            waiters.pop(wkey).succeed(decode)
 
     def _record(self, d) -> RequestRecord:
         req = d.request
