@@ -1,19 +1,41 @@
-"""The KV admission gate in front of decode.
+"""The KV admission gate in front of decode: token budgets and the waiting discipline.
 
 Contract (the seed's four-server deployment):
     * Each decode instance has a token budget (seed: 10M tokens x 0.9). A request reserves
-      ``input + output`` tokens on one decode instance when admitted and releases them on completion.
-    * Requests with more input than ``max_input_tokens`` (917,504) or output than
-      ``max_output_tokens`` (131,072) are rejected at once with a reason.
-    * A request that does not fit waits; ``try_admit`` tells the caller whether it fits now, and
-      ``expired`` whether its wait exceeded ``max_wait_s`` (30 s for replay, 900 s for AgentX),
-      after which it is rejected. The caller owns the clock and the queue.
+      ``input + output`` tokens on one decode instance when admitted and gives them back with
+      ``release`` when it finishes.
+    * Requests with more input than ``max_input_tokens`` (917,504), more output than
+      ``max_output_tokens`` (131,072), or more tokens than one instance's budget are rejected at
+      once with a reason (``check``).
+    * ``arrive``: a request that fits is admitted at once on the decode instance with the most free
+      tokens (``policy.routing.choose_decode``; ties: the lower index), whether or not others are
+      waiting. One that fits nowhere waits, with one deadline: ``now_s + max_wait_s`` (30 s for
+      replay, 900 s for AgentX). A wait bound of at most ``DEADLINE_SLACK_S`` is no wait: such a
+      request is rejected at once with ``REJECT_TIMEOUT``.
+    * ``release``: first fit in arrival order. After giving back a reservation, the gate offers the
+      free budget to the waiting requests once each, in the order they arrived: a waiter is
+      admitted when it fits the instance with the most free tokens at that point (on that
+      instance); one that does not fit keeps its place. The pass stops when no instance has free
+      tokens. ``release`` returns the admitted waiters with their decode instances, in that order.
+    * ``expire``: the caller owns the clock and calls ``expire`` when a waiter's ``deadline_s``
+      comes. A request still waiting then leaves the queue, rejected with ``REJECT_TIMEOUT``
+      (``True``); one that a release admitted first (at the deadline too, if the release came
+      first) is not waiting (``False``), so a deadline timer need not be cancelled on admission.
+    * Request ids are any hashable values, unique among the admitted and the waiting requests.
+    * ``try_admit`` is the budget primitive underneath: reserve on a given instance if the request
+      fits there now, without looking at the queue.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from enum import Enum
+
+from kvpool.policy.routing import choose_decode
+
+DEADLINE_SLACK_S = 1e-6
+"""A wait bound this short is no wait (the simulator's clock ulp is ~1e-9 s at 1e7 s)."""
 
 
 class Verdict(str, Enum):
@@ -23,6 +45,22 @@ class Verdict(str, Enum):
     REJECT_OUTPUT = "reject_output_too_long"
     REJECT_BUDGET = "reject_larger_than_budget"
     REJECT_TIMEOUT = "reject_admission_timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The gate's answer to an arrival.
+
+    ``decode``: the instance reserved on (``ADMITTED`` only). ``deadline_s``: the moment the wait
+    ends in ``REJECT_TIMEOUT`` unless a release admits it first (``WAIT`` only).
+    """
+
+    verdict: Verdict
+    decode: int | None = None
+    deadline_s: float | None = None
+
+
+_REJECT_TIMEOUT = Admission(Verdict.REJECT_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -51,14 +89,20 @@ class GateConfig:
 
 
 class AdmissionGate:
-    """Token budgets of the decode instances behind one gate."""
+    """Token budgets of the decode instances behind one gate, and its queue of waiting requests."""
 
     def __init__(self, config: GateConfig, decode_instances: int) -> None:
         if decode_instances <= 0:
             raise ValueError(f"decode_instances must be > 0, got {decode_instances}")
         self.config = config
         self.reserved = [0] * decode_instances
-        self._held: dict[object, tuple[int, int]] = {}
+        self._held: dict[Hashable, tuple[int, int]] = {}  # request id -> (decode, tokens)
+        self._waiting: dict[Hashable, int] = {}  # request id -> tokens it needs, in arrival order
+
+    @property
+    def waiting(self) -> int:
+        """How many requests wait."""
+        return len(self._waiting)
 
     def free_tokens(self, decode: int) -> int:
         return self.config.budget_tokens - self.reserved[decode]
@@ -74,28 +118,78 @@ class AdmissionGate:
             return Verdict.REJECT_BUDGET
         return None
 
-    def try_admit(self, request_id: object, input_tokens: int, output_tokens: int, decode: int) -> Verdict:
-        """Reserve on ``decode`` if it fits now; ``WAIT`` otherwise, or a rejection reason."""
-        if request_id in self._held:
-            raise ValueError(f"request {request_id!r} is already admitted")
+    def arrive(self, request_id: Hashable, input_tokens: int, output_tokens: int, now_s: float) -> Admission:
+        """Admit a new request now, queue it with a deadline, or reject it (see the module contract)."""
+        self._check_new(request_id)
+        bad = self.check(input_tokens, output_tokens)
+        if bad is not None:
+            return Admission(bad)
+        need = input_tokens + output_tokens
+        decode = choose_decode(self._free_list())
+        if need <= self.free_tokens(decode):
+            self._reserve(request_id, decode, need)
+            return Admission(Verdict.ADMITTED, decode)
+        wait_s = self.config.max_wait_s
+        if wait_s <= DEADLINE_SLACK_S:
+            return _REJECT_TIMEOUT
+        self._waiting[request_id] = need
+        return Admission(Verdict.WAIT, deadline_s=now_s + wait_s)
+
+    def release(self, request_id: Hashable) -> list[tuple[Hashable, int]]:
+        """Give back a finished request's reservation (unknown ids are an error) and admit waiters
+        first fit in arrival order; returns ``(request id, decode instance)`` of each admitted."""
+        try:
+            decode, need = self._held.pop(request_id)
+        except KeyError:
+            raise ValueError(f"request {request_id!r} holds no reservation") from None
+        self.reserved[decode] -= need
+        waiting = self._waiting
+        if not waiting:
+            return []
+        admitted: list[tuple[Hashable, int]] = []
+        free = self._free_list()
+        most = max(free)
+        for wid, need in list(waiting.items()):
+            if need > most:
+                continue  # keeps its place
+            decode = choose_decode(free)
+            del waiting[wid]
+            self._reserve(wid, decode, need)
+            admitted.append((wid, decode))
+            free[decode] = self.free_tokens(decode)
+            most = max(free)
+            if most <= 0:
+                break
+        return admitted
+
+    def expire(self, request_id: Hashable) -> bool:
+        """A waiter's deadline has come: ``True`` if it was still waiting (it leaves the queue,
+        rejected with ``REJECT_TIMEOUT``), ``False`` if it is not waiting (a release admitted it)."""
+        return self._waiting.pop(request_id, None) is not None
+
+    def try_admit(self, request_id: Hashable, input_tokens: int, output_tokens: int, decode: int) -> Verdict:
+        """Reserve on ``decode`` if it fits now (the queue is not consulted); ``WAIT`` otherwise
+        (nothing is queued), or a rejection reason."""
+        self._check_new(request_id)
         bad = self.check(input_tokens, output_tokens)
         if bad is not None:
             return bad
         need = input_tokens + output_tokens
         if need > self.free_tokens(decode):
             return Verdict.WAIT
-        self.reserved[decode] += need
-        self._held[request_id] = (decode, need)
+        self._reserve(request_id, decode, need)
         return Verdict.ADMITTED
 
-    def expired(self, waited_s: float) -> bool:
-        """Whether a waiting request has waited past the gate's bound."""
-        return waited_s > self.config.max_wait_s
+    def _check_new(self, request_id: Hashable) -> None:
+        if request_id in self._held:
+            raise ValueError(f"request {request_id!r} is already admitted")
+        if request_id in self._waiting:
+            raise ValueError(f"request {request_id!r} is already waiting")
 
-    def release(self, request_id: object) -> None:
-        """Give back a finished request's reservation (unknown ids are an error)."""
-        try:
-            decode, need = self._held.pop(request_id)
-        except KeyError:
-            raise ValueError(f"request {request_id!r} holds no reservation") from None
-        self.reserved[decode] -= need
+    def _free_list(self) -> list[int]:
+        budget = self.config.budget_tokens
+        return [budget - r for r in self.reserved]
+
+    def _reserve(self, request_id: Hashable, decode: int, need: int) -> None:
+        self.reserved[decode] += need
+        self._held[request_id] = (decode, need)

@@ -50,7 +50,7 @@ class Lifecycle:
         self.env = world.env
         self.records: list[RequestRecord] = []
         self.frontend_s = s.cost.frontend_overhead_s
-        self.admit_step = Admit(world.env, world.gate, len(world.decodes)) if world.gate is not None else None
+        self.admit_step = Admit(world.env, world.gate) if world.gate is not None else None
         self.prompts = Prompts(world.keys, s.workload.shared_prefix_tokens)
         nics = PoolNics(world)
         self.lookup_step = Lookup(world)
