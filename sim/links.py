@@ -178,20 +178,18 @@ class FairLink:
         else:
             self._wake_at = _INF
             self._virtual = 0.0
-        # completed now, not queued: callbacks may start transfers on this link
+        # completed now, not queued, once the link's state is consistent: callbacks may start
+        # transfers on this link
         if first is not None:
-            if type(first) is Join:  # Join.one, inline
-                first.left -= 1
-                if not first.left:
-                    if first.fn is not None:
-                        first.fn()
-                    else:
-                        fire(first.done)
-            else:
-                fire(first)
+            _complete(first)
             if more is not None:
                 for done in more:
-                    if type(done) is Join:
-                        done.one()
-                    else:
-                        fire(done)
+                    _complete(done)
+
+
+def _complete(done: Join | Event) -> None:
+    """One transfer done: its join counted down, or its event fired."""
+    if type(done) is Join:
+        done.one()
+    else:
+        fire(done)
