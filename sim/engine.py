@@ -26,7 +26,7 @@ from simpy.events import URGENT
 from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
 from kvpool.policy.chunks import namespace_for
 from kvpool.policy.hits import compute_hits
-from kvpool.policy.layout import HandoffPlan
+from kvpool.policy.layout import HandoffPlan, handoff_counts
 from kvpool.policy.routing import choose_decode, make_router
 from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacity_tokens
 from kvpool.scenario.model import Scenario
@@ -39,14 +39,6 @@ from kvpool.sim.keys import SHARED_PREFIX_SCOPE, KeySpace
 from kvpool.sim.links import FairLink, Join
 from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.pool import SimPool
-
-
-def handoff_plans(tokens: int, ranks: int, consts: list[tuple[int, int, int]]) -> tuple[list[int], dict[int, list[int]]]:
-    """``policy.layout.rank_plan`` for a hand-off of ``tokens`` tokens from position 0, for every
-    distinct stage depth at once: each rank's token count, and per depth each rank's writes.
-    ``consts``: per depth ``(layers, layers x record bytes, the largest write of whole records)``."""
-    rank_tokens = [(tokens - r + ranks - 1) // ranks for r in range(ranks)]
-    return rank_tokens, {layers: [-(-t * per_token // step) for t in rank_tokens] for layers, per_token, step in consts}
 
 
 class _Ids:
@@ -200,15 +192,11 @@ class Simulation:
         shared_base = (self.keys.block_offset(SHARED_PREFIX_SCOPE, self._shared_prefix_tokens)
                        if self._shared_prefix_tokens else 0)
         self._shared_ids = np.arange(shared_base, shared_base + self._shared_prefix_tokens, dtype=np.int64)
-        for layers in self._distinct_stage_layers:  # the plan's checks, once (per request: rank_plan)
+        for layers in self._distinct_stage_layers:  # the plan's checks, once (per request: handoff_counts)
             HandoffPlan(tokens=0, layers=layers, record_bytes=s.model.record_bytes, ranks=s.decode.dcp,
                         max_write_bytes=s.handoff.max_write_bytes)
         self._dcp = s.decode.dcp
         self._stage_depths = [(layers, self._stage_layers.count(layers)) for layers in self._distinct_stage_layers]
-        # per distinct stage depth: (layers, bytes of a token's records, bytes of a full write)
-        self._plan_consts = [(layers, layers * s.model.record_bytes,
-                              s.handoff.max_write_bytes // s.model.record_bytes * s.model.record_bytes)
-                             for layers in self._distinct_stage_layers]
 
     # -- time series -----------------------------------------------------------------------
     def _decode_occupancy(self, now: float, _frac: float) -> None:
@@ -599,7 +587,8 @@ class Simulation:
         tokens = rec.in_tokens
         # the main records' write plan per distinct stage depth (the seed's landing path); the
         # stages' extra records (DSA index cache) ride along in the byte count
-        rank_tokens, plans = handoff_plans(tokens, self._dcp, self._plan_consts)
+        rank_tokens, plans = handoff_counts(tokens, self._distinct_stage_layers, self._record_bytes, self._dcp,
+                                            self._max_write_bytes)
         sums = {layers: sum(w) for layers, w in plans.items()}
         j = Join(env, fn=lambda: None)  # its fn is set below, once the gather time is known
         stage_nics = self._stage_nics[p.index]
