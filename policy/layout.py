@@ -8,13 +8,18 @@ Contract:
       layer-major (for each layer of the stage, the rank's tokens in order, one record each).
     * Each buffer is sent in writes of at most ``max_write_bytes`` (8 MiB in the seed); a write
       never splits a record. The naive alternative is one write per token per layer.
+    * ``handoff_counts`` gives every rank's tokens and write count of one hand-off for several
+      stage depths at once, by the plan's arithmetic (``rank_token_count``, ``write_step_bytes``)
+      without building plans: what the simulator needs per request.
     * Seed example: 8,192 tokens x 20 layers x 576 B to 4 ranks = 163,840 naive writes of 576 B
       against 12 batched writes, 94,371,840 B in all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MIB = 1 << 20
 DEFAULT_MAX_WRITE_BYTES = 8 * MIB
@@ -34,19 +39,35 @@ def rank_token_count(n_tokens: int, rank: int, ranks: int) -> int:
     return max(0, (n_tokens - rank + ranks - 1) // ranks)
 
 
-def rank_plan(tokens: int, layers: int, record_bytes: int, ranks: int,
-              max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES, token_start: int = 0) -> list[tuple[int, int]]:
-    """``(tokens, writes)`` of every decode rank for one stage's hand-off, as ``HandoffPlan``'s
-    ``rank_plan`` (same rules) without building and validating a plan: the simulator calls it
-    for every request. Arguments must be valid ``HandoffPlan`` fields."""
-    step = max_write_bytes // record_bytes * record_bytes
-    per_token = layers * record_bytes
+def write_step_bytes(record_bytes: int, max_write_bytes: int) -> int:
+    """Bytes of every write of a staging buffer but its last: the most whole records that fit in
+    ``max_write_bytes``."""
+    return max_write_bytes // record_bytes * record_bytes
+
+
+def _write_count(buffer_bytes: int, step_bytes: int) -> int:
+    """Writes of a staging buffer of ``buffer_bytes`` sent ``step_bytes`` at a time."""
+    return -(-buffer_bytes // step_bytes)
+
+
+class HandoffCounts(NamedTuple):
+    """Per decode rank of one hand-off: its tokens, and per stage depth (layers) its writes."""
+
+    rank_tokens: list[int]
+    rank_writes: dict[int, list[int]]  # layers -> writes of every rank
+
+
+def handoff_counts(tokens: int, depths: Iterable[int], record_bytes: int, ranks: int,
+                   max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES, token_start: int = 0) -> HandoffCounts:
+    """Every decode rank's tokens of a hand-off and, for each stage depth in ``depths`` (a stage's
+    layers), every rank's writes: ``HandoffPlan(tokens, layers, ...)``'s ``rank_tokens(r)`` and
+    ``rank_writes(r)`` for all depths at once, without building and validating plans (the
+    simulator calls it for every request). Arguments must be valid ``HandoffPlan`` fields."""
     end = token_start + tokens
-    out = []
-    for r in range(ranks):
-        n = rank_token_count(end, r, ranks) - rank_token_count(token_start, r, ranks)
-        out.append((n, -(-n * per_token // step)))
-    return out
+    rank_tokens = [rank_token_count(end, r, ranks) - rank_token_count(token_start, r, ranks) for r in range(ranks)]
+    step = write_step_bytes(record_bytes, max_write_bytes)
+    return HandoffCounts(rank_tokens, {layers: [_write_count(n * layers * record_bytes, step) for n in rank_tokens]
+                                       for layers in depths})
 
 
 @dataclass(frozen=True)
@@ -115,17 +136,18 @@ class HandoffPlan:
     def writes(self, rank: int) -> list[Write]:
         """Writes of ``rank``'s buffer, each at most ``max_write_bytes`` and whole records."""
         size = self.buffer_bytes(rank)
-        step = self.max_write_bytes // self.record_bytes * self.record_bytes
+        step = write_step_bytes(self.record_bytes, self.max_write_bytes)
         return [Write(rank, off, min(step, size - off)) for off in range(0, size, step)]
 
     def rank_writes(self, rank: int) -> int:
         """Number of writes of ``rank``'s buffer (``len(writes(rank))`` without building them)."""
-        step = self.max_write_bytes // self.record_bytes * self.record_bytes
-        return -(-self.buffer_bytes(rank) // step)
+        return _write_count(self.buffer_bytes(rank), write_step_bytes(self.record_bytes, self.max_write_bytes))
 
     def rank_plan(self) -> list[tuple[int, int]]:
-        """``(tokens, writes)`` of every rank in one pass (what a simulator needs per request)."""
-        return rank_plan(self.tokens, self.layers, self.record_bytes, self.ranks, self.max_write_bytes, self.token_start)
+        """``(tokens, writes)`` of every rank in one pass (``handoff_counts`` of this plan's depth)."""
+        counts = handoff_counts(self.tokens, (self.layers,), self.record_bytes, self.ranks, self.max_write_bytes,
+                                self.token_start)
+        return list(zip(counts.rank_tokens, counts.rank_writes[self.layers]))
 
     def all_writes(self) -> list[Write]:
         """Every batched write, rank by rank."""

@@ -5,29 +5,40 @@ Contract:
       shifted into a dense range of their own per scope, so different sessions and different
       plays of one session never share GPU cache entries; global-scope ids (scope ``""``,
       Mooncake traces) share one range.
-    * Chunk keys are the policy core's: ``policy.chunks.digests_from_blocks`` under
-      ``chain_seed(namespace, scope)``. Each distinct digest gets a small integer group id (first
-      seen, first numbered) for ``policy.grouptable``. A thread keeps its last request's blocks
-      and group ids, so a request names only the chunks past its common prefix with the previous
-      one (the chain makes the shared digests identical by construction).
+    * Chunk group ids are a numbering of the policy core's chunk keys, made without hashing:
+      two chunks get the same group id exactly when ``policy.chunks.digests_from_blocks`` under
+      ``chain_seed(namespace, chain scope)`` gives them the same digest (BLAKE2b-128 collisions
+      aside; why, and where it is tested: below). Ids are small integers, numbered first seen,
+      for ``policy.grouptable``. A thread keeps its last request's blocks and group ids, so a
+      request names only the chunks past its common prefix with the previous one.
     * A prefix common to every session (``workload.shared_prefix_tokens``: one product's tool
       definitions) gets one range of block ids of its own (scope ``SHARED_PREFIX_SCOPE``); the
       simulator then keys every chunk from global ids under one chain (``chain_scope=""``), so
       chunks made only of shared blocks are the same object in every session and no others are.
 
-Implementation: the simulator needs the numbering, not the digest bytes, so it numbers the chain
-without hashing. A chunk's digest is ``BLAKE2b(parent digest || head || payload)``
-(``policy.chunks.block_pieces``), so two chunks have equal digests exactly when their parents do
-and their payloads are equal (BLAKE2b-128 collisions aside): a chunk is named by (its parent's
-group id, its payload), and a chain's first chunk by a root per (scope, block size), which the
-seed and the head fix. Once a chunk is new, every later chunk of the prompt is new as well (its
-parent is), so a request looks up its chunks only until the first miss and numbers the rest in
-one step. Where the names live: a chunk numbered right after its parent (``gid == parent + 1``,
-every chunk of a new run but its first, unless it continues the newest run) is found through two
-arrays, its parent and its payload by group id (payloads of one size: blocks of whole chunks or
-chunks inside a block); the others (a run's first chunk, payloads of varying size) in a
-dictionary keyed by parent id and payload bytes. ``tests/sim/test_keys.py`` checks the ids
-against a numbering of the real digests.
+Why the numbering equals the digests: a chunk's digest is ``BLAKE2b(parent digest || head ||
+payload)`` (``policy.chunks.block_pieces``), where the parent digest has a fixed length and the
+head (``block_head``) is five bytes fixed by the block size. So, collisions aside, two chunks have
+equal digests exactly when their parents' digests, their block sizes and their payloads are equal.
+A chain's first chunk has the seed for parent, ``chain_seed(namespace, chain scope)``, hashed
+under another personalization (never a chunk's digest); one key space has one namespace, so two
+seeds are equal exactly when their chain scopes are, and the key space gives each (chain scope,
+block size) one root id (negative, never a group id). Every chunk of a chain has its root's block
+size. By induction along the chain, then, (the parent's group id, the payload) is fixed by the
+digest and fixes it: that pair is a chunk's name, and one name gets one group id.
+``tests/sim/test_chunk_identity.py`` checks the equivalence over replays of real traces driven
+through the engine (AgentX sessions with subagents and replayed plays, a shared prefix, Mooncake
+rows): every served request's group ids against the digests of its blocks, a bijection over the
+whole replay. ``tests/sim/test_keys.py`` checks the ids against a numbering of the digests for
+generated prompts (blocks of whole chunks, chunks inside a block, and neither).
+
+Implementation: once a chunk is new, every later chunk of the prompt is new as well (its parent
+is), so a request looks up its chunks only until the first miss and numbers the rest in one step.
+Where the names live: a chunk numbered right after its parent (``gid == parent + 1``, every chunk
+of a new run but its first, unless it continues the newest run) is found through two arrays, its
+parent and its payload by group id (payloads of one size: blocks of whole chunks or chunks inside
+a block); the others (a run's first chunk, payloads of varying size) in a dictionary keyed by
+parent id and payload bytes.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Contract: ``Handoff(world)(r, then)``: every stage gathers its layers of every token per decode
 rank and sends them in large writes (``policy.layout``'s write plan: at most
-``handoff.max_write_bytes`` per write, whole records); each decode rank receives its tokens
+``handoff.max_write_bytes`` per write, whole records; ``policy.layout.handoff_counts``); each decode rank receives its tokens
 (``policy.layout`` DCP split) from every stage. Each stage's sends leave on its first rank's
 NIC; each decode rank's writes land on its NIC. Once the last write has landed, the gather and
 the scatter take ``2 x unpack_s(bytes per stage)``; then ``then()``, with the record's
@@ -14,19 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool.policy.layout import HandoffPlan
+from kvpool.policy.layout import HandoffPlan, handoff_counts
 from kvpool.sim.events import call_later
 from kvpool.sim.links import Join
 from kvpool.sim.request import Request
 from kvpool.sim.world import World
-
-
-def handoff_plans(tokens: int, ranks: int, consts: list[tuple[int, int, int]]) -> tuple[list[int], dict[int, list[int]]]:
-    """``policy.layout.rank_plan`` for a hand-off of ``tokens`` tokens from position 0, for every
-    distinct stage depth at once: each rank's token count, and per depth each rank's writes.
-    ``consts``: per depth ``(layers, layers x record bytes, the largest write of whole records)``."""
-    rank_tokens = [(tokens - r + ranks - 1) // ranks for r in range(ranks)]
-    return rank_tokens, {layers: [-(-t * per_token // step) for t in rank_tokens] for layers, per_token, step in consts}
 
 
 class Handoff:
@@ -37,15 +29,13 @@ class Handoff:
         self.stages = spec.stages
         self.dcp = s.decode.dcp
         self.stage_layers = [len(spec.stage_layer_ids(st)) for st in range(spec.stages)]
-        depths = sorted(set(self.stage_layers))
-        for layers in depths:  # the plan's checks, once (per request: handoff_plans)
+        self.depths = depths = sorted(set(self.stage_layers))
+        for layers in depths:  # the plan's checks, once (per request: handoff_counts)
             HandoffPlan(tokens=0, layers=layers, record_bytes=s.model.record_bytes, ranks=s.decode.dcp,
                         max_write_bytes=s.handoff.max_write_bytes)
         self.stage_depths = [(layers, self.stage_layers.count(layers)) for layers in depths]
-        # per distinct stage depth: (layers, bytes of a token's records, bytes of a full write)
-        self.plan_consts = [(layers, layers * s.model.record_bytes,
-                             s.handoff.max_write_bytes // s.model.record_bytes * s.model.record_bytes)
-                            for layers in depths]
+        self.record_bytes = s.model.record_bytes
+        self.max_write_bytes = s.handoff.max_write_bytes
         self.stage_bpt = list(spec.stage_bytes_per_token)
         self.bpt = sum(self.stage_bpt)
         nic = world.net.nic
@@ -60,7 +50,7 @@ class Handoff:
         bpt = self.bpt
         rec.handoff_bytes += tokens * bpt
         gather_s = 2 * self.unpack_s(rec.handoff_bytes // self.stages)
-        rank_tokens, plans = handoff_plans(tokens, self.dcp, self.plan_consts)
+        rank_tokens, plans = handoff_counts(tokens, self.depths, self.record_bytes, self.dcp, self.max_write_bytes)
         sums = {layers: sum(w) for layers, w in plans.items()}
 
         def done(_e) -> None:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpool.policy.layout import MIB, HandoffPlan, dcp_rank_of, rank_token_count
+from kvpool.policy.layout import MIB, HandoffPlan, dcp_rank_of, handoff_counts, rank_token_count
 
 
 def test_seed_handoff_example():
@@ -55,3 +55,31 @@ def test_write_cap_smaller_than_record_is_rejected():
 def test_rank_plan_matches_per_rank_queries(tokens, start, ranks, layers, record):
     plan = HandoffPlan(tokens=tokens, layers=layers, record_bytes=record, ranks=ranks, token_start=start)
     assert plan.rank_plan() == [(plan.rank_tokens(r), plan.rank_writes(r)) for r in range(ranks)]
+
+
+@given(st.integers(0, 5000), st.sampled_from([1, 64, 4096]), st.integers(0, 300), st.integers(1, 8),
+       st.lists(st.integers(1, 80), min_size=1, max_size=3), st.integers(1, 2048), st.integers(1, 64),
+       st.integers(0, 2047))
+def test_handoff_counts_equal_the_plans_writes(tokens, scale, start, ranks, depths, record, cap_records, extra):
+    """Every depth's per-rank counts at once equal each depth's plan: its ranks' positions and
+    its built writes (``len(writes(r))``), for write caps of whole records and ones that are not,
+    short prompts and long ones (``scale`` grows the tokens and the cap alike)."""
+    tokens *= scale
+    max_write = cap_records * scale * record + extra % record
+    counts = handoff_counts(tokens, depths, record, ranks, max_write, token_start=start)
+    assert sorted(counts.rank_writes) == sorted(set(depths))
+    for layers in depths:
+        plan = HandoffPlan(tokens=tokens, layers=layers, record_bytes=record, ranks=ranks,
+                           max_write_bytes=max_write, token_start=start)
+        assert counts.rank_tokens == [len(plan.rank_positions(r)) for r in range(ranks)]
+        assert counts.rank_writes[layers] == [len(plan.writes(r)) for r in range(ranks)]
+
+
+def test_handoff_counts_of_the_seed_example():
+    """8,192 tokens to 4 ranks from stages of 20 and 18 layers: 2,048 tokens a rank; a rank's
+    20-layer buffer (23,592,960 B) takes 3 writes of <= 8 MiB, its 18-layer one (21,233,664 B) 3."""
+    counts = handoff_counts(8192, (20, 18), 576, 4, 8 * MIB)
+    assert counts.rank_tokens == [2048] * 4
+    assert counts.rank_writes == {20: [3] * 4, 18: [3] * 4}
+    counts = handoff_counts(5, (1,), 576, 4, 576, token_start=3)  # positions 3..7: ranks 3, 0, 1, 2, 3
+    assert counts.rank_tokens == [1, 1, 1, 2] and counts.rank_writes == {1: [1, 1, 1, 2]}

@@ -3,20 +3,27 @@
 import pytest
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
-def test_handoff_plans_equal_policy_rank_plan(ranks):
-    """The simulator's per-request hand-off plan equals policy.layout.rank_plan, write for write."""
-    from kvpool.policy.layout import rank_plan
-    from kvpool.sim.steps.handoff import handoff_plans
+@pytest.mark.parametrize(("scenario", "max_write_bytes"), [("mi350x-6p2d-shared", 8 << 20),
+                                                        ("mi350x-6p2d-shared", 1_000_000),
+                                                        ("mi350x-6p2d-tp4-replay-split", 3 << 20)])
+def test_handoff_writes_are_the_policy_plans(scenario, max_write_bytes):
+    """Every handed-off request's writes are its stages' ``policy.layout.HandoffPlan`` writes
+    (stages of 20/20/20/18 layers and one of all layers; write caps of whole records and not)."""
+    from kvpool.policy.layout import HandoffPlan
+    from kvpool.scenario import load_scenario
+    from kvpool.sim.engine import Simulation
+    from kvpool.sim.run import make_replay, workload_for
 
-    record, max_write = 576, 8 << 20
-    consts = [(layers, layers * record, max_write // record * record) for layers in (18, 20, 79)]
-    for tokens in [0, 1, 2, 3, 5, 17, 4095, 4096, 65_537, 131_072, 1_000_003]:
-        rank_tokens, plans = handoff_plans(tokens, ranks, consts)
-        for layers, _, _ in consts:
-            want = rank_plan(tokens, layers, record, ranks, max_write)
-            assert [t for t, _ in want] == rank_tokens
-            assert [w for _, w in want] == plans[layers]
+    s = load_scenario(scenario, ["workload.duration_s=120", f"handoff.max_write_bytes={max_write_bytes}"])
+    spec = s.kvspec()
+    stage_layers = [len(spec.stage_layer_ids(st)) for st in range(spec.stages)]
+    records = Simulation(s, make_replay(s, workload_for(s), 16 if s.workload.mode == "agentx" else 0.8)).run()
+    handed = [r for r in records if r.end_s > 0]
+    assert len(handed) > 20
+    for r in handed:
+        plans = [HandoffPlan(tokens=r.in_tokens, layers=layers, record_bytes=s.model.record_bytes,
+                             ranks=s.decode.dcp, max_write_bytes=max_write_bytes) for layers in stage_layers]
+        assert r.handoff_writes == sum(len(plan.all_writes()) for plan in plans)
 
 
 def test_block_ids_from_reports_the_known_prefix_it_copied():
