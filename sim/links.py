@@ -89,7 +89,7 @@ class FairLink:
         self.busy_s = 0.0
         self._write_bytes = self.bytes_per_s / self.writes_per_s if self.writes_per_s != float("inf") else 0.0
         self._latency_bytes = self.latency_s * self.bytes_per_s
-        self._active: list[tuple[float, int, simpy.Event]] = []  # (virtual finish, seq, event)
+        self._active: list[tuple[float, int, Join]] = []  # (virtual finish, seq, the transfer's join)
         self._seq = 0
         self._virtual = 0.0
         self._last = env.now
@@ -105,17 +105,16 @@ class FairLink:
     def transfer(self, nbytes: int, writes: int = 1, join: Join | None = None) -> simpy.Event | None:
         """An event that succeeds when ``nbytes`` in ``writes`` writes have crossed the link;
         with ``join``, no event: the join counts it (``None`` is returned)."""
-        if join is None:
-            done = Event(self.env)
+        own = join is None
+        if own:  # the transfer's own event: a join of this one transfer
+            join = Join(self.env)
             if nbytes <= 0:
-                done.succeed()
-                return done
-        else:
-            join.left += 1
-            done = join
-            if nbytes <= 0:  # counted down through SimPy's queue, as an empty transfer's event succeeds
-                call_later(self.env, 0.0, join.one)
-                return None
+                join.done.succeed()
+                return join.done
+        join.left += 1
+        if nbytes <= 0:  # counted down through SimPy's queue, as an empty transfer's event succeeds
+            call_later(self.env, 0.0, join.one)
+            return None
         self.bytes_moved += int(nbytes)
         bps = self.bytes_per_s
         work = float(nbytes) + writes * self._write_bytes + self._latency_bytes
@@ -130,7 +129,7 @@ class FairLink:
         self._last = now
         self._seq = seq = self._seq + 1
         virtual = self._virtual
-        heappush(active, (virtual + work, seq, done))
+        heappush(active, (virtual + work, seq, join))
         n += 1
         # everyone slows down, so only this transfer can finish before the pending wake-up
         if now + work * n / bps < self._wake_at:
@@ -140,14 +139,14 @@ class FairLink:
                 wait = 0.0
             self._wake_at = now + wait
             self._later(wait, self._wake_cb, version)
-        return None if join is not None else done
+        return join.done if own else None
 
     def _wake(self, ev) -> None:
         version = self._version
         if ev.value != version:  # a later reschedule superseded this wake-up
             return
         active = self._active
-        now = self.env.now
+        now = self._wake_at  # a current wake-up runs at the moment it was set for
         n = len(active)
         bps = self.bytes_per_s
         if n:
@@ -181,15 +180,7 @@ class FairLink:
         # completed now, not queued, once the link's state is consistent: callbacks may start
         # transfers on this link
         if first is not None:
-            _complete(first)
+            first.one()
             if more is not None:
-                for done in more:
-                    _complete(done)
-
-
-def _complete(done: Join | Event) -> None:
-    """One transfer done: its join counted down, or its event fired."""
-    if type(done) is Join:
-        done.one()
-    else:
-        fire(done)
+                for join in more:
+                    join.one()
