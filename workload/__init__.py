@@ -6,14 +6,14 @@ Importable without SimPy (the backend's production mode reuses it). Public API:
 * loading: :func:`load_workload` (Weka file/.json.gz/dir/traces.jsonl, Mooncake JSONL),
   :class:`TraceError`
 * stats: :func:`workload_stats`
-* replay: see :mod:`kvpool.sim.workload.replay`
-* synthesis: see :mod:`kvpool.sim.workload.synth`
+* replay: see :mod:`kvpool.workload.replay`
+* synthesis: see :mod:`kvpool.workload.synth`
 """
 
-from kvpool.sim.workload.errors import TraceError
-from kvpool.sim.workload.load import load_workload, trace_files, write_jsonl_rows, write_weka_jsonl
-from kvpool.sim.workload.model import Dep, Request, Session, SkippedTrace, Thread, Workload
-from kvpool.sim.workload.stats import workload_stats
+from kvpool.workload.errors import TraceError
+from kvpool.workload.load import load_workload, trace_files, write_jsonl_rows, write_weka_jsonl
+from kvpool.workload.model import Dep, Request, Session, SkippedTrace, Thread, Workload
+from kvpool.workload.stats import workload_stats
 
 __all__ = [
     "Dep",

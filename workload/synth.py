@@ -7,9 +7,9 @@ Contract:
       sessions are independent, so N sessions can be generated in any order or in parallel.
     * ``generate_records`` is the light form (no block ids) used by the fitting loop;
       ``records_stats`` computes the calibration statistics from it with the definitions of
-      :mod:`kvpool.sim.workload.stats`.
+      :mod:`kvpool.workload.stats`.
     * Presets: ``PRESETS`` / ``preset_params(name)``; their numbers live in
-      :mod:`kvpool.sim.workload.presets`, written by :mod:`kvpool.sim.workload.fit`.
+      :mod:`kvpool.workload.presets`, written by :mod:`kvpool.workload.fit`.
 
 The session model (docs/traces.md, "Synthetic sessions"):
     * A main thread of ``turns`` requests. The first has ``init_tokens`` of input. Each later turn
@@ -346,8 +346,8 @@ def generate_session(p: SynthParams, *, seed: int, index: int) -> dict:
 
 def write_weka_dir(docs, out: str | Path) -> int:
     """Write documents (or Sessions) as ``<id>.json.gz`` files in directory ``out``."""
-    from kvpool.sim.workload.model import Session
-    from kvpool.sim.workload.weka import session_to_weka
+    from kvpool.workload.model import Session
+    from kvpool.workload.weka import session_to_weka
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -363,8 +363,8 @@ def write_weka_dir(docs, out: str | Path) -> int:
 def synthetic_workload(preset: str, sessions: int, seed: int, *, context_scale: float = 1.0):
     """A :class:`Workload` of ``sessions`` synthetic sessions, in memory (no file);
     ``context_scale``: see ``SynthParams.with_context_scale``."""
-    from kvpool.sim.workload.model import Workload
-    from kvpool.sim.workload.weka import session_from_weka
+    from kvpool.workload.model import Workload
+    from kvpool.workload.weka import session_from_weka
 
     p = preset_params(preset).with_context_scale(context_scale)
     return Workload(tuple(session_from_weka(generate_session(p, seed=seed, index=k), source=f"synth:{preset}") for k in range(sessions)))
@@ -436,7 +436,7 @@ def records_stats(recs: list[SessionRecords]) -> dict[str, float]:
 
 def preset_params(name: str) -> SynthParams:
     """The fitted parameters of preset ``name`` (KeyError lists the presets)."""
-    from kvpool.sim.workload.presets import PRESET_DICTS
+    from kvpool.workload.presets import PRESET_DICTS
 
     if name not in PRESET_DICTS:
         raise KeyError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESET_DICTS))}")
