@@ -110,10 +110,11 @@ def synth(
     """Generate synthetic agent sessions in the Weka format."""
     from rich.progress import Progress
 
-    from kvpool.workload.synth import PRESETS, generate_session, preset_params
+    from kvpool.workload.presets import PRESETS
+    from kvpool.workload.synth import generate_session, preset_params
 
     if preset not in PRESETS:
-        raise UserError(f"unknown preset '{preset}'; choose one of: {', '.join(sorted(PRESETS))}")
+        raise UserError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
     if not 0 < context_scale <= 10:
         raise UserError(f"--context-scale {context_scale:g}: must be > 0 and <= 10")
     params = preset_params(preset).with_context_scale(context_scale)

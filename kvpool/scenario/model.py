@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvpool.policy.kvspec import ExtraRecord, KVSpec, every_kth_layer
-from kvpool.workload.synth import PRESETS
+from kvpool.workload.presets import PRESETS
 
 
 class _Section(BaseModel):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from kvpool.workload.fit import AGENTX_TARGETS, light_stats
-from kvpool.workload.synth import PRESETS, QTable, generate_session, preset_params, synthetic_workload
+from kvpool.workload.presets import PRESETS
+from kvpool.workload.synth import QTable, generate_session, preset_params, synthetic_workload
 from kvpool.workload.weka import session_from_weka
 
 #: kv-cache-tester corpus values (agentx-traces.md §5.2) the preset was fitted to.
