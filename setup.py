@@ -14,6 +14,7 @@ ROOT = Path(__file__).parent
 FOLDERS = {
     "kvpool": "kvpool",
     "kvpool.policy": "policy",
+    "kvpool.workload": "workload",
     "kvpool.sim": "sim",
     "kvpool.backend": "backend",
     "kvpool.kernels": "kernels",

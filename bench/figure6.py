@@ -18,7 +18,7 @@ from pathlib import Path
 from kvpool.scenario import load_scenario
 from kvpool.sim import report
 from kvpool.sim.run import sweep, workload_for
-from kvpool.sim.workload.stats import workload_stats
+from kvpool.workload.stats import workload_stats
 
 SEED = {  # ../shared/reference/seed-targets.md, single server (Figure 6)
     56: {"throughput_per_gpu_tok_s": 31_000, "share_gpu": 0.81, "share_pool": 0.16, "reuse_min": 0.95, "ttft_p50_s_max": 2.5},

@@ -29,7 +29,7 @@ print(json.dumps({"s": time.perf_counter() - t, "files": len(files),
 
 LOAD = r"""
 import json, resource, sys, time
-from kvpool.sim.workload import load_workload
+from kvpool.workload import load_workload
 t = time.perf_counter()
 w = load_workload(sys.argv[1])
 s = time.perf_counter() - t

@@ -52,7 +52,7 @@ class Knob:
 
     def choices(self) -> list[str]:
         if self.path == "workload.preset":
-            from kvpool.sim.workload.synth import PRESETS
+            from kvpool.workload.presets import PRESETS
 
             return list(PRESETS)
         return list(typing.get_args(self.field().annotation))

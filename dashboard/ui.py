@@ -150,7 +150,7 @@ def downloads(rows: Sequence[dict], scenario_name: str, prefix: str) -> None:
 def simulate(toml_text: str, loads: Sequence[float], traces: str | None, workers: int) -> tuple[list[dict] | None, str]:
     """``data.sweep`` with the simulator's failures turned into a message instead of a traceback."""
     from kvpool.dashboard import data
-    from kvpool.sim.workload.errors import TraceError
+    from kvpool.workload.errors import TraceError
 
     try:
         return data.sweep(toml_text, tuple(float(x) for x in loads), traces, _workers=workers), ""

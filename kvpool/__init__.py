@@ -2,6 +2,7 @@
 
 Sub-packages (one distribution, top-level folders mapped into this namespace):
     kvpool.policy     pure decisions shared by simulator and backend (no SimPy, torch, Mooncake)
+    kvpool.workload   traces, the session model, replay schedules, synthetic presets
     kvpool.sim        the SimPy simulator
     kvpool.backend    real KV paths: pools, connector, handoff, production mode
     kvpool.kernels    Triton kernels with torch references

@@ -1,152 +1,146 @@
-"""Grouped eviction: a pool's bookkeeping of objects, groups, capacity and what to evict.
+"""Grouped eviction: which objects a pool keeps, which it evicts, and which puts it rejects.
 
-Contract:
-    * Objects (one per chunk x stage) belong to groups (one per chunk). A group is evicted whole:
-      after any operation either all of a group's objects are present or none of them is counted
-      as evicted by the pool (a stage object that never arrived is simply absent).
-    * Eviction starts when usage exceeds ``high_watermark`` x capacity (seed and Mooncake: 0.90),
-      or when a put does not fit. A pass frees
-      ``capacity x max(evict_ratio, used_ratio - high_watermark + evict_ratio)`` bytes (ratio 0.05),
-      Mooncake's rule expressed in bytes, and at least what the pending put needs.
-    * Victims come from a pluggable ``EvictionPolicy`` (LRU, LFU, FIFO registered); reads
-      (``touch``/``exists``) refresh recency; pinned groups (loads in flight) are never evicted.
-    * An eviction either frees what it reports or changes nothing: victims are chosen first and
-      committed only if they cover what the caller must have.
-    * A put of a key already present changes nothing (first writer wins, as Mooncake; keys are
-      content-addressed). A put that cannot fit even after eviction is rejected, changing nothing.
-    * Time is passed in (``now``, seconds); nothing here reads a clock.
+This docstring is the contract of grouped eviction. Two implementations follow it and are
+checked against each other by ``tests/policy/test_eviction_differential.py``:
+``GroupedPool`` below (string keys and groups, objects of any size: the backend's embedded pool;
+readable reference code) and ``policy.grouptable.GroupTable`` (integer groups x slots in numpy:
+the simulator's pool).
+
+Objects and groups
+    * Every object belongs to one group (a chunk's group; its objects are the chunk's per-stage
+      copies). A group exists while it holds at least one object and is evicted whole.
+    * A group is *inserted* when it gets an object while holding none; every insertion takes the
+      next number of one sequence (its insertion number), in the order the put names the groups.
+    * A put of an object already present stores nothing: its bytes, size and group stay the first
+      writer's (keys are content-addressed). It still counts as a write of that group (below).
+    * ``remove`` deletes one object; its group keeps its last use, read count and insertion number
+      while it holds other objects. Removing a group's last object ends the group; a later put
+      inserts it anew. Removing is not evicting (no eviction counter moves).
+
+Use
+    * Time is passed in (``now``, seconds); nothing here reads a clock, and many calls may share
+      one moment.
+    * A group's *last use* is the latest ``now`` at which it was read or written. Read: a read
+      call (lookup, exists, get) found at least one of its objects. Written: a put named it, with
+      new objects or present ones, stored or rejected.
+    * A group's *reads* start at 0 at insertion and grow by one per read call that finds it,
+      however many of its objects the call names. Puts never count as reads.
+
+Orders (first victim first)
+    * ``lru``: oldest last use first; among equal last use, the most recently inserted first. A
+      prefix written (or read) in one moment therefore loses its tail before its head, and what
+      survives of it is still a hit.
+    * ``lfu``: fewest reads first; ties as ``lru`` (oldest last use, then newest insertion).
+    * ``fifo``: oldest insertion first; reads and re-puts change nothing.
+
+Pins
+    * ``pin``/``unpin`` count per group (nesting; never below zero), whether or not the group holds
+      objects now. A pinned group is never a victim.
+
+Eviction passes
+    * A pass frees at least ``target = max(need, ceil(capacity x max(evict_ratio, used_ratio -
+      high_watermark + evict_ratio)))`` bytes, ``used_ratio = used / capacity`` (1 for a pool of no
+      capacity) when the pass starts, ``need`` the bytes its caller must have. It walks the order
+      over the groups holding objects, skipping pinned groups and the groups of the put in
+      progress, and takes victims (at least one) until it has freed ``target`` or run out of
+      candidates (best effort: it evicts what it can even if that is not enough). A pass that
+      finds no candidate changes nothing and is not counted.
+
+A put (one call: one moment, any number of objects and groups)
+    1. The put's groups are its objects' groups (a present object's own group, whatever group the
+       call names for it). Each gets last use ``now`` (a group holding nothing has none to keep)
+       and is protected from both of this call's passes.
+    2. Its new objects are the keys not present (a key named twice counts once, as first named).
+       If they do not fit (``used + new bytes > capacity``), one pass runs with ``need = used + new
+       bytes - capacity``.
+    3. The groups, in the order the put first names them, are stored whole while their new objects
+       still fit in ``capacity - used``; from the first group that does not fit on, every group's
+       new objects are rejected (even a later, smaller one's).
+    4. If usage is now above ``high_watermark x capacity``, one pass runs with ``need = 0``.
+    Each object's outcome is ``PRESENT`` (held before the call), ``STORED`` or ``REJECTED``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+import enum
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+
+ORDERS = ("lru", "lfu", "fifo")
 
 
-class EvictionPolicy(Protocol):
-    """Orders groups for eviction. Called by ``GroupedPool``; never frees anything itself."""
+@dataclass(slots=True)
+class GroupState:
+    """What the eviction order knows of a group."""
 
-    name: str
-
-    def on_insert(self, group: str, now: float) -> None:
-        """A new group appeared."""
-
-    def on_access(self, group: str, now: float) -> None:
-        """A group was read or written again."""
-
-    def on_remove(self, group: str) -> None:
-        """A group left the pool."""
-
-    def order(self) -> Iterator[str]:
-        """Groups, first to evict first."""
-
-
-class LRUPolicy:
-    """Least recently used group first."""
-
-    name = "lru"
-
-    def __init__(self) -> None:
-        self._od: OrderedDict[str, None] = OrderedDict()
-
-    def on_insert(self, group: str, now: float) -> None:
-        self._od[group] = None
-        self._od.move_to_end(group)
-
-    def on_access(self, group: str, now: float) -> None:
-        if group in self._od:
-            self._od.move_to_end(group)
-
-    def on_remove(self, group: str) -> None:
-        self._od.pop(group, None)
-
-    def order(self) -> Iterator[str]:
-        return iter(list(self._od))
-
-
-class FIFOPolicy(LRUPolicy):
-    """Oldest inserted group first; reads do not refresh."""
-
-    name = "fifo"
-
-    def on_access(self, group: str, now: float) -> None:
-        return None
-
-
-class LFUPolicy:
-    """Least frequently used group first; ties broken by least recent access."""
-
-    name = "lfu"
-
-    def __init__(self) -> None:
-        self._count: dict[str, int] = {}
-        self._seq: dict[str, int] = {}
-        self._tick = 0
-
-    def _bump(self, group: str) -> None:
-        self._tick += 1
-        self._seq[group] = self._tick
-
-    def on_insert(self, group: str, now: float) -> None:
-        self._count[group] = 1
-        self._bump(group)
-
-    def on_access(self, group: str, now: float) -> None:
-        if group in self._count:
-            self._count[group] += 1
-            self._bump(group)
-
-    def on_remove(self, group: str) -> None:
-        self._count.pop(group, None)
-        self._seq.pop(group, None)
-
-    def order(self) -> Iterator[str]:
-        return iter(sorted(self._count, key=lambda g: (self._count[g], self._seq[g])))
-
-
-EVICTION_POLICIES: dict[str, type] = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy}
-
-
-def make_policy(name: str) -> EvictionPolicy:
-    """A fresh policy by registry name; unknown names list the allowed ones."""
-    try:
-        return EVICTION_POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; allowed: {sorted(EVICTION_POLICIES)}") from None
-
-
-@dataclass
-class _Group:
-    keys: set[str] = field(default_factory=set)
+    inserted: int  # insertion number
+    last_use_s: float
+    reads: int = 0
     nbytes: int = 0
-    pins: int = 0
+    objects: dict[str, int] = field(default_factory=dict)  # key -> size in bytes, in put order
 
 
-@dataclass(frozen=True)
+OrderKey = Callable[[GroupState], tuple]
+"""Sort key of the eviction order over groups: the smallest key is the first victim."""
+
+
+def _lru(g: GroupState) -> tuple:
+    return (g.last_use_s, -g.inserted)
+
+
+def _lfu(g: GroupState) -> tuple:
+    return (g.reads, g.last_use_s, -g.inserted)
+
+
+def _fifo(g: GroupState) -> tuple:
+    return (g.inserted,)
+
+
+EVICTION_ORDERS: dict[str, OrderKey] = {"lru": _lru, "lfu": _lfu, "fifo": _fifo}
+
+
+def order_key(name: str) -> OrderKey:
+    """The sort key of a registered order; unknown names list the allowed ones."""
+    try:
+        return EVICTION_ORDERS[name]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; allowed: {sorted(EVICTION_ORDERS)}") from None
+
+
+class Put(enum.Enum):
+    """The outcome of one object of a put."""
+
+    PRESENT = "present"  # held before the call (first writer wins)
+    STORED = "stored"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True, slots=True)
 class PutResult:
-    """Outcome of a put: whether the object is now stored, and the groups evicted to make room."""
+    """What a put did: each object's outcome (in the call's order) and what was evicted."""
 
-    stored: bool
-    evicted: tuple[str, ...] = ()
-    already_present: bool = False
+    outcomes: tuple[Put, ...]
+    evicted_groups: tuple[str, ...] = ()  # in eviction order
+    evicted_keys: tuple[str, ...] = ()
+    evicted_bytes: int = 0
 
 
 class GroupedPool:
-    """Capacity and membership bookkeeping of one pool part (one Mooncake master's objects).
+    """Capacity and membership bookkeeping of one pool (one Mooncake master's objects). See the
+    module docstring for the contract.
 
     Args:
-        capacity_bytes: usable bytes of the pool part.
-        policy: eviction order (an ``EvictionPolicy`` or a registry name).
-        high_watermark: usage fraction above which a pass runs (0 < hw <= 1).
+        capacity_bytes: usable bytes (>= 0).
+        order: eviction order, a name of ``EVICTION_ORDERS``.
+        high_watermark: usage fraction above which a put ends with a pass (0 < hw <= 1).
         evict_ratio: fraction of capacity a pass frees at least (0 < ratio <= 1).
     """
 
     def __init__(
         self,
         capacity_bytes: int,
-        policy: EvictionPolicy | str = "lru",
+        order: str = "lru",
         *,
         high_watermark: float = 0.90,
         evict_ratio: float = 0.05,
@@ -158,139 +152,167 @@ class GroupedPool:
         if not 0.0 < evict_ratio <= 1.0:
             raise ValueError(f"evict_ratio must be in (0, 1], got {evict_ratio}")
         self.capacity_bytes = capacity_bytes
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.order = order
+        self._key = order_key(order)
         self.high_watermark = high_watermark
         self.evict_ratio = evict_ratio
         self.used_bytes = 0
         self.evicted_groups = 0
+        self.evicted_objects = 0
         self.evicted_bytes = 0
-        self._objects: dict[str, tuple[str, int]] = {}
-        self._groups: dict[str, _Group] = {}
+        self.evict_passes = 0
+        self._inserted = 0  # the last insertion number given
+        self._groups: dict[str, GroupState] = {}
+        self._group_of: dict[str, str] = {}  # key -> its group
+        self._pins: dict[str, int] = {}
 
-    # -- queries ---------------------------------------------------------------------------
+    # -- queries (no effect on the order) ---------------------------------------------------
     def __contains__(self, key: str) -> bool:
-        return key in self._objects
+        return key in self._group_of
 
     def __len__(self) -> int:
-        return len(self._objects)
+        return len(self._group_of)
+
+    def keys(self) -> list[str]:
+        return list(self._group_of)
+
+    def group_of(self, key: str) -> str | None:
+        return self._group_of.get(key)
+
+    def group(self, name: str) -> GroupState | None:
+        """A group's state (for inspection; do not modify), or ``None`` if it holds nothing."""
+        return self._groups.get(name)
 
     @property
     def groups(self) -> int:
         return len(self._groups)
 
-    def group_of(self, key: str) -> str | None:
-        obj = self._objects.get(key)
-        return obj[0] if obj else None
+    # -- reads ------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[str], now: float) -> list[bool]:
+        """Presence of each key; one read call: each group found counts one read and is used now."""
+        found = [k in self._group_of for k in keys]
+        read: dict[str, None] = {}
+        for k, hit in zip(keys, found):
+            if hit:
+                read[self._group_of[k]] = None
+        for name in read:
+            g = self._groups[name]
+            g.last_use_s = now
+            g.reads += 1
+        return found
 
-    def exists(self, keys: Iterable[str], now: float) -> list[bool]:
-        """Presence of each key; present keys' groups count as read (as Mooncake's leases)."""
-        out = []
-        for k in keys:
-            obj = self._objects.get(k)
-            out.append(obj is not None)
-            if obj is not None:
-                self.policy.on_access(obj[0], now)
-        return out
-
-    def touch(self, keys: Iterable[str], now: float) -> None:
-        """Mark the groups of ``keys`` as read now."""
-        self.exists(keys, now)
-
-    # -- pins ------------------------------------------------------------------------------
+    # -- pins -------------------------------------------------------------------------------
     def pin(self, group: str) -> None:
         """Protect ``group`` from eviction until a matching ``unpin`` (nests)."""
-        if group in self._groups:
-            self._groups[group].pins += 1
+        self._pins[group] = self._pins.get(group, 0) + 1
 
     def unpin(self, group: str) -> None:
-        g = self._groups.get(group)
-        if g is not None and g.pins > 0:
-            g.pins -= 1
+        left = self._pins.get(group, 0) - 1
+        if left > 0:
+            self._pins[group] = left
+        else:
+            self._pins.pop(group, None)
 
-    # -- mutations -------------------------------------------------------------------------
-    def put(self, key: str, group: str, nbytes: int, now: float) -> PutResult:
-        """Store one object in ``group``; evicts first if it would not fit."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        if key in self._objects:
-            self.policy.on_access(self._objects[key][0], now)
-            return PutResult(stored=True, already_present=True)
-        if nbytes > self.capacity_bytes:
-            return PutResult(stored=False)
-        evicted: tuple[str, ...] = ()
-        need = self.used_bytes + nbytes - self.capacity_bytes
+    # -- writes -----------------------------------------------------------------------------
+    def put(self, keys: Sequence[str], groups: Sequence[str], sizes_bytes: Sequence[int], now: float) -> PutResult:
+        """Store ``keys[i]`` (``sizes_bytes[i]`` bytes, > 0) in group ``groups[i]``: one put."""
+        if not len(keys) == len(groups) == len(sizes_bytes):
+            raise ValueError(f"keys, groups and sizes differ in length: {len(keys)}, {len(groups)}, {len(sizes_bytes)}")
+        named: dict[str, None] = {}  # the put's groups, in the order it first names them
+        new: dict[str, dict[str, int]] = {}  # group -> its new objects (key -> size)
+        new_group: dict[str, str] = {}  # new key -> its group (the first naming of the key)
+        for key, group, nbytes in zip(keys, groups, sizes_bytes):
+            if nbytes <= 0:
+                raise ValueError(f"object sizes must be > 0 bytes, got {nbytes} for {key!r}")
+            held = self._group_of.get(key)
+            if held is not None:  # present: it stays in the group it was first written to
+                named[held] = None
+                continue
+            group = new_group.setdefault(key, group)  # a key named twice: its first naming
+            named[group] = None
+            new.setdefault(group, {}).setdefault(key, nbytes)
+        protect = named.keys()
+        for name in named:
+            if name in self._groups:
+                self._groups[name].last_use_s = now
+
+        evicted: list[str] = []
+        evicted_keys: list[str] = []
+        freed = 0
+        need = self.used_bytes + sum(sum(objs.values()) for objs in new.values()) - self.capacity_bytes
         if need > 0:
-            evicted = self._evict(need, protect=group)
-            if not evicted:
-                return PutResult(stored=False)
-        self._insert(key, group, nbytes, now)
+            freed += self._evict(need, protect, evicted, evicted_keys)
+        room = self.capacity_bytes - self.used_bytes
+        stored: set[str] = set()
+        for name in named:
+            objs = new.get(name)
+            if not objs:
+                continue
+            nbytes = sum(objs.values())
+            if nbytes > room:
+                break
+            room -= nbytes
+            self._store(name, objs, now)
+            stored.add(name)
         if self.used_bytes > self.high_watermark * self.capacity_bytes:
-            evicted += self._evict(0, protect=group)
-        return PutResult(stored=True, evicted=evicted)
+            freed += self._evict(0, protect, evicted, evicted_keys)
+
+        outcomes = tuple(
+            Put.STORED if new_group.get(key) in stored else Put.REJECTED if key in new_group else Put.PRESENT
+            for key in keys
+        )
+        return PutResult(outcomes, tuple(evicted), tuple(evicted_keys), freed)
 
     def remove(self, key: str) -> bool:
-        """Remove one object (its group stays while it has other objects)."""
-        obj = self._objects.pop(key, None)
-        if obj is None:
+        """Delete one object; ``False`` if it is not held."""
+        name = self._group_of.pop(key, None)
+        if name is None:
             return False
-        group, nbytes = obj
-        g = self._groups[group]
-        g.keys.discard(key)
+        g = self._groups[name]
+        nbytes = g.objects.pop(key)
         g.nbytes -= nbytes
         self.used_bytes -= nbytes
-        if not g.keys:
-            del self._groups[group]
-            self.policy.on_remove(group)
+        if not g.objects:
+            del self._groups[name]
         return True
 
-    def remove_group(self, group: str) -> int:
-        """Remove a whole group; returns the bytes freed."""
-        g = self._groups.pop(group, None)
+    # -- internals --------------------------------------------------------------------------
+    def _store(self, name: str, objects: dict[str, int], now: float) -> None:
+        g = self._groups.get(name)
         if g is None:
-            return 0
-        for k in g.keys:
-            del self._objects[k]
-        self.used_bytes -= g.nbytes
-        self.policy.on_remove(group)
-        return g.nbytes
+            self._inserted += 1
+            g = self._groups[name] = GroupState(inserted=self._inserted, last_use_s=now)
+        for key, nbytes in objects.items():
+            g.objects[key] = nbytes
+            g.nbytes += nbytes
+            self._group_of[key] = name
+            self.used_bytes += nbytes
 
-    def evict_pass(self, now: float) -> tuple[str, ...]:
-        """Run a watermark pass if usage is above the high watermark; returns evicted groups."""
-        if self.used_bytes > self.high_watermark * self.capacity_bytes:
-            return self._evict(0)
-        return ()
-
-    def _insert(self, key: str, group: str, nbytes: int, now: float) -> None:
-        g = self._groups.get(group)
-        if g is None:
-            g = self._groups[group] = _Group()
-            self.policy.on_insert(group, now)
-        else:
-            self.policy.on_access(group, now)
-        g.keys.add(key)
-        g.nbytes += nbytes
-        self._objects[key] = (group, nbytes)
-        self.used_bytes += nbytes
-
-    def _evict(self, need_bytes: int, protect: str | None = None) -> tuple[str, ...]:
-        """Free at least ``need_bytes`` (all or nothing) and up to a pass's target (best effort)."""
+    def _evict(self, need_bytes: int, protect: Iterable[str], evicted: list[str], evicted_keys: list[str]) -> int:
+        """One pass (see the module docstring); appends its victims and their keys, returns bytes freed."""
         cap = self.capacity_bytes
         used_ratio = self.used_bytes / cap if cap else 1.0
         ratio = max(self.evict_ratio, used_ratio - self.high_watermark + self.evict_ratio)
-        target = max(need_bytes, int(-(-cap * ratio // 1)))
-        victims: list[str] = []
-        freed = 0
-        for grp in self.policy.order():
+        target = max(need_bytes, math.ceil(cap * ratio))
+        skip = set(protect)
+        candidates = [n for n in self._groups if n not in skip and not self._pins.get(n)]
+        if not candidates:
+            return 0
+        candidates.sort(key=lambda n: self._key(self._groups[n]))
+        freed = victims = 0
+        for name in candidates:  # at least one victim, then until the target is freed
+            g = self._groups.pop(name)
+            for key in g.objects:
+                del self._group_of[key]
+            evicted.append(name)
+            evicted_keys.extend(g.objects)
+            freed += g.nbytes
+            victims += 1
+            self.evicted_objects += len(g.objects)
             if freed >= target:
                 break
-            g = self._groups[grp]
-            if g.pins or grp == protect:
-                continue
-            victims.append(grp)
-            freed += g.nbytes
-        if freed < need_bytes:
-            return ()
-        for grp in victims:
-            self.evicted_bytes += self.remove_group(grp)
-        self.evicted_groups += len(victims)
-        return tuple(victims)
+        self.used_bytes -= freed
+        self.evicted_groups += victims
+        self.evicted_bytes += freed
+        self.evict_passes += 1
+        return freed

@@ -1,19 +1,15 @@
-"""Grouped eviction over integer group ids, in numpy: the same policy as ``eviction.GroupedPool``
-for callers that hold chunk groups as integers (the simulator: hundreds of chunks per lookup).
+"""Grouped eviction over integer group ids, in numpy, for callers that hold chunk groups as
+integers (the simulator: hundreds of chunks per lookup).
 
-Contract (identical to ``eviction``'s, with objects addressed as ``(group, slot)``):
-    * A group is one chunk; its objects are its ``slots`` (pipeline stages stored in this pool
-      part), each of ``slot_bytes[slot]`` bytes. A group is evicted whole.
-    * Eviction starts when usage exceeds ``high_watermark`` x capacity or a put does not fit; a pass
-      frees ``capacity x max(evict_ratio, used_ratio - high_watermark + evict_ratio)`` bytes, at least
-      what the pending put needs; pinned groups and the groups being written are never victims.
-      A pass either frees what it reports or changes nothing.
-    * Order: ``lru`` (least recently read or written first; among equals, the most recently
-      inserted first, so a prefix loses its tail before its head), ``lfu`` (fewest reads, then LRU),
-      ``fifo`` (insertion order). Lookups refresh recency of the present objects' groups, as
-      Mooncake's existence checks grant leases.
-    * A put of an object already present changes nothing (first writer wins).
-    * Time is passed in (``now``); nothing here reads a clock.
+Contract: ``policy.eviction``'s (its module docstring), with objects addressed as ``(group, slot)``:
+    * A group is an integer id (>= 0); its objects are its ``slots`` (the pipeline stages stored in
+      this pool part), object ``(g, s)`` of ``slot_bytes[s]`` bytes.
+    * ``put(gids, slots, now)`` is one put of the objects ``gids x slots``, groups in the order of
+      ``gids`` (repeats count once). ``lookup``, ``lookup_slots`` and ``lookup_runs`` are one read
+      call each; ``contains`` reads nothing. ``remove(gids, slot)`` deletes single objects.
+    * Orders: ``lru``, ``lfu``, ``fifo``; pins count per id, as in ``policy.eviction``.
+    * ``tests/policy/test_eviction_differential.py`` drives this table and ``EmbeddedPool``
+      (``eviction.GroupedPool``) through the same random calls and checks they decide alike.
 """
 
 from __future__ import annotations
@@ -23,7 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-ORDERS = ("lru", "lfu", "fifo")
+from kvpool.policy.eviction import ORDERS
+
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 _NO_IDS = np.zeros(0, dtype=np.int64)
 _NO_IDS.flags.writeable = False
@@ -65,26 +62,15 @@ class IdList:
         return dropped
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True, slots=True)
 class PutOutcome:
-    """What a batched put did: objects stored (new ones), and what was evicted to make room."""
+    """What a put did: new objects stored and rejected, and the groups it evicted (in order)."""
 
     stored: int
     rejected: int
     evicted_groups: int
     evicted_bytes: int
-    evicted_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64), compare=False)
-
-    def __init__(self, stored: int, rejected: int, evicted_groups: int, evicted_bytes: int,
-                 evicted_ids: np.ndarray | None = None) -> None:
-        # frozen: the fields are set once, here, in the instance dict (the generated __init__
-        # does it through object.__setattr__, one call per field); no evicted_ids: none
-        d = self.__dict__
-        d["stored"] = stored
-        d["rejected"] = rejected
-        d["evicted_groups"] = evicted_groups
-        d["evicted_bytes"] = evicted_bytes
-        d["evicted_ids"] = np.zeros(0, dtype=np.int64) if evicted_ids is None else evicted_ids
+    evicted_ids: np.ndarray = field(default_factory=lambda: _NO_IDS, compare=False)
 
 
 class GroupTable:
@@ -250,13 +236,11 @@ class GroupTable:
     # -- writes ------------------------------------------------------------------------------
     def put(self, gids: Sequence[int] | np.ndarray, slot: int | Sequence[int], now: float, *,
             unique: bool = False, max_gid: int | None = None) -> PutOutcome:
-        """Store ``(g, slot)`` for each ``g`` in order (for each slot, when several are given);
-        evicts first when they would not fit. ``unique``: the caller knows ``gids`` has no repeats.
-
-        Objects already present are left as they are (their groups count as written now). When
-        eviction cannot make room for all new objects, the leading groups that fit are stored and
-        the rest rejected.
-        """
+        """One put of the objects ``(g, s)`` for every ``g`` of ``gids`` (in order) and every ``s``
+        of ``slot`` (one slot or several), as ``policy.eviction``'s contract says: present objects
+        stay as they are, every named group is used now and protected, a pass when the new objects
+        do not fit, the leading groups that fit stored, then a watermark pass. ``unique``: the
+        caller knows ``gids`` has no repeats."""
         ids = self._ids(gids, max_gid)
         want = self._slot_mask(slot)[1]
         if not unique and self._has_duplicates(ids):
@@ -270,7 +254,7 @@ class GroupTable:
         total = int(need_row.sum())
         need = self.used_bytes + total - self.capacity_bytes
         if need > 0:
-            passes.append(self._evict(need, protect=ids, partial_ok=True))
+            passes.append(self._evict(need, protect=ids))
         room = self.capacity_bytes - self.used_bytes
         if total <= room:  # everything fits (the common case: no cumulative sum needed)
             stored_rows = np.flatnonzero(need_row)
@@ -311,7 +295,7 @@ class GroupTable:
         total = n * size
         need = self.used_bytes + total - self.capacity_bytes
         if need > 0:
-            passes.append(self._evict(need, protect=ids, partial_ok=True))
+            passes.append(self._evict(need, protect=ids))
         room = self.capacity_bytes - self.used_bytes
         k = n if total <= room else max(0, min(n, room // size))
         stored = ids[:k] if k < n else ids
@@ -376,16 +360,21 @@ class GroupTable:
             runs.append(first + int(gap[0]) if gap.size else int(ids.size))
         return runs
 
-    def remove_groups(self, gids: Sequence[int] | np.ndarray) -> int:
-        """Drop whole groups; returns bytes freed."""
+    def remove(self, gids: Sequence[int] | np.ndarray, slot: int) -> np.ndarray:
+        """Delete the objects ``(g, slot)``; per position of ``gids``, whether it removed one (a
+        repeated id removes once). A group keeps its state while it holds other objects; one left
+        with none is gone (its stale entry in the resident list is dropped by the next pass)."""
         ids = self._ids(gids)
-        if not ids.size:
-            return 0
-        ids = np.unique(ids)
-        freed = int(self._bytes_of(self._mask[ids]).sum())
-        self._mask[ids] = 0
-        self.used_bytes -= freed
-        return freed
+        bit = self._slot_mask(slot)[1]
+        held = (self._mask[ids] & bit) != 0
+        if self._has_duplicates(ids):
+            first = np.zeros(ids.size, dtype=bool)
+            first[np.unique(ids, return_index=True)[1]] = True
+            held &= first
+        gone = ids[held]
+        self._mask[gone] &= ~bit
+        self.used_bytes -= int(self.slot_bytes[slot]) * int(gone.size)
+        return held
 
     _partial_sort = True  # False: every eviction pass sorts every candidate (tests compare)
 
@@ -399,8 +388,9 @@ class GroupTable:
             return (-self._inserted[cand], self._last[cand], self._count[cand])
         return (self._inserted[cand],)
 
-    def _evict(self, need_bytes: int, protect: np.ndarray, partial_ok: bool = False) -> tuple[np.ndarray, int]:
-        """Evict whole groups; returns their ids and the bytes freed (none: nothing changed)."""
+    def _evict(self, need_bytes: int, protect: np.ndarray) -> tuple[np.ndarray, int]:
+        """One pass (``policy.eviction``'s contract): whole groups in the eviction order until the
+        target is freed or no candidate is left; returns their ids and the bytes freed."""
         cap = self.capacity_bytes
         used_ratio = self.used_bytes / cap if cap else 1.0
         ratio = max(self.evict_ratio, used_ratio - self.high_watermark + self.evict_ratio)
@@ -415,9 +405,8 @@ class GroupTable:
             ok &= self._mark[res] == 0
             self._mark[protect] = 0
         cand = res[ok]
-        none = (np.zeros(0, dtype=np.int64), 0)
         if not cand.size:
-            return none
+            return _NO_IDS, 0
         if self.order == "lru":
             primary = self._last[cand]
         elif self.order == "lfu":
@@ -441,8 +430,6 @@ class GroupTable:
         if ordered is None:
             ordered = cand[np.lexsort(self._order_keys(cand))]
             cum = np.cumsum(self._bytes_of(self._mask[ordered]))
-            if cum[-1] < need_bytes and not partial_ok:
-                return none
         k = int(np.searchsorted(cum, target, side="left")) + 1
         victims = ordered[: min(k, ordered.size)]
         freed = int(cum[victims.size - 1])

@@ -1,4 +1,4 @@
-"""The replay driver: a replay schedule (``sim.workload.replay``'s interface) fed into SimPy time.
+"""The replay driver: a replay schedule (``workload.replay``'s interface) fed into SimPy time.
 
 Contract: ``drive(env, replay, serve)`` calls ``replay.start`` now, ``replay.finished`` as each
 request completes and ``replay.poll`` when the newest ``Wake.next_due_s`` comes; every Wake's

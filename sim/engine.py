@@ -23,7 +23,7 @@ class Simulation:
     """One scenario, one replay schedule; ``run()`` returns the per-request records."""
 
     def __init__(self, s: Scenario, replay, *, cost: CostModel | None = None, unbounded: bool = False) -> None:
-        """``replay``: an AgentXReplay or ProductionReplay (sim.workload.replay's driver interface).
+        """``replay``: an AgentXReplay or ProductionReplay (workload.replay's driver interface).
         ``unbounded``: infinite GPU caches and pool (the trace-ceiling check)."""
         self.s = s
         self.replay = replay

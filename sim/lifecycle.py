@@ -1,6 +1,6 @@
 """One request's way through the simulated cluster, step by step, in order.
 
-``Lifecycle.serve(d, finished)`` runs dispatch ``d`` (``sim.workload.replay``'s ``Dispatch``):
+``Lifecycle.serve(d, finished)`` runs dispatch ``d`` (``workload.replay``'s ``Dispatch``):
 
     1. admit     the front end's overhead, then the admission gate when enabled
                  (``sim.steps.admit``; a rejected request finishes here)

@@ -1,7 +1,7 @@
 """A request's prompt, named once: its block ids, GPU cache ids and chunk group ids.
 
 Contract:
-    * ``Prompts.build(d)`` returns the ``Prompt`` of dispatch ``d`` (``sim.workload.replay``'s
+    * ``Prompts.build(d)`` returns the ``Prompt`` of dispatch ``d`` (``workload.replay``'s
       ``Dispatch``), built once, before the request's lookup; every step reads it, none changes it.
     * ``Prompt.blocks``: the request's block ids (``BlockStore.block_ids``). ``gpu_ids``: the GPU
       cache ids of its full blocks (each block id plus its scope's ``keys.block_offset``; a main

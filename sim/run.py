@@ -23,8 +23,8 @@ from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from kvpool.scenario.model import Scenario
-from kvpool.sim.workload.errors import TraceError
-from kvpool.sim.workload.model import Workload
+from kvpool.workload.errors import TraceError
+from kvpool.workload.model import Workload
 
 if TYPE_CHECKING:
     from kvpool.sim.executor import Runner
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 @lru_cache(maxsize=4)
 def _traces(path: str) -> Workload:
-    from kvpool.sim.workload.load import load_workload
+    from kvpool.workload.load import load_workload
 
     return load_workload(path)
 
@@ -47,7 +47,7 @@ def _synthetic(preset: str, sessions: int, seed: int, context_scale: float = 1.0
     import json
     import pickle
 
-    from kvpool.sim.workload import synth
+    from kvpool.workload import synth
 
     params = synth.preset_params(preset).with_context_scale(context_scale).to_dict()
     key = hashlib.sha256(json.dumps([params, sessions, seed, inspect.getsource(synth)], sort_keys=True,
@@ -86,7 +86,7 @@ def workload_for(s: Scenario, traces: str | None = None) -> Workload:
 
 def make_replay(s: Scenario, workload: Workload, load: float):
     """The replay schedule of one load: ``load`` sessions (agentx) or requests/s (replay)."""
-    from kvpool.sim.workload.replay import AgentXReplay, ProductionReplay
+    from kvpool.workload.replay import AgentXReplay, ProductionReplay
 
     w = s.workload
     if w.mode == "agentx":

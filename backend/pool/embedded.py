@@ -1,14 +1,19 @@
 """EmbeddedPool: an in-process pool (the default when no Mooncake address is given).
 
 Contract: the ``Pool`` contract of ``kvpool.backend.pool.api``, plus:
-    * Capacity and eviction are ``kvpool.policy.eviction.GroupedPool``'s: grouped LRU (or LFU /
-      FIFO), passes from the high watermark (0.90) freeing a fraction (0.05) of capacity, a group
-      evicted whole, first writer wins. The simulator's pool model uses the same bookkeeping, so
-      both see the same evictions for the same sequence of calls.
-    * Reads (``get``, ``exists``) count as accesses for the eviction order, like Mooncake's leases.
-    * There is no background thread: eviction happens inside ``put``, so a put that cannot fit
-      even after eviction (an object larger than the pool, or every other group pinned) returns
-      ``Status.FULL`` at once -- retrying could not help.
+    * What is kept, evicted and rejected is ``kvpool.policy.eviction.GroupedPool``'s, the policy
+      core's grouped eviction (its module docstring is the contract): grouped LRU (or LFU / FIFO),
+      a pass when a put does not fit and one when usage ends above the high watermark (0.90),
+      each freeing a fraction (0.05) of capacity, a group evicted whole, first writer wins. The
+      simulator's pool (``policy.grouptable``) decides the same for the same calls (a
+      differential test checks it).
+    * One ``put`` call is one put of the policy: all its groups are protected from its own
+      passes, and when its new objects do not fit even after eviction, the leading groups that
+      fit are stored and the others' keys answer ``Status.FULL`` at once (no background thread
+      runs, so retrying could not help).
+    * ``get`` and ``exists`` are read calls of the policy: each group they find counts one read.
+      A present key put again answers ``OK`` and counts as a use of its group.
+    * The clock is injected (``clock``); each call reads it once.
     * Bytes are copied with ``memmove`` from and into registered host buffers; the pool holds one
       ``bytes`` copy per object. Never answers ``NO_ANSWER`` or ``FAILED``.
 """
@@ -23,7 +28,7 @@ from typing import Any
 
 from kvpool.backend.pool.api import BufferRef, PoolStats, Status
 from kvpool.backend.pool.buffers import BufferRegistry, check_batch
-from kvpool.policy.eviction import EvictionPolicy, GroupedPool
+from kvpool.policy.eviction import GroupedPool, Put
 
 
 class EmbeddedPool:
@@ -31,7 +36,8 @@ class EmbeddedPool:
 
     Args:
         capacity_bytes: bytes the pool holds (> 0).
-        eviction: eviction policy name (``"lru"``, ``"lfu"``, ``"fifo"``) or an ``EvictionPolicy``.
+        eviction: eviction order, a name of ``policy.eviction.EVICTION_ORDERS`` (``"lru"``,
+            ``"lfu"``, ``"fifo"``).
         high_watermark: usage fraction above which an eviction pass runs.
         evict_ratio: fraction of capacity a pass frees at least.
         clock: seconds, monotonic; injected so tests and the simulator control time.
@@ -40,7 +46,7 @@ class EmbeddedPool:
     def __init__(
         self,
         capacity_bytes: int,
-        eviction: str | EvictionPolicy = "lru",
+        eviction: str = "lru",
         *,
         high_watermark: float = 0.90,
         evict_ratio: float = 0.05,
@@ -52,10 +58,7 @@ class EmbeddedPool:
         self._clock = clock
         self._lock = threading.Lock()
         self._data: dict[str, bytes] = {}
-        self._group_keys: dict[str, set[str]] = {}
         self._buffers = BufferRegistry()
-        self._evicted_keys = 0
-        self._eviction_passes = 0
         self._closed = False
 
     # -- buffers ---------------------------------------------------------------------------
@@ -78,24 +81,14 @@ class EmbeddedPool:
         self._check_open()
         self._buffers.check(buffer)
         check_batch(keys, offsets_bytes, sizes_bytes, buffer, groups)
-        out: list[Status] = []
         with self._lock:
-            now = self._clock()
-            for key, group, off, size in zip(keys, groups, offsets_bytes, sizes_bytes):
-                if key in self._data:  # first writer wins; the put still counts as an access
-                    self._book.touch([key], now)
-                    out.append(Status.OK)
-                    continue
-                res = self._book.put(key, group, size, now)
-                if res.evicted:
-                    self._drop_groups(res.evicted)
-                if not res.stored:
-                    out.append(Status.FULL)
-                    continue
-                self._data[key] = ctypes.string_at(buffer.address + off, size)
-                self._group_keys.setdefault(group, set()).add(key)
-                out.append(Status.OK)
-        return out
+            res = self._book.put(keys, groups, sizes_bytes, self._clock())
+            for key in res.evicted_keys:
+                del self._data[key]
+            for key, off, size, outcome in zip(keys, offsets_bytes, sizes_bytes, res.outcomes):
+                if outcome is Put.STORED and key not in self._data:  # (a key named twice: its first range)
+                    self._data[key] = ctypes.string_at(buffer.address + off, size)
+        return [Status.FULL if o is Put.REJECTED else Status.OK for o in res.outcomes]
 
     def get(
         self,
@@ -109,42 +102,39 @@ class EmbeddedPool:
         check_batch(keys, offsets_bytes, sizes_bytes, buffer)
         out: list[Status] = []
         with self._lock:
-            now = self._clock()
+            self._book.lookup(keys, self._clock())  # one read call
             for key, off, size in zip(keys, offsets_bytes, sizes_bytes):
                 blob = self._data.get(key)
                 if blob is None:
                     out.append(Status.MISSING)
-                    continue
-                self._book.touch([key], now)
-                if len(blob) != size:
+                elif len(blob) != size:
                     out.append(Status.WRONG_SIZE)
-                    continue
-                ctypes.memmove(buffer.address + off, blob, size)
-                out.append(Status.OK)
+                else:
+                    ctypes.memmove(buffer.address + off, blob, size)
+                    out.append(Status.OK)
         return out
 
     def exists(self, keys: Sequence[str]) -> list[bool] | None:
         self._check_open()
         with self._lock:
-            return self._book.exists(list(keys), self._clock())
+            return self._book.lookup(list(keys), self._clock())
 
     def remove(self, keys: Sequence[str]) -> list[Status]:
         self._check_open()
         out: list[Status] = []
         with self._lock:
             for key in keys:
-                group = self._book.group_of(key)
-                if group is None or not self._book.remove(key):
+                if self._book.remove(key):
+                    del self._data[key]
+                    out.append(Status.OK)
+                else:
                     out.append(Status.MISSING)
-                    continue
-                self._data.pop(key, None)
-                members = self._group_keys.get(group)
-                if members is not None:
-                    members.discard(key)
-                    if not members:
-                        del self._group_keys[group]
-                out.append(Status.OK)
         return out
+
+    def keys(self) -> list[str]:
+        """The keys held now, for inspection (not a read: the eviction order does not change)."""
+        with self._lock:
+            return self._book.keys()
 
     def stats(self) -> PoolStats | None:
         with self._lock:
@@ -152,25 +142,17 @@ class EmbeddedPool:
                 capacity_bytes=self._book.capacity_bytes,
                 used_bytes=self._book.used_bytes,
                 key_count=len(self._book),
-                evicted_key_count=self._evicted_keys,
+                evicted_key_count=self._book.evicted_objects,
                 evicted_bytes=self._book.evicted_bytes,
-                eviction_passes=self._eviction_passes,
+                eviction_passes=self._book.evict_passes,
             )
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             self._data.clear()
-            self._group_keys.clear()
 
     # -- internals -------------------------------------------------------------------------
-    def _drop_groups(self, groups: Sequence[str]) -> None:
-        self._eviction_passes += 1
-        for group in groups:
-            for key in self._group_keys.pop(group, ()):
-                if self._data.pop(key, None) is not None:
-                    self._evicted_keys += 1
-
     def _check_open(self) -> None:
         if self._closed:
             raise ValueError("the pool is closed")

@@ -170,7 +170,7 @@ def _search(run_toml: str, inp: Inputs) -> tuple[dict | None, str]:
     """``data.plan`` with failures turned into a message (never a traceback)."""
     from kvpool.scenario import ScenarioError
     from kvpool.sim.plan import PlanError
-    from kvpool.sim.workload.errors import TraceError
+    from kvpool.workload.errors import TraceError
 
     try:
         return data.plan(run_toml, inp.targets, inp.vary, inp.load, inp.workers, inp.max_runs), ""

@@ -112,7 +112,7 @@ def run(
     n_workers = workers or min(len(loads), os.cpu_count() or 1)
     console = Console(stderr=True)
     key = load_key(s)
-    from kvpool.sim.workload.errors import TraceError
+    from kvpool.workload.errors import TraceError
 
     try:
         with executor_runner(executor, address, n_workers, console, json_) as runner, \
@@ -170,7 +170,7 @@ def compare(
     console = Console(stderr=True)
     arms: dict[str, list[dict]] = {}
     n_workers = workers or min(len(loads), os.cpu_count() or 1)
-    from kvpool.sim.workload.errors import TraceError
+    from kvpool.workload.errors import TraceError
 
     try:
         with executor_runner(executor, address, n_workers, console, json_) as runner, _progress(console, json_) as progress:
@@ -217,7 +217,7 @@ def plan(
     except pl.PlanError as e:
         raise UserError(str(e)) from None
     console = Console(stderr=True)
-    from kvpool.sim.workload.errors import TraceError
+    from kvpool.workload.errors import TraceError
 
     try:
         with executor_runner(executor, address, max(1, workers), console, json_) as runner, \

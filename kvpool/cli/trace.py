@@ -25,7 +25,7 @@ app = typer.Typer(help="Agent-session traces: stats, synthetic generation, conve
 def _load(path: Path, skip_bad: bool, quiet: bool = False):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvpool.sim.workload import TraceError, load_workload
+    from kvpool.workload import TraceError, load_workload
 
     try:
         if quiet:
@@ -77,7 +77,7 @@ def stats(
     skip_bad: bool = typer.Option(False, "--skip-bad", help="leave malformed traces out (reported on stderr)"),
 ) -> None:
     """Statistics of a workload: sizes, reuse ceiling, pauses, sessions (see docs/traces.md)."""
-    from kvpool.sim.workload import workload_stats
+    from kvpool.workload import workload_stats
 
     w = _load(path, skip_bad, quiet=as_json)
     st = workload_stats(w)
@@ -110,15 +110,16 @@ def synth(
     """Generate synthetic agent sessions in the Weka format."""
     from rich.progress import Progress
 
-    from kvpool.sim.workload.synth import PRESETS, generate_session, preset_params
+    from kvpool.workload.presets import PRESETS
+    from kvpool.workload.synth import generate_session, preset_params
 
     if preset not in PRESETS:
-        raise UserError(f"unknown preset '{preset}'; choose one of: {', '.join(sorted(PRESETS))}")
+        raise UserError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
     if not 0 < context_scale <= 10:
         raise UserError(f"--context-scale {context_scale:g}: must be > 0 and <= 10")
     params = preset_params(preset).with_context_scale(context_scale)
-    from kvpool.sim.workload.load import write_weka_jsonl
-    from kvpool.sim.workload.synth import write_weka_dir
+    from kvpool.workload.load import write_weka_jsonl
+    from kvpool.workload.synth import write_weka_dir
 
     with Progress(transient=True, disable=None) as bar:
         task = bar.add_task("generating", total=sessions)
@@ -144,8 +145,8 @@ def convert(
     skip_bad: bool = typer.Option(False, "--skip-bad", help="leave malformed traces out"),
 ) -> None:
     """Convert between the Weka (AgentX) format and Mooncake JSONL (512-token blocks)."""
-    from kvpool.sim.workload.load import write_jsonl_rows, write_weka_jsonl
-    from kvpool.sim.workload.mooncake import MOONCAKE_BLOCK_TOKENS, sessions_to_mooncake_rows, weka_to_mooncake_rows
+    from kvpool.workload.load import write_jsonl_rows, write_weka_jsonl
+    from kvpool.workload.mooncake import MOONCAKE_BLOCK_TOKENS, sessions_to_mooncake_rows, weka_to_mooncake_rows
 
     if to not in ("mooncake", "weka"):
         raise UserError(f"--to must be 'mooncake' or 'weka', got '{to}'")

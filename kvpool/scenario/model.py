@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvpool.policy.kvspec import ExtraRecord, KVSpec, every_kth_layer
+from kvpool.workload.presets import PRESETS
 
 
 class _Section(BaseModel):
@@ -206,8 +207,6 @@ class WorkloadConfig(_Section):
     @field_validator("preset")
     @classmethod
     def _known_preset(cls, v: str) -> str:
-        from kvpool.sim.workload.synth import PRESETS
-
         if v not in PRESETS:
             raise ValueError(f"allowed: {', '.join(PRESETS)}")
         return v

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ["kvpool", "policy", "sim", "backend", "kernels", "scenarios", "dashboard"]
+FOLDERS = ["kvpool", "policy", "workload", "sim", "backend", "kernels", "scenarios", "dashboard"]
 # Streamlit page scripts run UI code at import; they are checked by the dashboard's own tests.
 SCRIPT_DIRS = {"pages"}
 
@@ -42,12 +42,14 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
-def test_wheel_contains_every_module_and_scenario(wheel):
+def test_wheel_contains_every_module_scenario_and_preset(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for mod in source_modules():
         path = mod.replace(".", "/")
         assert f"{path}.py" in names or f"{path}/__init__.py" in names, mod
     assert "kvpool/scenarios/mi355x-1p1d.toml" in names
+    presets = sorted(p.name for p in (ROOT / "workload" / "presets").glob("*.json"))
+    assert presets and all(f"kvpool/workload/presets/{p}" in names for p in presets), presets
 
 
 def test_fresh_venv_imports_everything_from_the_wheel(wheel, tmp_path):
@@ -67,9 +69,12 @@ def test_fresh_venv_imports_everything_from_the_wheel(wheel, tmp_path):
         f"for m in {mods!r}: importlib.import_module(m)\n"
         "from kvpool.scenario import load_scenario\n"
         "print(load_scenario('mi355x-1p1d').name)\n"
+        "from kvpool.workload.presets import PRESETS\n"
+        "from kvpool.workload.synth import preset_params\n"
+        "print(','.join(preset_params(name).name for name in PRESETS))\n"
     )
     r = subprocess.run([py, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "mi355x-1p1d"
+    assert r.stdout.split() == ["mi355x-1p1d", "agentx-062126,kv-cache-tester"]
     h = subprocess.run([venv / "bin" / "kvpool", "--help"], capture_output=True, text=True, cwd=tmp_path)
     assert h.returncode == 0 and "scenario" in h.stdout

@@ -1,11 +1,11 @@
-"""policy.grouptable: the integer-id grouped pool agrees with policy.eviction's contract."""
+"""policy.grouptable: the integer-id grouped pool (the simulator's); its fast paths decide as its
+general ones. That it decides as ``policy.eviction`` says: ``test_eviction_differential.py``."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.policy.eviction import GroupedPool
 from kvpool.policy.grouptable import ORDERS, GroupTable
 
 
@@ -21,7 +21,7 @@ def test_group_evicted_whole_and_capacity_respected(order):
 
 
 @pytest.mark.parametrize("order", ORDERS)
-def test_pins_and_all_or_nothing(order):
+def test_pinned_groups_are_never_victims(order):
     t = GroupTable(100, [50], order, high_watermark=1.0)
     t.put([0, 1], 0, 0.0)
     t.pin([0, 1])
@@ -68,30 +68,16 @@ def test_groups_being_written_are_not_victims_of_their_own_pass():
     assert t.used_bytes == 950 and t.evicted_groups == 0
 
 
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["put", "read", "pin", "unpin"]), st.integers(0, 12)), max_size=80))
-def test_same_decisions_as_grouped_pool_lru(ops):
-    """Single-slot objects of equal size: both implementations keep the same groups."""
-    ref = GroupedPool(100, "lru", high_watermark=0.9, evict_ratio=0.05)
-    tab = GroupTable(100, [10], "lru", high_watermark=0.9, evict_ratio=0.05)
-    for t, (op, g) in enumerate(ops):
-        now = float(t)
-        if op == "put":
-            r = ref.put(f"k{g}", f"g{g}", 10, now)
-            o = tab.put([g], 0, now)
-            assert (r.stored and not r.already_present) == (o.stored == 1)
-        elif op == "read":
-            assert ref.exists([f"k{g}"], now)[0] == bool(tab.lookup([g], 0, now)[0])
-        elif op == "pin":
-            ref.pin(f"g{g}")
-            if tab.contains(g, 0):
-                tab.pin([g])
-        else:
-            ref.unpin(f"g{g}")
-            tab.unpin([g])
-        held = {int(k[1:]) for k in ref._objects}
-        assert held == set(np.flatnonzero(tab.present[:, 0]).tolist())
-        assert ref.used_bytes == tab.used_bytes
+def test_remove_deletes_single_objects_and_keeps_the_group_state():
+    t = GroupTable(1000, [10, 20], "lfu")
+    t.put([1, 2], [0, 1], 0.0)
+    t.lookup([1], 0, 1.0)
+    assert t.remove([1, 1, 3], 0).tolist() == [True, False, False]  # a repeat removes once
+    assert t.used_bytes == 50 and not t.contains(1, 0) and t.contains(1, 1)
+    assert (t._count[1], t._last[1], t._inserted[1]) == (1, 1.0, 1)
+    assert t.remove([1], 1).tolist() == [True] and t.used_bytes == 30 and t.objects == 2
+    t.put([1], 0, 2.0)  # holding nothing, the group is inserted anew
+    assert (t._count[1], t._inserted[1]) == (0, 3) and t.evicted_groups == 0
 
 
 def test_bad_arguments():

@@ -1,5 +1,6 @@
-"""The policy core's result types keep the frozen-dataclass contract with their hand-written
-(faster) initialisers: fields by position and name, defaults, equality, hashing, immutability."""
+"""The policy core's result types keep the frozen-dataclass contract (``HitResult`` with its
+hand-written, faster initialiser; ``PutOutcome`` slotted): fields by position and name, defaults,
+equality, hashing, immutability."""
 
 import dataclasses
 
@@ -25,6 +26,6 @@ def test_put_outcome_is_a_frozen_dataclass():
     p = PutOutcome(1, 2, 3, 4)
     assert p.evicted_ids.dtype == np.int64 and p.evicted_ids.size == 0
     assert p == PutOutcome(1, 2, 3, 4, np.arange(3))  # evicted_ids are not compared
-    assert [f.name for f in dataclasses.fields(p)] == list(vars(p))
+    assert [f.name for f in dataclasses.fields(p)] == list(PutOutcome.__slots__) and not hasattr(p, "__dict__")
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.stored = 0

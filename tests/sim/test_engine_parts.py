@@ -100,7 +100,7 @@ def test_play_prompts_do_not_write_over_a_list_another_thread_extended():
     import numpy as np
 
     from kvpool.sim.prompt import PlayPrompts
-    from kvpool.sim.workload.model import BlockStoreBuilder
+    from kvpool.workload.model import BlockStoreBuilder
 
     b = BlockStoreBuilder()
     b.add(-1, 0, np.array([1, 2, 3]), 3)  # request 0, thread 0
@@ -125,7 +125,7 @@ def test_dispatch_and_wake_are_frozen_dataclasses():
 
     import pytest
 
-    from kvpool.sim.workload.replay import Dispatch, Wake
+    from kvpool.workload.replay import Dispatch, Wake
 
     d = Dispatch(1, 2, 3, None, None, "s", 5, "profile", 1.5)
     assert [getattr(d, f.name) for f in dataclasses.fields(d)] == [1, 2, 3, None, None, "s", 5, "profile", 1.5]

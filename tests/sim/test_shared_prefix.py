@@ -4,14 +4,14 @@ definitions, cached once for all sessions on the GPU and in the pool."""
 from __future__ import annotations
 
 import numpy as np
-from conftest import req, trace
+from trace_builders import req, trace
 
 from kvpool.scenario import load_scenario
 from kvpool.sim.engine import Simulation
 from kvpool.sim.keys import KeySpace
-from kvpool.sim.workload.model import Workload
-from kvpool.sim.workload.replay import AgentXReplay
-from kvpool.sim.workload.weka import session_from_weka
+from kvpool.workload.model import Workload
+from kvpool.workload.replay import AgentXReplay
+from kvpool.workload.weka import session_from_weka
 from test_sim_invariants import growing_session, infinite_cache_hit
 
 SCENARIO = "mi355x-1p1d"  # one prefill instance: every request meets the same GPU cache

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import KV_TRACES
+from trace_builders import KV_TRACES
 
 KVPOOL = shutil.which("kvpool", path=str(Path(sys.executable).parent)) or "kvpool"
 TRACE = str(KV_TRACES / "trace_0002.json.gz")

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import KV_TRACES, req, trace
+from trace_builders import KV_TRACES, req, trace
 
 from kvpool.scenario import load_scenario
 from kvpool.sim.engine import Simulation
 from kvpool.sim.metrics import summarize
 from kvpool.sim.run import run_point, sweep
-from kvpool.sim.workload.load import load_workload
-from kvpool.sim.workload.model import Workload
-from kvpool.sim.workload.replay import AgentXReplay
-from kvpool.sim.workload.weka import session_from_weka
+from kvpool.workload.load import load_workload
+from kvpool.workload.model import Workload
+from kvpool.workload.replay import AgentXReplay
+from kvpool.workload.weka import session_from_weka
 
 SCENARIO = "mi355x-1p1d"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import KV_TRACES
+from trace_builders import KV_TRACES
 from kvpool.scenario.load import load_scenario
 from kvpool.sim import executor as ex
 from kvpool.sim import plan as pl

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import req, spawn_join_trace, sub, trace
+from trace_builders import req, spawn_join_trace, sub, trace
 
-from kvpool.sim.workload import Workload
-from kvpool.sim.workload.replay import AgentXReplay, ProductionReplay, run_fixed_latency
-from kvpool.sim.workload.weka import session_from_weka
+from kvpool.workload import Workload
+from kvpool.workload.replay import AgentXReplay, ProductionReplay, run_fixed_latency
+from kvpool.workload.weka import session_from_weka
 
 
 def _wl(*docs) -> Workload:

@@ -90,7 +90,7 @@ from typing import Literal
 
 import numpy as np
 
-from kvpool.sim.workload.model import Request, Session, Workload
+from kvpool.workload.model import Request, Session, Workload
 
 Phase = Literal["primer", "warmup", "profile", "cold"]
 _EPS_S = 1e-9

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import MOONCAKE, spawn_join_trace, write
+from trace_builders import MOONCAKE, spawn_join_trace, write
 
 from kvpool.cli import main
-from kvpool.sim.workload import load_workload, workload_stats
-from kvpool.sim.workload.synth import synthetic_workload
+from kvpool.workload import load_workload, workload_stats
+from kvpool.workload.synth import synthetic_workload
 
 
 def _run(capsys, *argv) -> tuple[int, str, str]:

@@ -6,9 +6,9 @@ import gzip
 import json
 
 import pytest
-from conftest import MOONCAKE, req, spawn_join_trace, trace, write
+from trace_builders import MOONCAKE, req, spawn_join_trace, trace, write
 
-from kvpool.sim.workload import TraceError, load_workload
+from kvpool.workload import TraceError, load_workload
 
 
 def _ids(w):
@@ -124,7 +124,7 @@ def test_mooncake_bad_row_names_the_line(tmp_path):
 
 
 def test_mooncake_conversation_block_reuse_matches_the_reference():
-    from kvpool.sim.workload import workload_stats
+    from kvpool.workload import workload_stats
 
     st = workload_stats(load_workload(MOONCAKE / "conversation_trace.jsonl"))
     assert st["requests"] == 12031 and st["input_tokens_all_p50"] == 6909

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.sim.workload.errors import TraceError
-from kvpool.sim.workload.model import Session, SkippedTrace, Workload
-from kvpool.sim.workload.mooncake import session_from_mooncake_row
-from kvpool.sim.workload.weka import session_from_weka
+from kvpool.workload.errors import TraceError
+from kvpool.workload.model import Session, SkippedTrace, Workload
+from kvpool.workload.mooncake import session_from_mooncake_row
+from kvpool.workload.weka import session_from_weka, session_to_weka
 
 SUFFIXES = (".json", ".json.gz", ".jsonl", ".jsonl.gz")
 Progress = Callable[[int, int], None]
@@ -227,8 +227,6 @@ def load_workload(path: str | Path, *, skip_bad: bool = False, progress: Progres
 
 def write_weka_jsonl(sessions, out: str | Path) -> int:
     """Write sessions (or Weka documents) as traces, one per line (``.gz``: gzip). Returns the count."""
-    from kvpool.sim.workload.weka import session_to_weka
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     opener = gzip.open if out.name.endswith(".gz") else open

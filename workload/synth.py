@@ -7,9 +7,10 @@ Contract:
       sessions are independent, so N sessions can be generated in any order or in parallel.
     * ``generate_records`` is the light form (no block ids) used by the fitting loop;
       ``records_stats`` computes the calibration statistics from it with the definitions of
-      :mod:`kvpool.sim.workload.stats`.
-    * Presets: ``PRESETS`` / ``preset_params(name)``; their numbers live in
-      :mod:`kvpool.sim.workload.presets`, written by :mod:`kvpool.sim.workload.fit`.
+      :mod:`kvpool.workload.stats`.
+    * Presets: ``preset_params(name)`` for a name in ``kvpool.workload.presets.PRESETS``; their
+      numbers are package data (:mod:`kvpool.workload.presets`), written by
+      :mod:`kvpool.workload.fit`.
 
 The session model (docs/traces.md, "Synthetic sessions"):
     * A main thread of ``turns`` requests. The first has ``init_tokens`` of input. Each later turn
@@ -43,6 +44,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+
+from kvpool.workload.model import Session, Workload
+from kvpool.workload.presets import preset_fields
+from kvpool.workload.weka import session_from_weka, session_to_weka
 
 BLOCK_TOKENS = 64
 LONG_PAUSE_S = 300.0
@@ -346,9 +351,6 @@ def generate_session(p: SynthParams, *, seed: int, index: int) -> dict:
 
 def write_weka_dir(docs, out: str | Path) -> int:
     """Write documents (or Sessions) as ``<id>.json.gz`` files in directory ``out``."""
-    from kvpool.sim.workload.model import Session
-    from kvpool.sim.workload.weka import session_to_weka
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     n = 0
@@ -360,12 +362,9 @@ def write_weka_dir(docs, out: str | Path) -> int:
     return n
 
 
-def synthetic_workload(preset: str, sessions: int, seed: int, *, context_scale: float = 1.0):
+def synthetic_workload(preset: str, sessions: int, seed: int, *, context_scale: float = 1.0) -> Workload:
     """A :class:`Workload` of ``sessions`` synthetic sessions, in memory (no file);
     ``context_scale``: see ``SynthParams.with_context_scale``."""
-    from kvpool.sim.workload.model import Workload
-    from kvpool.sim.workload.weka import session_from_weka
-
     p = preset_params(preset).with_context_scale(context_scale)
     return Workload(tuple(session_from_weka(generate_session(p, seed=seed, index=k), source=f"synth:{preset}") for k in range(sessions)))
 
@@ -436,11 +435,4 @@ def records_stats(recs: list[SessionRecords]) -> dict[str, float]:
 
 def preset_params(name: str) -> SynthParams:
     """The fitted parameters of preset ``name`` (KeyError lists the presets)."""
-    from kvpool.sim.workload.presets import PRESET_DICTS
-
-    if name not in PRESET_DICTS:
-        raise KeyError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESET_DICTS))}")
-    return SynthParams.from_dict(PRESET_DICTS[name])
-
-
-PRESETS = ("kv-cache-tester", "agentx-062126")
+    return SynthParams.from_dict(preset_fields(name))

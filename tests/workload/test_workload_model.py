@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
-from conftest import req, spawn_join_trace, sub, trace
+from trace_builders import req, spawn_join_trace, sub, trace
 
-from kvpool.sim.workload.weka import session_from_weka, session_to_weka
+from kvpool.workload.weka import session_from_weka, session_to_weka
 
 
 def _by_source(s):
@@ -83,18 +83,24 @@ def test_weka_writer_roundtrips_deps_and_ids():
     assert all(np.array_equal(s.block_ids(i), s2.block_ids(i)) for i in range(len(s.requests)))
 
 
-def test_workload_layer_imports_without_simpy_or_scipy():
-    """The backend's production mode reuses the workload layer where SimPy is not installed."""
+def test_workload_layer_imports_nothing_of_the_simulator():
+    """The simulator and production mode's replay client share the workload layer: every module
+    but the preset fitting imports without SimPy, scipy, torch or any of ``kvpool.sim``."""
+    import pkgutil
     import subprocess
     import sys
 
+    import kvpool.workload
+
+    names = sorted(m.name for m in pkgutil.iter_modules(kvpool.workload.__path__, "kvpool.workload."))
+    assert "kvpool.workload.replay" in names and "kvpool.workload.synth" in names
     code = (
         "import sys\n"
         "class Block:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('simpy', 'scipy'):\n"
+        "        if name.split('.')[0] in ('simpy', 'scipy', 'torch') or name.startswith('kvpool.sim'):\n"
         "            raise ImportError(name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import kvpool.sim.workload, kvpool.sim.workload.replay, kvpool.sim.workload.synth\n"
+        f"import {', '.join(n for n in names if n != 'kvpool.workload.fit')}\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,10 +1,10 @@
 """Production replay: a lane that starts inside a session marks cold every thread it joins midway."""
 
-from conftest import req, sub, trace
+from trace_builders import req, sub, trace
 
-from kvpool.sim.workload.model import Workload
-from kvpool.sim.workload.replay import ProductionReplay, run_fixed_latency
-from kvpool.sim.workload.weka import session_from_weka
+from kvpool.workload.model import Workload
+from kvpool.workload.replay import ProductionReplay, run_fixed_latency
+from kvpool.workload.weka import session_from_weka
 
 
 def session():

@@ -10,10 +10,10 @@ import shutil
 import struct
 
 import pytest
-from conftest import KV_TRACES
+from trace_builders import KV_TRACES
 
-from kvpool.sim.workload import load_workload, workload_stats
-from kvpool.sim.workload.replay import AgentXReplay, run_fixed_latency
+from kvpool.workload import load_workload, workload_stats
+from kvpool.workload.replay import AgentXReplay, run_fixed_latency
 
 WITH_SUBAGENTS = {
     "0003": 2, "0004": 2, "0010": 4, "0014": 1, "0017": 1, "0020": 1, "0254": 5, "0256": 12, "0267": 6,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpool.sim.workload.model import Session, Workload
+from kvpool.workload.model import Session, Workload
 
 PAUSE_CAP_S = 300.0
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.sim.workload.errors import TraceError
-from kvpool.sim.workload.model import BlockStoreBuilder, Request, Session, Thread
+from kvpool.workload.errors import TraceError
+from kvpool.workload.model import BlockStoreBuilder, Request, Session, Thread
 
 MOONCAKE_BLOCK_TOKENS = 512
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")

@@ -1,4 +1,4 @@
-"""Weka / AgentX trace documents <-> :class:`~kvpool.sim.workload.model.Session`.
+"""Weka / AgentX trace documents <-> :class:`~kvpool.workload.model.Session`.
 
 Contract (the format is described in docs/traces.md and ../shared/reference/agentx-traces.md):
     * ``session_from_weka(doc)`` validates one trace object and returns a Session. Required trace
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.sim.workload.errors import TraceError
-from kvpool.sim.workload.model import (
+from kvpool.workload.errors import TraceError
+from kvpool.workload.model import (
     KEYFRAME_EVERY,
     BlockStoreBuilder,
     Dep,
@@ -208,7 +208,7 @@ def session_from_weka(doc: Any, *, source: str = "", id_table: list[np.ndarray] 
     """Validate one Weka trace object and build its :class:`Session` (raises :class:`TraceError`).
 
     ``id_table``: pre-parsed ``hash_ids`` arrays; a request whose ``hash_ids`` is ``{"@": k}``
-    takes ``id_table[k]`` (the loader's fast path, see :mod:`kvpool.sim.workload.load`).
+    takes ``id_table[k]`` (the loader's fast path, see :mod:`kvpool.workload.load`).
     """
     if not isinstance(doc, dict):
         raise TraceError("a trace must be a JSON object", file=source)

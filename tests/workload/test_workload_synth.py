@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvpool.sim.workload.fit import AGENTX_TARGETS, light_stats
-from kvpool.sim.workload.synth import PRESETS, QTable, generate_session, preset_params, synthetic_workload
-from kvpool.sim.workload.weka import session_from_weka
+from kvpool.workload.fit import AGENTX_TARGETS, light_stats
+from kvpool.workload.presets import PRESETS
+from kvpool.workload.synth import QTable, generate_session, preset_params, synthetic_workload
+from kvpool.workload.weka import session_from_weka
 
 #: kv-cache-tester corpus values (agentx-traces.md §5.2) the preset was fitted to.
 TESTER_TARGETS = {
