@@ -135,3 +135,85 @@ def test_dispatch_and_wake_are_frozen_dataclasses():
     for obj, name in ((d, "key"), (w, "done")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, name, 0)
+
+
+def test_admit_step_resumes_where_a_waiting_process_would():
+    """The admit step's callbacks run in the queue slots of a SimPy process that waits on
+    ``admitted | timeout(max_wait_s)`` (the policy's arrive/release/expire in both): markers
+    scheduled at the same moments land in the same order, for a release before a deadline, a
+    release at a deadline's moment after the deadline fired, and a waiter that times out."""
+    import simpy
+
+    from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
+    from kvpool.sim.events import start
+    from kvpool.sim.metrics import RequestRecord
+    from kvpool.sim.steps.admit import Admit
+
+    def model(use_step: bool) -> list:
+        env = simpy.Environment()
+        gate = AdmissionGate(GateConfig(tokens_per_decode=1000, budget_fraction=1.0, max_wait_s=2.0), 1)
+        log: list = []
+        step, waiters = Admit(env, gate), {}
+
+        def ref_wait(rec):
+            a = gate.arrive(rec.key, rec.in_tokens, rec.out_tokens, env.now)
+            if a.verdict is Verdict.ADMITTED:
+                log.append((env.now, "admitted", rec.key, a.decode))
+                return
+            ev = waiters[rec.key] = env.event()
+            yield ev | env.timeout(gate.config.max_wait_s)
+            if not gate.expire(rec.key):
+                log.append((env.now, "admitted", rec.key, ev.value))
+                return
+            del waiters[rec.key]
+            log.append((env.now, "rejected", rec.key, None))
+
+        def arrive(key, need):
+            rec = RequestRecord(key, "s", 0, True, env.now, need - 1, 1)
+            if use_step:
+                start(env, lambda _c: step.arrive(rec, lambda d: log.append((env.now, "admitted", key, d)),
+                                                  lambda: log.append((env.now, "rejected", key, None))))
+            else:
+                env.process(ref_wait(rec))
+
+        def release(key):
+            if use_step:
+                step.release(key)
+            else:
+                for wkey, d in gate.release(key):
+                    waiters.pop(wkey).succeed(d)
+            for i in range(2):  # markers at the release's moment
+                env.timeout(0).callbacks.append(lambda _e, i=i: log.append((env.now, "marker", key, i)))
+
+        def script():
+            arrive("a", 900)  # admitted at once
+            yield env.timeout(1.0)
+            arrive("b", 500)  # waits; deadline 3.0
+            arrive("c", 900)  # waits; deadline 3.0
+            yield env.timeout(0.5)
+            env.process(at(0.5, lambda: release("a")))  # at 2.0, before b's deadline: b admitted
+            env.process(at(0.5, lambda: arrive("d", 100)))  # d admitted at once (fits beside b)
+            yield env.timeout(0.25)
+            env.process(at(1.25, lambda: release("b")))  # at 3.0, after the deadlines fired: c admitted
+            env.timeout(1.25).callbacks.append(lambda _e: log.append((env.now, "marker", "deadline", 0)))
+            yield env.timeout(2.0)
+            arrive("e", 1000)  # waits on a full gate until its deadline at 5.75
+
+        def at(delay, fn):
+            yield env.timeout(delay)
+            fn()
+
+        env.process(script())
+        env.run()
+        return log
+
+    got, want = model(True), model(False)
+    assert got == want
+    assert want == [(0, "admitted", "a", 0),
+                    (2.0, "admitted", "d", 0),  # a new arrival fits beside b at once
+                    (2.0, "marker", "a", 0), (2.0, "marker", "a", 1),
+                    (2.0, "admitted", "b", 0),  # two entries after the release: after its markers
+                    (3.0, "marker", "deadline", 0),
+                    (3.0, "admitted", "c", 0),  # its deadline fired first; the release admits it then
+                    (3.0, "marker", "b", 0), (3.0, "marker", "b", 1),
+                    (5.75, "rejected", "e", None)]
