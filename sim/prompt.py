@@ -128,6 +128,7 @@ class Prompts:
         return got
 
     def build(self, d) -> Prompt:
+        """``d``'s prompt; its ids are kept as its thread's latest in ``play(d)``."""
         req, session = d.request, d.session
         bt = session.block_tokens
         max_block = self._max_block_id(session)
