@@ -5,4 +5,6 @@
 (new chunks -> pool, in the background) -> ``handoff`` (prefill -> decode per stage) -> decode ->
 finish. Each step module holds what its step needs of the world, built once, and one entry
 point that takes the request (``sim.request.Request``) and what to do when the step is done.
+``gpu`` (the GPU prefix cache's use and insert) and ``nics`` (the pool's NIC paths) serve two
+steps each.
 """

@@ -3,13 +3,7 @@
 Contract: ``Compute(world)(r, then)`` queues ``r``'s computed tokens (after its reused ones, the
 context) on its prefill instance (chunked prefill, ``PrefillInstance.compute``). When they are
 done: the record's ``prefill_end_s``, the instance's outstanding tokens drop, the prompt's full
-blocks are inserted in the GPU cache (used now; ``GPUPrefixCache.insert``), the insert is kept
-as the thread's latest (``PlayPrompts.inserts``), and ``then()``.
-
-The insert names the log entries it makes stale, so eviction skips them unread: the request's
-own hit and, when it is still the thread's latest, the insert the lookup found leading the
-prompt (both prefixes by construction); otherwise the thread's latest insert on this prefill,
-which the cache compares.
+blocks are held by the GPU cache, used now (``sim.steps.gpu.insert``), and ``then()``.
 """
 
 from __future__ import annotations
@@ -17,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvpool.sim.request import Request
+from kvpool.sim.steps import gpu
 from kvpool.sim.world import World
 
 
@@ -31,16 +26,8 @@ class Compute:
 
     def _computed(self, r: Request, then: Callable[[], None]) -> None:
         now = self.env.now
-        p, prompt, rec = r.prefill, r.prompt, r.rec
+        rec = r.rec
         rec.prefill_end_s = now
-        p.outstanding_tokens -= rec.in_tokens
-        bt = r.d.session.block_tokens
-        inserts = r.play.inserts
-        latest = inserts.get(prompt.thread)
-        if latest is r.last_insert and r.lead is not None:
-            entry = p.cache.insert(prompt.gpu_ids, now, bt, max_id=prompt.max_gpu_id, prefixes=(r.hit_entry, r.lead))
-        else:
-            entry = p.cache.insert(prompt.gpu_ids, now, bt, max_id=prompt.max_gpu_id, prefixes=(r.hit_entry,),
-                                   replaces=(latest[1],) if latest is not None and latest[0] == p.index else ())
-        inserts[prompt.thread] = (p.index, entry, prompt.request)
+        r.prefill.outstanding_tokens -= rec.in_tokens
+        gpu.insert(r, now)
         then()

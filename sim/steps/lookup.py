@@ -1,16 +1,11 @@
 """The lookup step: where a prompt's tokens come from (GPU prefix cache, pool, computed).
 
 Contract: ``Lookup(world)(r)`` takes a routed request (``r.prefill`` set) and its ``r.prompt``;
-it counts the prompt's leading blocks held by the prefill's GPU cache as used now, checks every
-rank x chunk in the pool in one batched call (``SimPool.lookup_runs``; with an SSD tier the
-presence rows, a chunk on the SSD counting for every stage) and decides with
-``policy.hits.compute_hits``. It fills ``r.hits``, ``r.hit_entry`` and ``r.in_dram`` and the
-record's token sources and ``prefill_start_s``.
-
-The GPU cache is told one thing it cannot see cheaply: the thread's latest insert on this
-prefill (``r.last_insert``), as ``lead``, when it is a prefix of this prompt. That is known
-without comparing when this prompt's ids were copied from that insert's request far enough
-(``Prompt.source``/``copied``), and checked by one comparison otherwise (``r.lead``).
+it counts the prompt's leading blocks held by the prefill's GPU cache as used now
+(``sim.steps.gpu.use``), checks every rank x chunk in the pool in one batched call
+(``SimPool.lookup_runs``; with an SSD tier the presence rows, a chunk on the SSD counting for
+every stage) and decides with ``policy.hits.compute_hits``. It fills ``r.hits`` and
+``r.in_dram`` and the record's token sources and ``prefill_start_s``.
 """
 
 from __future__ import annotations
@@ -18,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvpool.policy.hits import compute_hits
-from kvpool.sim.gpucache import same
 from kvpool.sim.request import Request
+from kvpool.sim.steps import gpu
 from kvpool.sim.world import World
 
 
@@ -36,16 +31,7 @@ class Lookup:
         now = self.env.now
         p, prompt, rec = r.prefill, r.prompt, r.rec
         bt = r.d.session.block_tokens
-        ids = prompt.gpu_ids
-        last = r.last_insert = r.play.inserts.get(prompt.thread)
-        lead = None
-        if last is not None and last[0] == p.index and last[1] is not None:
-            e = last[1]
-            k = e.ids.size
-            if k <= ids.size and ((last[2] == prompt.source and k <= prompt.copied) or same(e.ids, ids[:k])):
-                lead = e
-        r.lead = lead
-        run, r.hit_entry = p.cache.use(ids, now, max_id=prompt.max_gpu_id, lead=lead)
+        run = gpu.use(r, now)
         gids = prompt.gids
         pool = self.pool
         present = runs = None
