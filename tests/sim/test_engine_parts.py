@@ -217,3 +217,69 @@ def test_admit_step_resumes_where_a_waiting_process_would():
                     (3.0, "admitted", "c", 0),  # its deadline fired first; the release admits it then
                     (3.0, "marker", "b", 0), (3.0, "marker", "b", 1),
                     (5.75, "rejected", "e", None)]
+
+
+def _check_prompts(sim, shared_prefix_tokens: int) -> list[bool]:
+    """Run ``sim``, checking every Prompt it builds against its request's ids; per request,
+    whether its ids were copied from a kept list."""
+    import numpy as np
+
+    from kvpool.sim.keys import SHARED_PREFIX_SCOPE
+
+    prompts, keys = sim.lifecycle.prompts, sim.keys
+    build, seen = prompts.build, []
+
+    def checked_build(d):
+        p = build(d)
+        store, bt = d.session.blocks, d.session.block_tokens
+        want = store.block_ids(d.request.index)
+        assert np.array_equal(p.blocks, want) and (p.thread, p.request) == (d.request.thread, d.request.index)
+        full = min(want.size, d.request.in_tokens // bt)
+        gpu = want[:full].astype(np.int64) + keys.block_offset(d.scope, 0)  # (registered: its offset)
+        if shared_prefix_tokens and p.thread == 0:
+            k = min(shared_prefix_tokens // bt, full)
+            gpu[:k] = keys.block_offset(SHARED_PREFIX_SCOPE, shared_prefix_tokens) + np.arange(k)
+        assert np.array_equal(p.gpu_ids, gpu) and (not gpu.size or gpu.max() <= p.max_gpu_id)
+        assert p.gids.size == np.unique(p.gids).size and (not p.gids.size or p.gids.max() <= p.max_gid)
+        if p.copied:
+            assert np.array_equal(want[:p.copied], store.block_ids(p.source)[:p.copied])
+        seen.append(p.copied > 0)
+        return p
+
+    prompts.build = checked_build
+    assert len(sim.run()) == len(seen)
+    return seen
+
+
+@pytest.mark.parametrize("shared_prefix_tokens", [0, 150 * 64 + 17])
+def test_every_prompt_names_its_request_ids(shared_prefix_tokens):
+    """Over a replay (subagents, replayed plays; with and without a shared prefix), every
+    request's Prompt holds its block ids, their GPU cache ids (its scope's offset, a main-thread
+    prompt's shared blocks on the shared prefix's own ids), its full blocks only, within its
+    bounds, and ids copied from the play's request it names."""
+    from kvpool.scenario import load_scenario
+    from kvpool.sim.engine import Simulation
+    from kvpool.sim.run import make_replay, workload_for
+
+    s = load_scenario("mi355x-1p1d", ["workload.duration_s=600", f"workload.shared_prefix_tokens={shared_prefix_tokens}"])
+    seen = _check_prompts(Simulation(s, make_replay(s, workload_for(s), 8)), shared_prefix_tokens)
+    assert len(seen) > 100 and sum(seen) > len(seen) // 2  # most copy a kept list
+
+
+def test_every_mooncake_prompt_names_its_request_ids(tmp_path):
+    """The same for global-scope ids (Mooncake rows: 512-token blocks, a partial last block)."""
+    from trace_builders import MOONCAKE
+
+    from kvpool.scenario import load_scenario
+    from kvpool.sim.engine import Simulation
+    from kvpool.sim.run import make_replay
+    from kvpool.workload import load_workload
+
+    src = MOONCAKE / "conversation_trace.jsonl"
+    if not src.is_file():
+        pytest.skip(f"real Mooncake trace not found at {src}")
+    with src.open() as f:
+        (tmp_path / "head.jsonl").write_text("".join(next(f) for _ in range(1500)))
+    s = load_scenario("mi355x-1p1d", ["workload.mode=replay", "workload.duration_s=120"])
+    seen = _check_prompts(Simulation(s, make_replay(s, load_workload(tmp_path / "head.jsonl"), 8.0)), 0)
+    assert len(seen) > 500
