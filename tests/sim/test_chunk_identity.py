@@ -31,9 +31,9 @@ from kvpool.policy.chunks import ChunkDigest, chain_seed, digests_from_blocks, n
 from kvpool.scenario import load_scenario
 from kvpool.sim.engine import Simulation
 from kvpool.sim.run import make_replay
-from kvpool.sim.workload import load_workload
-from kvpool.sim.workload.model import Workload
-from kvpool.sim.workload.replay import Dispatch
+from kvpool.workload import load_workload
+from kvpool.workload.model import Workload
+from kvpool.workload.replay import Dispatch
 
 SCENARIO = "mi355x-1p1d"
 #: small real AgentX/Weka sessions; 0010, 0014 and 0254 have subagent threads
