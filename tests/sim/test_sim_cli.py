@@ -192,3 +192,16 @@ def test_plan_bad_target_and_vary(tmp_path):
     assert r.returncode == 2 and "unknown metric 'speed'" in r.stderr
     r = run("sim", "plan", "mi355x-1p1d", "--target", "reuse>=0.9", "--vary", "pool.nope=0..10")
     assert r.returncode == 2 and "pool has no field 'nope'" in r.stderr
+
+
+def test_usage_errors_are_one_error_line_with_status_2():
+    for args, needle in [
+        (["sim", "run", "--bogus"], "error: No such option: --bogus"),
+        (["sim", "plan", "mi355x-1p1d"], "error: Missing option '--target'"),
+        (["sim", "run", "--duration", "abc"], "error: Invalid value for '--duration'"),
+        (["sim", "nope"], "error: No such command 'nope'"),
+    ]:
+        r = run(*args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(needle), (args, r.stderr)
+        assert lines[0].endswith(f"(see kvpool {args[0]}{' ' + args[1] if args[1] != 'nope' else ''} --help)"), lines
