@@ -6,7 +6,7 @@ checks of issue 4 (GPU share falls and pool share rises with load, reuse >= 95 %
 trace ceiling, throughput rises from 56 to 96 and flattens at 112, TTFT p50 at 112 well above 96,
 decode KV occupancy highest at 112). Also writes the PNGs under --out.
 
-    python bench/figure6.py [--duration 3600] [--traces ../shared/traces/kv-cache-tester] [--out out/figure6]
+    .venv/bin/python bench/figure6.py [--duration 3600] [--traces ../shared/traces/kv-cache-tester] [--out out/figure6]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ Prints one JSON object: per figure, each arm's per-load metrics (the keys of ``k
 "A-B %" as A - 0.5 to B + 0.5 points (the seed's percentages are rounded); a ratio "within 15 %"
 of its target as the issue says. Also writes each figure's comparison PNG under --out.
 
-    python bench/four_servers.py [--figures 7,8] [--seed 7] [--out out/four-servers]
+    .venv/bin/python bench/four_servers.py [--figures 7,8] [--seed 7] [--out out/four-servers]
 """
 
 from __future__ import annotations

@@ -323,7 +323,7 @@ def main() -> None:
     ap.add_argument("--use-best", action="store_true", help="with --sweep: report the cases with the best variant")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print(json.dumps({"error": "no GPU: run on the H200 through the device tool"}))
+        print(json.dumps({"error": "needs a CUDA or ROCm GPU"}))
         sys.exit(2)
     import triton
 

@@ -4,7 +4,7 @@ Prints one JSON object. The limit measured in the same run is ``plain_parse_s``:
 file, gunzip and ``json.loads`` (nothing kept). Issue 3 asks for under 15 s and 1 GiB where the
 plain parse takes about 9 s, so ``limit_load_s`` is 15/9 of this run's plain parse (the machine is
 shared; an absolute number alone would measure the neighbours). Each phase runs in a fresh child process so peak
-memory (``ru_maxrss``) is per phase. Usage: ``python bench/load_traces.py [TRACES_DIR]``.
+memory (``ru_maxrss``) is per phase. Usage: ``.venv/bin/python bench/load_traces.py [TRACES_DIR]``.
 """
 
 from __future__ import annotations

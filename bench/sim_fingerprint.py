@@ -6,7 +6,7 @@ per-table state sizes), the GPU caches' counters (blocks held, evicted), the key
 the links' byte counts and the run's time series. Prints one line per configuration and the
 combined hash last; ``--json`` prints them as one object.
 
-    python bench/sim_fingerprint.py [--only NAME ...] [--json]
+    .venv/bin/python bench/sim_fingerprint.py [--only NAME ...] [--json]
 """
 
 from __future__ import annotations

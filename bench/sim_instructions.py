@@ -5,7 +5,7 @@ requests. Run it twice under ``valgrind --tool=callgrind`` with ``PYTHONHASHSEED
 without ``--no-run``: the difference of the two instruction totals is the simulation's, a measure
 that does not depend on how busy the machine is.
 
-    python bench/sim_instructions.py [--scenario mi355x-1p1d] [--sessions 112] [--duration 300] [--no-run]
+    .venv/bin/python bench/sim_instructions.py [--scenario mi355x-1p1d] [--sessions 112] [--duration 300] [--no-run]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ stays <= 2 GiB, linear in the work. Prints one JSON object: per point the reques
 requests per CPU second, peak RSS, and the ratio of each point's requests per CPU second to the
 smallest point's (1.0: no growth in cost per request).
 
-    python bench/sim_scale.py [--servers 4,8,16,32] [--duration 900] [--scenario mi350x-6p2d-shared]
+    .venv/bin/python bench/sim_scale.py [--servers 4,8,16,32] [--duration 900] [--scenario mi350x-6p2d-shared]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Prints one JSON object. The limit it is measured against is real time (the ratio
 mi355x-1p1d is >= 700x on one core) and, in the same run, a bare SimPy loop of the same number
 of events (``simpy_events_per_s``), the floor of any SimPy model on this machine.
 
-    python bench/sim_speed.py [--scenario mi355x-1p1d] [--sessions 112] [--duration 3600] [--traces PATH]
+    .venv/bin/python bench/sim_speed.py [--scenario mi355x-1p1d] [--sessions 112] [--duration 3600] [--traces PATH]
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the whole test suite. Extra arguments go to pytest.
+# Set up everything the tests need (scripts/setup.sh --all: every extra, torch's CPU build, the
+# Debian libraries) and run the whole test suite. Extra arguments go to pytest.
 #
 # The suite runs inside a private network namespace with only loopback up: Mooncake's transfer
 # engine binds the wildcard address and no flag changes that, so tests that start real Mooncake
 # processes are confined to 127.0.0.1 this way (as root: unshare -n; otherwise: unshare -rn).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+[ "${KVPOOL_IN_NETNS:-0}" = 1 ] || scripts/setup.sh --all
 
 if [ "${KVPOOL_IN_NETNS:-0}" = 1 ]; then
     exec .venv/bin/python -m pytest -q "$@"

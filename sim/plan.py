@@ -110,6 +110,28 @@ class PlanResult:
         return sorted(self.explored, key=lambda x: x[0])
 
 
+def why_none(result: PlanResult) -> list[str]:
+    """When no value met every target: per target, where it failed (every value tried, or which
+    ones) and its closest value, e.g. ``ttft_p90_s<=2.5 fails at every value tried (64..768):
+    closest 3.84 at 768``."""
+    curve = result.curve()
+    if not curve:
+        return ["no run finished"]
+    out = []
+    lo, hi = curve[0][0], curve[-1][0]
+    for tg in result.targets:
+        failing = [(v, row) for v, row, _ in curve if not tg.met(row)]
+        if not failing:
+            out.append(f"{tg} holds at every value tried")
+            continue
+        if len(failing) == len(curve):
+            v, row = min(failing, key=lambda x: abs(x[1][tg.metric] - tg.value))
+            out.append(f"{tg} fails at every value tried ({lo:g}..{hi:g}): closest {tg.metric}={row[tg.metric]:.4g} at {v:g}")
+        else:
+            out.append(f"{tg} fails at " + ", ".join(f"{v:g} ({tg.metric}={row[tg.metric]:.4g})" for v, row in failing))
+    return out
+
+
 def search(
     base: Scenario,
     variable: Variable,

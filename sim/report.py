@@ -1,5 +1,16 @@
 """Reports of simulator runs: terminal table, JSON/CSV files and a figure shaped like the seed's
-Figure 6 (throughput per GPU and the stacked token-source shares per load, with TTFT)."""
+Figure 6 (throughput per GPU and the stacked token-source shares per load, with TTFT).
+
+Contract:
+    * ``public(row)`` is a result's documented model outputs (docs/metrics.md), without time series
+      and without the wall-clock figures (``WALL_CLOCK_KEYS``), which ``timing(row)`` returns.
+    * ``run_document(rows, provenance, run)`` is the JSON document of a run: ``id`` (a short hash of
+      the provenance), ``provenance`` (what produced it, ``sim.provenance``), ``results`` (one
+      ``public`` object per load) and ``run`` (how this execution went: executor, workers and each
+      load's wall-clock figures). Equal inputs give documents equal outside ``run``, byte for byte.
+    * ``write_files(rows, out_dir, stem, ...)`` writes ``stem.json`` (that document), ``stem.csv``
+      (the ``public`` keys) and ``stem.png``.
+"""
 
 from __future__ import annotations
 
@@ -32,14 +43,56 @@ def load_of(row: dict) -> tuple[str, float]:
     return ("sessions", row["sessions"]) if "sessions" in row else ("rps", row["rps"])
 
 
+#: Figures of the machine that ran the simulation, not of the simulated system (the ``run`` block).
+WALL_CLOCK_KEYS = ("wall_s", "cpu_s", "sim_s_per_wall_s")
+
+
 def public(row: dict) -> dict:
-    """The documented keys of one result (docs/metrics.md), without time series."""
-    out = {k: row[k] for k in SUMMARY_KEYS if k in row}
-    for extra in ("scenario", "simulated_s", "cpu_s", "sim_s_per_wall_s", "pool_evicted_groups", "prompt_tokens",
-                  "output_tokens", "window_s"):
+    """The documented model outputs of one result (docs/metrics.md): no time series, no wall clock."""
+    out = {k: row[k] for k in SUMMARY_KEYS if k in row and k not in WALL_CLOCK_KEYS}
+    for extra in ("scenario", "simulated_s", "pool_evicted_groups", "prompt_tokens", "output_tokens", "window_s"):
         if extra in row:
             out[extra] = row[extra]
     return out
+
+
+def timing(row: dict) -> dict:
+    """One load's wall-clock figures, with its load: ``{"sessions": 56, "wall_s": ..., ...}``."""
+    key, value = load_of(row)
+    return {key: value, **{k: row[k] for k in WALL_CLOCK_KEYS if k in row}}
+
+
+def run_info(rows: Sequence[dict], *, executor: str = "local", workers: int = 1) -> dict:
+    """The ``run`` block: how this execution went (never part of the comparison of two results)."""
+    return {"executor": executor, "workers": workers, "loads": [timing(r) for r in rows]}
+
+
+#: A result below these is not a measurement: too few requests finished inside the window, or the
+#: median request waited for its first token longer than a quarter of the window.
+MIN_REQUESTS = 10
+MAX_TTFT_P50_FRACTION = 0.25
+
+
+def degenerate_reason(row: dict) -> str | None:
+    """Why one load's result is no measurement (docs/metrics.md, "Degenerate runs"), or None."""
+    window = row.get("duration_s", 0.0)
+    n = row.get("requests", 0)
+    if n == 0:
+        return (f"no request finished inside the {window:g} s window (the simulation ran {row.get('simulated_s', 0):.0f} s): "
+                "the window is shorter than one request takes; give a longer --duration")
+    if n < MIN_REQUESTS:
+        return (f"only {n} request{'s' if n > 1 else ''} finished inside the {window:g} s window (TTFT p50 "
+                f"{row.get('ttft_p50_s', 0):.1f} s): too few to measure; give a longer --duration")
+    if row.get("ttft_p50_s", 0) > MAX_TTFT_P50_FRACTION * window:
+        return (f"TTFT p50 {row['ttft_p50_s']:.1f} s is more than a quarter of the {window:g} s window: requests "
+                "take about as long as the window; give a longer --duration or a lower load")
+    return None
+
+
+def run_document(rows: Sequence[dict], provenance: dict, run: dict) -> dict:
+    from kvpool.sim.provenance import short_id
+
+    return {"id": short_id(provenance), "provenance": provenance, "results": [public(r) for r in rows], "run": run}
 
 
 def table(rows: Sequence[dict], title: str = "") -> Table:
@@ -52,11 +105,13 @@ def table(rows: Sequence[dict], title: str = "") -> Table:
     return t
 
 
-def write_files(rows: Sequence[dict], out_dir: Path, stem: str) -> list[Path]:
-    """``stem.json`` (documented keys), ``stem.csv`` and ``stem.png``; returns the paths."""
+def write_files(rows: Sequence[dict], out_dir: Path, stem: str, *, document: dict | None = None,
+                title: str = "") -> list[Path]:
+    """``stem.json`` (``document``, a ``run_document``; without one, the list of ``public`` rows),
+    ``stem.csv`` and ``stem.png`` (titled ``title``, else the stem); returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     js = out_dir / f"{stem}.json"
-    js.write_text(json.dumps([public(r) for r in rows], indent=2) + "\n")
+    js.write_text(json.dumps(document if document is not None else [public(r) for r in rows], indent=2) + "\n")
     cs = out_dir / f"{stem}.csv"
     keys = list(public(rows[0])) if rows else []
     with cs.open("w", newline="") as f:
@@ -65,7 +120,7 @@ def write_files(rows: Sequence[dict], out_dir: Path, stem: str) -> list[Path]:
         for r in rows:
             w.writerow(public(r))
     png = out_dir / f"{stem}.png"
-    figure(rows, png, title=stem)
+    figure(rows, png, title=title or stem)
     return [js, cs, png]
 
 

@@ -37,24 +37,43 @@ def _traces(path: str) -> Workload:
     return load_workload(path)
 
 
-@lru_cache(maxsize=4)
-def _synthetic(preset: str, sessions: int, seed: int, context_scale: float = 1.0) -> Workload:
-    """A synthetic workload, generated once and kept in the user's cache directory
-    (``$KVPOOL_CACHE_DIR``, default ``~/.cache/kvpool``) under a key that covers the preset's
-    parameters and the generator's source, so a changed generator never serves stale sessions."""
+def cache_dir() -> Path:
+    """Where synthetic workloads are kept: ``$KVPOOL_CACHE_DIR``, default ``~/.cache/kvpool``."""
+    return Path(os.environ.get("KVPOOL_CACHE_DIR", Path.home() / ".cache" / "kvpool"))
+
+
+def _synthetic_path(preset: str, sessions: int, seed: int, context_scale: float = 1.0) -> Path:
+    """The cache file of a synthetic workload, under a key that covers the preset's parameters and
+    the generator's source, so a changed generator never serves stale sessions."""
     import hashlib
     import inspect
     import json
-    import pickle
 
     from kvpool.workload import synth
 
     params = synth.preset_params(preset).with_context_scale(context_scale).to_dict()
     key = hashlib.sha256(json.dumps([params, sessions, seed, inspect.getsource(synth)], sort_keys=True,
                                     default=str).encode()).hexdigest()[:24]
-    root = Path(os.environ.get("KVPOOL_CACHE_DIR", Path.home() / ".cache" / "kvpool"))
     scale = "" if context_scale == 1 else f"x{context_scale:g}-"
-    path = root / f"synth-{preset}-{scale}{sessions}-{seed}-{key}.pkl"
+    return cache_dir() / f"synth-{preset}-{scale}{sessions}-{seed}-{key}.pkl"
+
+
+def synthetic_to_build(s: Scenario, traces: str | None = None) -> bool:
+    """Whether running ``s`` first generates its synthetic workload (no trace set, nothing cached)."""
+    if traces or s.workload.traces:
+        return False
+    return not _synthetic_path(s.workload.preset, s.workload.synthetic_sessions, s.seed, s.workload.context_scale).is_file()
+
+
+@lru_cache(maxsize=4)
+def _synthetic(preset: str, sessions: int, seed: int, context_scale: float = 1.0) -> Workload:
+    """A synthetic workload, generated once and kept in the user's cache directory (``cache_dir``)."""
+    import pickle
+
+    from kvpool.workload import synth
+
+    root = cache_dir()
+    path = _synthetic_path(preset, sessions, seed, context_scale)
     if path.is_file():
         try:
             with path.open("rb") as f:

@@ -22,7 +22,7 @@ def _have_gpu() -> bool:
 def pytest_collection_modifyitems(config, items):
     if _have_gpu():
         return
-    skip = pytest.mark.skip(reason="needs a GPU: run on the H200 through the device tool")
+    skip = pytest.mark.skip(reason="needs a CUDA or ROCm GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

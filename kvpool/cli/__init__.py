@@ -51,10 +51,41 @@ def _root(
     """kvpool command line."""
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``kvpool`` script."""
+def _click_exceptions():
+    """The click exceptions typer raises (recent typer versions carry their own copy of click)."""
     try:
-        app(args=argv, standalone_mode=True)
+        from typer._click import exceptions
+    except ImportError:
+        from click import exceptions
+    return exceptions
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``kvpool`` script. A usage mistake (unknown option or command, missing
+    argument, a value of the wrong type) is one ``error:`` line naming the command's ``--help``, with
+    exit status 2; a group given no command prints its help."""
+    cx = _click_exceptions()
+    try:
+        code = app(args=argv, standalone_mode=False)
     except UserError as e:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except cx.NoArgsIsHelpError as e:
+        try:
+            from typer import rich_utils
+
+            rich_utils.rich_format_error(e)
+        except ImportError:
+            e.show()
+        sys.exit(e.exit_code)
+    except cx.UsageError as e:
+        where = f"{e.ctx.command_path} --help" if e.ctx else "kvpool --help"
+        typer.echo(f"error: {e.format_message()} (see {where})", err=True)
+        sys.exit(2)
+    except cx.ClickException as e:
+        typer.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    except cx.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(1)
+    sys.exit(code if isinstance(code, int) else 0)

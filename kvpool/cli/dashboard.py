@@ -46,7 +46,7 @@ def dashboard(
     try:
         import streamlit  # noqa: F401
     except ImportError:
-        raise UserError("the dashboard needs Streamlit: pip install 'kvpool[dashboard]'") from None
+        raise UserError("the dashboard needs Streamlit: run scripts/setup.sh dashboard (or pip install 'kvpool[dashboard]')") from None
     typer.echo(f"kvpool dashboard: http://{ADDRESS}:{port} (Ctrl-C stops it)", err=True)
     cmd = streamlit_command(port)
     # Become the Streamlit server (no child left behind when this process is signalled).

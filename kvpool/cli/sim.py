@@ -84,6 +84,55 @@ def executor_runner(executor: str, address: str | None, workers: int, console: C
         raise UserError(str(e)) from None
 
 
+def prepare_workload(s, traces: str | None, console: Console) -> None:
+    """Generate a scenario's synthetic workload here, once, before its runs (saying so), so that it is
+    cached for every worker and for the next command."""
+    from kvpool.sim.run import cache_dir, synthetic_to_build, workload_for
+
+    if not synthetic_to_build(s, traces):
+        return
+    where = str(cache_dir())
+    home = str(Path.home())
+    if where.startswith(home + os.sep):
+        where = "~" + where[len(home):]
+    console.print(f"building the {s.workload.preset} workload ({s.workload.synthetic_sessions} sessions), "
+                  f"cached under {where} for next time")
+    workload_for(s, traces)
+
+
+def degenerate(rows: list[dict], prefix: str = "") -> list[str]:
+    """One line per load whose result is not a measurement (``sim.report.degenerate_reason``)."""
+    from kvpool.sim.report import degenerate_reason, load_of
+
+    out = []
+    for r in rows:
+        why = degenerate_reason(r)
+        if why:
+            key, value = load_of(r)
+            out.append(f"{prefix}{key} {value:g}: {why}")
+    return out
+
+
+def warn(lines: list[str]) -> None:
+    for line in lines:
+        typer.echo(f"warning: {line}", err=True)
+
+
+def title_of(prov: dict) -> str:
+    """``mi355x-1p1d, synthetic agentx-062126 (40 sessions), 3600 s per load, --set a=b``."""
+    from kvpool.sim.provenance import workload_label
+
+    text = f"{prov['scenario']['name']}, {workload_label(prov['workload'])}, {prov['duration_s']:g} s per load"
+    if prov.get("set"):
+        text += ", " + " ".join(f"--set {x}" for x in prov["set"])
+    return text
+
+
+OUT_NAMES = ("File names end in a short hash of the run's inputs (scenario content, overrides, seed, "
+             "workload, duration, loads, kvpool version), so runs of different inputs never overwrite "
+             "each other and a rerun of the same inputs replaces its own files.")
+
+
 @app.command()
 def run(
     scenario: str = typer.Argument("mi355x-1p1d", help="Built-in scenario name or TOML file."),
@@ -96,14 +145,17 @@ def run(
     workers: int = typer.Option(0, "--workers", help="Parallel processes (or local Ray CPUs) for a sweep (0: one per core, at most one per load)."),
     executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
     address: str = typer.Option(None, "--address", help=ADDRESS_HELP),
-    out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON, CSV and PNG of the run."),
-    json_: bool = typer.Option(False, "--json", help="Print one JSON list (one object per load; keys in docs/metrics.md)."),
+    out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON, CSV and PNG of the run. " + OUT_NAMES),
+    json_: bool = typer.Option(False, "--json", help="Print the run's JSON document (id, provenance, results: one object per load, run; docs/metrics.md)."),
 ) -> None:
-    """Simulate SCENARIO at one or more loads; print a summary, write JSON/CSV and a Figure-6-style PNG."""
+    """Simulate SCENARIO at one or more loads; print a summary, write JSON/CSV and a Figure-6-style PNG
+    (out/NAME-sessions-LOADS-ID.*, ID a hash of the inputs)."""
     from kvpool.sim import report
+    from kvpool.sim.provenance import provenance, short_id
     from kvpool.sim.run import load_key, sweep
 
-    s = load_or_exit(scenario, run_overrides(set_, duration=duration, seed=seed, sessions=sessions, rps=rps))
+    overrides = run_overrides(set_, duration=duration, seed=seed, sessions=sessions, rps=rps)
+    s = load_or_exit(scenario, overrides)
     if traces is not None and not os.path.exists(traces):
         raise UserError(f"--traces {traces}: no such file or directory")
     loads = parse_loads(sessions, "--sessions", True) or parse_loads(rps, "--rps", False)
@@ -115,6 +167,7 @@ def run(
     from kvpool.workload.errors import TraceError
 
     try:
+        prepare_workload(s, traces, console)
         with executor_runner(executor, address, n_workers, console, json_) as runner, \
                 Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} loads"),
                          TimeElapsedColumn(), console=console, transient=True, disable=json_) as progress:
@@ -122,14 +175,21 @@ def run(
             rows = sweep(s, loads, traces=traces, runner=runner, on_done=lambda load, _r: progress.advance(task))
     except TraceError as e:
         raise UserError(str(e)) from None
-    stem = f"{s.name}-{key}-" + "-".join(f"{x:g}" for x in loads)
-    paths = report.write_files(rows, out, stem)
+    prov = provenance(s, source=scenario, overrides=overrides, set_overrides=set_, traces=traces, load_key=key, loads=loads)
+    stem = f"{s.name}-{key}-" + "-".join(f"{x:g}" for x in loads) + f"-{short_id(prov)}"
+    doc = report.run_document(rows, prov, report.run_info(rows, executor=executor, workers=n_workers))
+    warnings = degenerate(rows)
+    if warnings:
+        doc["warnings"] = warnings
+    paths = report.write_files(rows, out, stem, document=doc, title=title_of(prov))
     if json_:
-        typer.echo(json.dumps([report.public(r) for r in rows], indent=2))
+        typer.echo(json.dumps(doc, indent=2))
+        warn(warnings)
         return
     wide = Console(width=max(Console().width, 150))
-    wide.print(report.table(rows, title=f"{s.name}: {s.workload.mode}, {s.workload.duration_s:g} s per load"))
+    wide.print(report.table(rows, title=title_of(prov)))
     console.print("wrote " + ", ".join(str(p) for p in paths))
+    warn(warnings)
 
 
 def _progress(console: Console, disable: bool) -> Progress:
@@ -148,13 +208,14 @@ def compare(
     workers: int = typer.Option(0, "--workers", help="Parallel processes, or local Ray CPUs (0: one per core, at most one per load)."),
     executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
     address: str = typer.Option(None, "--address", help=ADDRESS_HELP),
-    out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON and PNG."),
-    json_: bool = typer.Option(False, "--json", help="Print {scenario name: [per-load objects]} as JSON."),
+    out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON and PNG. " + OUT_NAMES),
+    json_: bool = typer.Option(False, "--json", help="Print the comparison's JSON document: id, provenance (one block per arm), arms (scenario name: per-load objects), run."),
 ) -> None:
     """Run arms side by side at the same loads (e.g. shared vs split pool) and print the ratios."""
     from kvpool.sim import compare as cmp
     from kvpool.sim import report
-    from kvpool.sim.run import sweep
+    from kvpool.sim.provenance import provenance, short_id
+    from kvpool.sim.run import load_key, sweep
 
     if len(scenarios) < 2:
         raise UserError("compare needs two or more scenarios")
@@ -173,21 +234,33 @@ def compare(
     from kvpool.workload.errors import TraceError
 
     try:
+        for s in arms_s:
+            prepare_workload(s, traces, console)
         with executor_runner(executor, address, n_workers, console, json_) as runner, _progress(console, json_) as progress:
             task = progress.add_task("comparing " + " vs ".join(names), total=len(loads) * len(arms_s))
             for s in arms_s:
                 arms[s.name] = sweep(s, loads, traces=traces, runner=runner, on_done=lambda *_: progress.advance(task))
     except TraceError as e:
         raise UserError(str(e)) from None
+    prov = {"arms": {s.name: provenance(s, source=src, overrides=extra, set_overrides=set_, traces=traces,
+                                        load_key=load_key(s), loads=loads) for s, src in zip(arms_s, scenarios)}}
+    doc = {"id": short_id(prov), "provenance": prov, "arms": {n: [report.public(r) for r in rows] for n, rows in arms.items()},
+           "run": {"executor": executor, "workers": n_workers,
+                   "arms": {n: [report.timing(r) for r in rows] for n, rows in arms.items()}}}
+    warnings = [w for n, rows in arms.items() for w in degenerate(rows, prefix=f"{n} ")]
+    if warnings:
+        doc["warnings"] = warnings
     out.mkdir(parents=True, exist_ok=True)
-    stem = "compare-" + "-vs-".join(names)
-    (out / f"{stem}.json").write_text(json.dumps({n: [report.public(r) for r in rows] for n, rows in arms.items()}, indent=2) + "\n")
+    stem = "compare-" + "-vs-".join(names) + f"-{doc['id']}"
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
     cmp.figure(arms, out / f"{stem}.png")
     if json_:
-        typer.echo(json.dumps({n: [report.public(r) for r in rows] for n, rows in arms.items()}, indent=2))
+        typer.echo(json.dumps(doc, indent=2))
+        warn(warnings)
         return
     Console(width=max(Console().width, 150)).print(cmp.ratio_table(arms))
     console.print(f"wrote {out / (stem + '.json')}, {out / (stem + '.png')}")
+    warn(warnings)
 
 
 @app.command()
@@ -203,14 +276,17 @@ def plan(
     executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP.replace("Results do not", "The verdicts do not")),
     address: str = typer.Option(None, "--address", help=ADDRESS_HELP),
     max_runs: int = typer.Option(24, "--max-runs", help="Upper bound on simulator runs."),
-    out: Path = typer.Option(Path("out"), "--out", help="Directory for the explored curve (JSON, PNG)."),
-    json_: bool = typer.Option(False, "--json", help="Print the result and the explored curve as JSON."),
+    out: Path = typer.Option(Path("out"), "--out", help="Directory for the explored curve (JSON, PNG). " + OUT_NAMES),
+    json_: bool = typer.Option(False, "--json", help="Print the result and the explored curve as JSON (with provenance and run blocks)."),
 ) -> None:
-    """Capacity search: the smallest value of a field (or the largest load) meeting every target."""
+    """Capacity search: the smallest value of a field (or the largest load) meeting every target.
+    Exits with status 1, naming the target that failed and where, when no value meets them all."""
     from kvpool.sim import plan as pl
     from kvpool.sim import report
+    from kvpool.sim.provenance import provenance, short_id
 
-    base = load_or_exit(scenario, run_overrides(set_, duration=duration))
+    overrides = run_overrides(set_, duration=duration)
+    base = load_or_exit(scenario, overrides)
     try:
         targets = [pl.parse_target(t) for t in target]
         variable = pl.parse_vary(vary, base)
@@ -220,6 +296,7 @@ def plan(
     from kvpool.workload.errors import TraceError
 
     try:
+        prepare_workload(base, traces, console)
         with executor_runner(executor, address, max(1, workers), console, json_) as runner, \
                 _progress(console, json_) as progress:
             task = progress.add_task(f"searching {variable.field}", total=max_runs)
@@ -230,12 +307,24 @@ def plan(
     curve = [{"value": v, "meets_targets": ok, **report.public(row)} for v, row, ok in res.curve()]
     summary = {"variable": variable.field, "direction": "maximize" if variable.maximize else "minimize",
                "targets": [str(t) for t in targets], "best": res.best, "runs": len(curve), "curve": curve}
+    prov = {**provenance(base, source=scenario, overrides=overrides, set_overrides=set_, traces=traces),
+            "search": {"vary": vary, "targets": [str(t) for t in targets], "load": load, "points_per_round": workers,
+                       "max_runs": max_runs}}
+    failed = [] if res.best is not None else pl.why_none(res)
+    if failed:
+        summary["failed"] = failed
+    summary = {"id": short_id(prov), "provenance": prov, **summary,
+               "run": {"executor": executor, "points": [{"value": v, **report.timing(row)} for v, row, _ in res.curve()]}}
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"plan-{base.name}-{variable.field}"
+    stem = f"plan-{base.name}-{variable.field}-{summary['id']}"
     (out / f"{stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
     _plan_figure(curve, targets, variable.field, out / f"{stem}.png")
+    none_line = f"no value of {variable.field} in {variable.lo:g}..{variable.hi:g} meets every target"
     if json_:
         typer.echo(json.dumps(summary, indent=2))
+        if failed:
+            typer.echo(f"error: {none_line}: " + "; ".join(failed), err=True)
+            raise typer.Exit(1)
         return
     from rich.table import Table
 
@@ -247,8 +336,12 @@ def plan(
     for row in curve:
         t.add_row(f"{row['value']:g}", *[f"{row[tg.metric]:.4g}" for tg in targets], "yes" if row["meets_targets"] else "no")
     Console(width=max(Console().width, 120)).print(t)
-    if res.best is None:
-        Console().print(f"[bold red]no value of {variable.field} in {variable.lo:g}..{variable.hi:g} meets every target[/]")
+    if failed:
+        typer.echo(f"error: {none_line}:", err=True)
+        for line in failed:
+            typer.echo(f"  {line}", err=True)
+        typer.echo(f"wrote {out / (stem + '.json')}, {out / (stem + '.png')}", err=True)
+        raise typer.Exit(1)
     else:
         Console().print(f"[bold]best {variable.field} = {res.best:g}[/] ({len(curve)} runs); wrote {out / (stem + '.json')}, {out / (stem + '.png')}")
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
-# One real trace (the shared set tests/sim uses): a small, fast capacity search without a GPU cache.
-KV_TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces" / "kv-cache-tester"
+# One real trace (of the repository's test traces, tests/data/traces): a small, fast capacity search
+# without a GPU cache.
+KV_TRACES = Path(__file__).resolve().parents[2] / "tests" / "data" / "traces" / "kv-cache-tester"
 TRACE = str((KV_TRACES / "trace_0002.json.gz").resolve())
 
 # A sweep small enough to take seconds on a 2-core machine.

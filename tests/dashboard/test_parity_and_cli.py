@@ -36,7 +36,7 @@ def test_a_dashboard_sweep_and_the_cli_give_identical_numbers(app, tmp_path):
          "--set", f"workload.synthetic_sessions={SMALL_SYNTHETIC}", "--json", "--out", str(tmp_path)],
         capture_output=True, text=True, check=True,
     )
-    expected = json.loads(cli.stdout)
+    expected = json.loads(cli.stdout)["results"]
     assert len(shown) == len(expected) == 2
     for got, want in zip(shown, expected):
         keys = set(want) - set(results.WALL_CLOCK_KEYS)
@@ -82,7 +82,8 @@ def test_a_dashboard_plan_and_the_cli_give_identical_results(app, tmp_path):
     edited = load_scenario("mi355x-1p1d", [f"workload.traces={json.dumps(TRACE)}", *overrides])
     (tmp_path / "mi355x-1p1d.toml").write_text(to_toml(edited))
     cli = _run_shown(command, tmp_path)
-    assert {k: v for k, v in shown.items() if k != "curve"} == {k: v for k, v in cli.items() if k != "curve"}
+    assert {k: v for k, v in shown.items() if k != "curve"} == {k: v for k, v in cli.items()
+                                                                 if k not in ("curve", "id", "provenance", "run")}
     assert shown["best"] is not None and 0 < shown["best"] < 768 and shown["runs"] == len(cli["curve"]) <= 8
     assert [c["value"] for c in shown["curve"]] == [c["value"] for c in cli["curve"]]
     for got, want in zip(shown["curve"], cli["curve"]):
@@ -101,7 +102,7 @@ def test_a_dashboard_comparison_and_the_cli_give_identical_numbers(app, tmp_path
     command = next(c.value for c in app.code if c.value.startswith("kvpool sim compare"))
     assert command == (f"kvpool sim compare mi355x-1p1d h200-1p1d --sessions 8 --duration {SMALL_DURATION_S} "
                        f"--set workload.synthetic_sessions={SMALL_SYNTHETIC} --json")
-    cli = _run_shown(command, tmp_path)
+    cli = _run_shown(command, tmp_path)["arms"]
     assert list(cli) == ["mi355x-1p1d", "h200-1p1d"]
     shown = app.dataframe[1].value.to_dict("records")  # "All metrics": one row per scenario and load
     want = [{"scenario": name, **row} for name, rows in cli.items() for row in rows]

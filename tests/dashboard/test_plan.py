@@ -228,7 +228,7 @@ def test_the_plan_summary_is_built_as_the_cli_builds_it():
 def test_trace_for_the_parity_test_exists():
     from pathlib import Path
 
-    assert Path(TRACE).is_file(), f"shared trace not found at {TRACE}"
+    assert Path(TRACE).is_file(), f"test trace not found at {TRACE}"
 
 
 def test_a_replay_scenario_varies_requests_per_second(app):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from trace_builders import KV_TRACES, MOONCAKE
+from trace_builders import KV_TRACES, MOONCAKE_CONVERSATION_HEAD
 
 from kvpool.policy.chunks import ChunkDigest, chain_seed, digests_from_blocks, namespace_for
 from kvpool.scenario import load_scenario
@@ -142,9 +142,6 @@ def check_replay(sim: Simulation, served: list[Served], shared_prefix_tokens: in
 @pytest.fixture(scope="module")
 def weka(tmp_path_factory) -> Workload:
     files = [KV_TRACES / f"trace_{t}.json.gz" for t in WEKA_TRACES]
-    missing = [f.name for f in files if not f.is_file()]
-    if missing:
-        pytest.skip(f"real AgentX traces not found in {KV_TRACES}: {', '.join(missing)}")
     d = tmp_path_factory.mktemp("weka")
     for f in files:
         shutil.copy(f, d / f.name)
@@ -153,10 +150,7 @@ def weka(tmp_path_factory) -> Workload:
 
 @pytest.fixture(scope="module")
 def mooncake(tmp_path_factory) -> Workload:
-    src = MOONCAKE / "conversation_trace.jsonl"
-    if not src.is_file():
-        pytest.skip(f"real Mooncake trace not found at {src}")
-    with src.open() as f:
+    with MOONCAKE_CONVERSATION_HEAD.open() as f:
         rows = [next(f) for _ in range(MOONCAKE_ROWS)]
     p = tmp_path_factory.mktemp("mooncake") / "conversation_head.jsonl"
     p.write_text("".join(rows))

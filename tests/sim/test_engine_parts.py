@@ -268,14 +268,14 @@ def test_every_prompt_names_its_request_ids(shared_prefix_tokens):
 
 def test_every_mooncake_prompt_names_its_request_ids(tmp_path):
     """The same for global-scope ids (Mooncake rows: 512-token blocks, a partial last block)."""
-    from trace_builders import MOONCAKE
+    from trace_builders import MOONCAKE_CONVERSATION_HEAD
 
     from kvpool.scenario import load_scenario
     from kvpool.sim.engine import Simulation
     from kvpool.sim.run import make_replay
     from kvpool.workload import load_workload
 
-    src = MOONCAKE / "conversation_trace.jsonl"
+    src = MOONCAKE_CONVERSATION_HEAD
     if not src.is_file():
         pytest.skip(f"real Mooncake trace not found at {src}")
     with src.open() as f:

@@ -151,7 +151,6 @@ def test_same_seed_same_results_in_any_process():
     assert again[1]["sessions"] == 6 and again[0]["sessions"] == 4
 
 
-@pytest.mark.skipif(not KV_TRACES.exists(), reason="needs ../shared/traces")
 def test_real_traces_run_and_use_the_pool_under_pressure():
     files = sorted(KV_TRACES.glob("*.json.gz"))[:12]
     w = Workload(tuple(s for f in files for s in load_workload(f)))

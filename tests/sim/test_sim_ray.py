@@ -145,7 +145,7 @@ def test_cli_run_starts_and_stops_its_own_local_runtime(tmp_path, in_process):
             "--json", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "8.8.8.8" not in r.stderr, r.stderr
-    rows = json.loads(r.stdout)
+    rows = json.loads(r.stdout)["results"]
     assert strip(rows) == strip([public(x) for x in in_process])
     print(f"sim run --executor ray (local runtime): {time.perf_counter() - t0:.1f} s")
 
@@ -158,7 +158,7 @@ def test_cli_compare_and_plan_on_an_existing_cluster(tmp_path, cluster, in_proce
     r = cli("sim", "compare", "mi355x-1p1d", str(path), "--sessions", "3,4", *SMALL, "--executor", "ray",
             "--address", cluster, "--json", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    arms = {k: strip(v) for k, v in json.loads(r.stdout).items()}
+    arms = {k: strip(v) for k, v in json.loads(r.stdout)["arms"].items()}
     assert arms["mi355x-1p1d"] == strip([public(x) for x in in_process])
     reference = strip(public(x) for x in sweep(no_pool, [3, 4], traces=TRACE, workers=1))
     assert [{**x, "scenario": "no-pool"} for x in reference] == arms["no-pool"]

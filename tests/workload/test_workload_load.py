@@ -6,7 +6,7 @@ import gzip
 import json
 
 import pytest
-from trace_builders import MOONCAKE, req, spawn_join_trace, trace, write
+from trace_builders import CORPUS_MOONCAKE, MOONCAKE, needs_corpus, req, spawn_join_trace, trace, write
 
 from kvpool.workload import TraceError, load_workload
 
@@ -123,9 +123,10 @@ def test_mooncake_bad_row_names_the_line(tmp_path):
     assert e.request == "line 2" and "hash_ids has 1 blocks" in e.message
 
 
+@needs_corpus(CORPUS_MOONCAKE / "conversation_trace.jsonl")
 def test_mooncake_conversation_block_reuse_matches_the_reference():
     from kvpool.workload import workload_stats
 
-    st = workload_stats(load_workload(MOONCAKE / "conversation_trace.jsonl"))
+    st = workload_stats(load_workload(CORPUS_MOONCAKE / "conversation_trace.jsonl"))
     assert st["requests"] == 12031 and st["input_tokens_all_p50"] == 6909
     assert st["reuse_ceiling"] == pytest.approx(1 - 182_790 / 288_500, abs=1e-4)  # 36.6 %

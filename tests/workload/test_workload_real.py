@@ -1,6 +1,7 @@
 """Real kv-cache-tester traces: the reference's published statistics of its 178-trace subset.
 
-The subset (../shared/reference/agentx-traces.md §5.2): the 17 traces with subagents plus the 161
+Needs the full corpus (tests/workload/trace_builders.py: ``CORPUS_KV_TRACES``). The subset (the
+reference agentx-traces.md §5.2): the 17 traces with subagents plus the 161
 without subagents that are smaller than 100 KB uncompressed (gzip's size trailer says it).
 """
 
@@ -10,7 +11,7 @@ import shutil
 import struct
 
 import pytest
-from trace_builders import KV_TRACES
+from trace_builders import CORPUS_KV_TRACES, needs_corpus
 
 from kvpool.workload import load_workload, workload_stats
 from kvpool.workload.replay import AgentXReplay, run_fixed_latency
@@ -21,10 +22,13 @@ WITH_SUBAGENTS = {
 }  # fmt: skip
 
 
+pytestmark = needs_corpus(CORPUS_KV_TRACES)
+
+
 @pytest.fixture(scope="module")
 def subset(tmp_path_factory):
     d = tmp_path_factory.mktemp("subset178")
-    for f in sorted(KV_TRACES.glob("trace_*.json.gz")):
+    for f in sorted(CORPUS_KV_TRACES.glob("trace_*.json.gz")):
         tid = f.name[6:10]
         size = struct.unpack("<I", f.read_bytes()[-4:])[0]
         if tid in WITH_SUBAGENTS or size < 100_000:

@@ -1,17 +1,39 @@
-"""Builders of small hand-made Weka traces and the location of the shared real traces.
+"""Builders of small hand-made Weka traces and the locations of the real traces.
 
 Imported by the workload tests (this folder) and the simulator's (tests/sim/conftest.py puts this
-folder on the import path)."""
+folder on the import path).
+
+* ``KV_TRACES``, ``MOONCAKE``: the subset of real traces kept in the repository (tests/data/traces,
+  its README names the files, their sources and licence); every test that needs real traces uses it.
+* ``CORPUS_KV_TRACES``, ``CORPUS_MOONCAKE``: the full corpora, for the few checks of statistics
+  published for a whole corpus: ``$KVPOOL_TRACE_CORPUS``, default ``../shared/traces`` beside the
+  checkout. ``needs_corpus(path)`` skips a test, saying so, when they are not there.
+"""
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
-SHARED = Path(__file__).resolve().parents[2] / ".." / "shared"
-KV_TRACES = SHARED / "traces" / "kv-cache-tester"
-MOONCAKE = SHARED / "traces" / "mooncake-fast25"
+import pytest
+
+_ROOT = Path(__file__).resolve().parents[2]
+TRACES = _ROOT / "tests" / "data" / "traces"
+KV_TRACES = TRACES / "kv-cache-tester"
+MOONCAKE = TRACES / "mooncake-fast25"
+MOONCAKE_CONVERSATION_HEAD = MOONCAKE / "conversation_trace_head4000.jsonl"  # its first 4,000 rows
+
+CORPUS = Path(os.environ.get("KVPOOL_TRACE_CORPUS", _ROOT.parent / "shared" / "traces"))
+CORPUS_KV_TRACES = CORPUS / "kv-cache-tester"
+CORPUS_MOONCAKE = CORPUS / "mooncake-fast25"
+
+
+def needs_corpus(path: Path):
+    """Skip unless ``path`` of the full trace corpus exists."""
+    return pytest.mark.skipif(not path.exists(), reason=f"needs the full trace corpus at ../shared/traces "
+                                                        f"(or $KVPOOL_TRACE_CORPUS); {path} is not there")
 
 
 def req(t: float, n_in: int, ids: list[int] | None = None, *, out: int = 10, api: float = 1.0, block: int = 64) -> dict:
