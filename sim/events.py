@@ -1,27 +1,75 @@
-"""Completing a SimPy event at once, without scheduling it.
+"""SimPy's event queue, used directly: the one module of the simulator that touches SimPy's internals.
 
-``Event.succeed()`` puts the event on SimPy's queue, and its callbacks run when the loop pops it:
-one more event per completion, at the same simulated time. ``fire(ev)`` marks ``ev`` succeeded and
-runs its callbacks now, in order, from inside the caller; the callbacks see exactly what they
-would see from the loop (``ev.ok``, ``ev.value``, ``ev.processed``). Only the order against
-other events due at the same moment differs: the callbacks run before every event already queued
-for now instead of after them.
+The simulator schedules most of its work as plain callbacks instead of SimPy events and
+processes; this module is where that happens, so it is the only one that reads or writes
+SimPy's private state (``Environment._queue``, ``_eid``, ``_now``; ``Event._ok``, ``_value``;
+the ``URGENT``/``NORMAL`` priorities). It is tested on the SimPy versions ``pyproject.toml``
+allows (``tests/sim/test_events.py`` checks each helper against the SimPy code it stands for).
 
-Callers must be in a consistent state when they call ``fire`` (a callback may call back into
-them, e.g. a resumed process starting a transfer on the link whose completion it awaited), and
-must not call it from inside a SimPy process (a resumed process clears the active process).
+**The ordering rule.** SimPy's queue orders entries by (time, priority, sequence number), the
+sequence number taken when an entry is pushed; events due at one moment run in that order. A
+helper here either takes the queue slot a SimPy event would take, pushed at the moment that
+event would be created (``call_later``: a ``Timeout``'s slot; ``start``: a new process's
+``Initialize`` slot), or runs callbacks at once, inside its caller (``fire``: before every entry
+already queued for now, where a queued ``succeed()`` would run them after those). A model keeps
+the order of its simultaneous events when each callback is scheduled by the helper whose slot
+matches the SimPy code it replaces.
 
-``call_later(env, delay, fn, value)`` is ``env.timeout(delay, value).callbacks.append(fn)`` without
-the event object: it puts a slim record on SimPy's queue, at the same time, priority and sequence
-number a Timeout would take (so the order of simultaneous events is unchanged), and SimPy's loop
-calls ``fn(record)`` with ``record._value == value``. Nothing may wait on it (no process yields it).
+    * ``call_later(env, delay, fn, value)``: ``env.timeout(delay, value).callbacks.append(fn)``
+      without the event object: a slim record (``Call``) at the slot a Timeout would take; the
+      loop calls ``fn(call)``, with ``call.value == value``. Nothing may wait on it.
+      ``scheduler(env)`` is the same bound to one environment (for hot paths).
+    * ``start(env, fn, value)``: ``fn(call)`` where ``env.process`` would start a process now
+      (an urgent entry now, ahead of the normal ones due now).
+    * ``fire(ev, value)``: ``ev`` succeeds and its callbacks run now, in order; they see what
+      they would see from the loop (``ev.ok``, ``ev.value``, ``ev.processed``). Callers must be in
+      a consistent state when they call it (a callback may call back into them) and must not call
+      it from inside a SimPy process (a resumed process clears the active process).
+    * ``run_all(env)``: ``env.run()`` with no ``until``, ``Environment.step`` written into the
+      loop (a failed event that nobody defused raises as there). Not for models that stop the
+      loop with ``StopSimulation``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from heapq import heappop, heappush
 
-from simpy.events import NORMAL, PENDING, Event
+from simpy.events import NORMAL, PENDING, URGENT, Event
+
+
+class Call:
+    """A scheduled callback: what the loop reads of an event (``callbacks``, ``_ok``) and the
+    ``value`` the callback reads."""
+
+    __slots__ = ("callbacks", "_ok", "value")
+
+    def __init__(self, fn: Callable[[Call], None], value: object = None) -> None:
+        self.callbacks = [fn]
+        self._ok = True
+        self.value = value
+
+
+def call_later(env, delay: float, fn: Callable[[Call], None], value: object = None) -> None:
+    """Call ``fn(call)`` ``delay`` (>= 0) seconds from now, in a Timeout's queue slot."""
+    if delay < 0:
+        raise ValueError(f"negative delay {delay}")
+    heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), Call(fn, value)))
+
+
+def scheduler(env) -> Callable[[float, Callable[[Call], None], object], None]:
+    """``call_later`` bound to ``env`` (``later(delay, fn, value)``; ``delay`` >= 0 unchecked)."""
+    queue, eid = env._queue, env._eid
+
+    def later(delay: float, fn: Callable[[Call], None], value: object = None) -> None:
+        heappush(queue, (env._now + delay, NORMAL, next(eid), Call(fn, value)))
+
+    return later
+
+
+def start(env, fn: Callable[[Call], None], value: object = None) -> None:
+    """Call ``fn(call)`` now, in the queue slot of a process started now (its ``Initialize``)."""
+    heappush(env._queue, (env._now, URGENT, next(env._eid), Call(fn, value)))
 
 
 def fire(ev: Event, value: object = None) -> None:
@@ -35,30 +83,8 @@ def fire(ev: Event, value: object = None) -> None:
         cb(ev)
 
 
-class Call:
-    """A scheduled callback: what ``Environment.step`` reads of an event (``callbacks``, ``_ok``)
-    and the value the callback gets (``_value``)."""
-
-    __slots__ = ("callbacks", "_ok", "_value")
-
-    def __init__(self, fn, value: object = None) -> None:
-        self.callbacks = [fn]
-        self._ok = True
-        self._value = value
-
-
-def call_later(env, delay: float, fn, value: object = None) -> None:
-    """Call ``fn(record)`` ``delay`` seconds from now, as a Timeout's callback would be (see the
-    module docstring); ``delay`` must be >= 0."""
-    if delay < 0:
-        raise ValueError(f"negative delay {delay}")
-    heappush(env._queue, (env._now + delay, NORMAL, next(env._eid), Call(fn, value)))
-
-
 def run_all(env) -> None:
-    """``env.run()`` with no ``until``: every event in time order until none is left, with
-    ``Environment.step`` written into the loop (the same steps; a failed event that nobody
-    defused raises as there). Not for models that stop the loop with ``StopSimulation``."""
+    """``env.run()`` with no ``until`` (see the module docstring)."""
     queue = env._queue
     while queue:
         env._now, _, _, event = heappop(queue)

@@ -35,8 +35,6 @@ from collections import deque
 
 import numpy as np
 
-from kvpool.policy.grouptable import grown
-
 _ALL = np.logical_and.reduce
 _EVICTED = 0.0  # the last use of a block not held (never inserted, or evicted): no moment, so a
 # log entry's live blocks are those whose last use is the entry's moment, and a block is held
@@ -106,7 +104,9 @@ class GPUPrefixCache:
         n = len(self._last)
         if max_id < n:
             return
-        self._last = grown(self._last, max(max_id + 1, 4 * n))  # (zeros: _EVICTED)
+        last = np.zeros(max(max_id + 1, 4 * n), dtype=self._last.dtype)  # (zeros: _EVICTED)
+        last[:n] = self._last
+        self._last = last
 
     def hit_blocks(self, ids: np.ndarray, now: float, max_id: int | None = None) -> int:
         """Leading blocks of ``ids`` held; they count as used now."""
@@ -181,7 +181,6 @@ class GPUPrefixCache:
         cap = self.capacity_blocks or 0
         target = self.blocks - cap + int(cap * self.evict_fraction)
         log = self._log
-        last = self._last
         skipped: list[LogEntry] = []  # protected entries of `now`
         while target > 0 and log:
             e = log[0]
@@ -189,27 +188,7 @@ class GPUPrefixCache:
                 log.popleft()
                 continue
             if e.t != now and (len(log) == 1 or log[1].t != e.t):
-                # a moment of one entry (the usual one). An entry lies in depth order, so the
-                # general path below evicts its live blocks from its end and puts the shallower
-                # rest back as an entry in front: done here with slices of its live blocks
-                ids, depth = e.ids, e.depth
-                live = last[ids] == e.t
-                if not _ALL(live):
-                    pos = np.flatnonzero(live)
-                    ids, depth = ids[pos], (pos if depth is None else depth[pos])
-                if e.t > self._evicted_upto:
-                    self._evicted_upto = e.t
-                log.popleft()
-                n = int(ids.size)
-                if n > target:
-                    keep = n - target
-                    log.appendleft(LogEntry(e.t, ids[:keep], None if depth is None else depth[:keep]))
-                    ids = ids[keep:]
-                    n = target
-                last[ids] = _EVICTED  # not held
-                self.blocks -= n
-                self.evicted_blocks += n
-                target -= n
+                target -= self._evict_entry(target)  # a moment of one entry (the usual one)
                 continue
             ids, depth, t = self._oldest_moment()
             if t > self._evicted_upto:
@@ -229,6 +208,31 @@ class GPUPrefixCache:
             self.evicted_blocks += int(ids.size)
             target -= int(ids.size)
         log.extend(skipped)
+
+    def _evict_entry(self, target: int) -> int:
+        """Evict up to ``target`` live blocks of the log's oldest entry, the only one of its
+        moment, deepest first; returns how many. An entry lies in depth order, so the general
+        path (``_oldest_moment``) would evict its live blocks from its end and put the shallower
+        rest back as an entry in front: done here with slices of its live blocks."""
+        log, last = self._log, self._last
+        e = log.popleft()
+        ids, depth = e.ids, e.depth
+        live = last[ids] == e.t
+        if not _ALL(live):
+            pos = np.flatnonzero(live)
+            ids, depth = ids[pos], (pos if depth is None else depth[pos])
+        if e.t > self._evicted_upto:
+            self._evicted_upto = e.t
+        n = int(ids.size)
+        if n > target:
+            keep = n - target
+            log.appendleft(LogEntry(e.t, ids[:keep], None if depth is None else depth[:keep]))
+            ids = ids[keep:]
+            n = target
+        last[ids] = _EVICTED  # not held
+        self.blocks -= n
+        self.evicted_blocks += n
+        return n
 
     def _oldest_moment(self) -> tuple[np.ndarray, np.ndarray, float]:
         """Pop the log's entries of its oldest moment: their live blocks, deepest first, with

@@ -39,22 +39,22 @@ class Workers:
             raise ValueError(f"workers: capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.busy = 0
-        self._queue: deque[Callable[[], None]] = deque()
+        self._jobs: deque[Callable[[], None]] = deque()
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return len(self._jobs)
 
     def submit(self, start: Callable[[], None]) -> None:
         if self.busy < self.capacity:
             self.busy += 1
             start()
         else:
-            self._queue.append(start)
+            self._jobs.append(start)
 
     def release(self) -> None:
-        if self._queue:
-            self._queue.popleft()()
+        if self._jobs:
+            self._jobs.popleft()()
         else:
             self.busy -= 1
 
@@ -83,7 +83,7 @@ class PrefillInstance:
         self.step_s = 0.0
         self.busy_s = 0.0
         self.computed_tokens = 0
-        self._queue: deque[_Compute] = deque()
+        self._computes: deque[_Compute] = deque()
         self._idle = True  # no step under way or about to start
 
     @property
@@ -94,7 +94,7 @@ class PrefillInstance:
         return self.gpus[rank % len(self.gpus)]
 
     def queued_tokens(self) -> int:
-        return sum(c.remaining for c in self._queue)
+        return sum(c.remaining for c in self._computes)
 
     def compute(self, tokens: int, context: int) -> simpy.Event:
         """An event that succeeds when ``tokens`` tokens after ``context`` cached ones are computed."""
@@ -102,7 +102,7 @@ class PrefillInstance:
         if tokens <= 0:
             done.succeed()
             return done
-        self._queue.append(_Compute(tokens, context, done))
+        self._computes.append(_Compute(tokens, context, done))
         if self._idle:  # the first step starts now, after what is already due now
             self._idle = False
             call_later(self.env, 0.0, self._step)
@@ -113,7 +113,7 @@ class PrefillInstance:
         call, which takes the next step or goes idle when it ends)."""
         budget = self.max_batched_tokens
         batch: list[tuple[_Compute, int]] = []
-        for c in self._queue:
+        for c in self._computes:
             if budget <= 0:
                 break
             take = min(c.remaining, budget)
@@ -124,7 +124,7 @@ class PrefillInstance:
         call_later(self.env, step, self._step_done, (batch, step))
 
     def _step_done(self, ev) -> None:
-        batch, step = ev._value
+        batch, step = ev.value
         env = self.env
         self.busy_s += step
         for c, take in batch:
@@ -132,13 +132,13 @@ class PrefillInstance:
             c.context += take
             self.computed_tokens += take
             if c.remaining == 0:
-                self._queue.remove(c)
+                self._computes.remove(c)
                 fill = (self.pp - 1) * step
                 if fill > 0:
                     call_later(env, fill, lambda _e, d=c.done: fire(d))
                 else:
                     c.done.succeed()
-        if self._queue:
+        if self._computes:
             self._step()
         else:
             self.step_s = 0.0
@@ -253,7 +253,7 @@ class DecodeInstance:
         self._base_sum -= seq.base
 
     def _wake(self, ev: simpy.Event) -> None:
-        if ev._value != self._version:  # a later reschedule superseded this wake-up
+        if ev.value != self._version:  # a later reschedule superseded this wake-up
             return
         self._advance()
         running = self._running

@@ -109,15 +109,13 @@ class KeySpace:
         return off
 
     def chunk_gids(self, scope: str, thread: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int,
-                   prefix: tuple[np.ndarray, int] | None = None, *, chain_scope: str | None = None) -> np.ndarray:
+                   *, chain_scope: str | None = None) -> np.ndarray:
         """Group ids of the request's keyable chunks (policy.chunks rules), in order.
 
         ``chain_scope``: the scope whose chain seed starts the digests (default ``scope``); a
         caller that passes ids unique across scopes (each plus its scope's ``block_offset``) passes ``""`` so that equal
         leading ids give equal chunks in every scope. A thread must keep one choice.
-        Tokens beyond the recorded blocks (traces whose ``in`` over-counts) are never keyed.
-        ``prefix=(ids, n)``: the caller knows ``block_ids[:n]`` equals ``ids[:n]``; when ``ids``
-        is this thread's last list, that saves comparing them."""
+        Tokens beyond the recorded blocks (traces whose ``in`` over-counts) are never keyed."""
         n_tokens = min(n_tokens, block_ids.size * block_tokens)
         st = self._threads.get((scope, thread))
         if st is None:
@@ -125,9 +123,7 @@ class KeySpace:
             self._scope_threads.setdefault(scope, []).append(thread)
         n = min(st.blocks.size, block_ids.size)
         prev = st.blocks[:n]
-        if prefix is not None and prefix[0] is st.blocks and prefix[1] >= n:
-            common_blocks = n  # known equal over the whole common length
-        elif prev.dtype == block_ids.dtype and prev.tobytes() == block_ids[:n].tobytes():
+        if prev.dtype == block_ids.dtype and prev.tobytes() == block_ids[:n].tobytes():
             common_blocks = n  # the usual case (a thread's prompt extends its last one): one memcmp
         else:
             differ = prev != block_ids[:n]

@@ -26,9 +26,9 @@ from __future__ import annotations
 from heapq import heappop, heappush
 
 import simpy
-from simpy.events import NORMAL, Event
+from simpy.events import Event
 
-from kvpool.sim.events import Call, call_later, fire
+from kvpool.sim.events import call_later, fire, scheduler
 
 _INF = float("inf")
 _EPS_S = 1e-9  # completions this close are due now (float rounding; keeps every wait > 0)
@@ -37,11 +37,11 @@ _EPS_S = 1e-9  # completions this close are due now (float rounding; keeps every
 class Join:
     """Several transfers (on any links) completing as one, without an event per transfer: pass
     it as ``transfer(..., join=)``; when the last of them completes, ``fn()`` is called, or
-    ``done`` (a SimPy event) completes, at once (``sim.events.fire``) where the last transfer's
-    own event would have completed. Exactly a join of the transfers' events that completes when
-    the last one does (``tests/sim/test_links.py`` checks it against one), whose only callbacks it
-    would have been. ``close()`` after adding them: with none (every transfer
-    empty), ``done`` succeeds through SimPy's queue, as that join's did."""
+    ``done`` (a SimPy event) completes, at once (``sim.events.fire``), at the moment and in the
+    callback slot of the last transfer's completion. It behaves as an event that succeeds when
+    every transfer's event has (``tests/sim/test_links.py`` checks it against one). ``close()``
+    after adding them: with none (every transfer empty), ``done`` succeeds through SimPy's queue
+    (``succeed()``), as such an event does."""
 
     __slots__ = ("left", "fn", "done")
 
@@ -65,7 +65,7 @@ class Join:
 
 
 class FairLink:
-    __slots__ = ("_active", "_eid", "_last", "_latency_bytes", "_queue", "_seq", "_version", "_virtual", "_wake_at",
+    __slots__ = ("_active", "_last", "_latency_bytes", "_later", "_seq", "_version", "_virtual", "_wake_at",
                  "_wake_cb", "_write_bytes", "busy_s", "bytes_moved", "bytes_per_s", "env", "latency_s", "name",
                  "writes_per_s")
 
@@ -89,15 +89,14 @@ class FairLink:
         self.busy_s = 0.0
         self._write_bytes = self.bytes_per_s / self.writes_per_s if self.writes_per_s != float("inf") else 0.0
         self._latency_bytes = self.latency_s * self.bytes_per_s
-        self._active: list[tuple[float, int, simpy.Event]] = []  # (virtual finish, seq, event)
+        self._active: list[tuple[float, int, Join]] = []  # (virtual finish, seq, the transfer's join)
         self._seq = 0
         self._virtual = 0.0
         self._last = env.now
         self._version = 0
         self._wake_at = _INF
-        self._wake_cb = self._wake  # bound once: a wake-up is scheduled per completion (sim.events.Call)
-        self._queue = env._queue  # SimPy's event queue and sequence numbers (a wake-up is a Call on them)
-        self._eid = env._eid
+        self._wake_cb = self._wake  # bound once: a wake-up is scheduled per completion
+        self._later = scheduler(env)  # a wake-up takes a Timeout's queue slot (sim.events)
 
     @property
     def active(self) -> int:
@@ -106,22 +105,21 @@ class FairLink:
     def transfer(self, nbytes: int, writes: int = 1, join: Join | None = None) -> simpy.Event | None:
         """An event that succeeds when ``nbytes`` in ``writes`` writes have crossed the link;
         with ``join``, no event: the join counts it (``None`` is returned)."""
-        if join is None:
-            done = Event(self.env)
+        own = join is None
+        if own:  # the transfer's own event: a join of this one transfer
+            join = Join(self.env)
             if nbytes <= 0:
-                done.succeed()
-                return done
-        else:
-            join.left += 1
-            done = join
-            if nbytes <= 0:  # done through SimPy's queue, as an empty transfer's event is
-                call_later(self.env, 0.0, join.one)
-                return None
+                join.done.succeed()
+                return join.done
+        join.left += 1
+        if nbytes <= 0:  # counted down through SimPy's queue, as an empty transfer's event succeeds
+            call_later(self.env, 0.0, join.one)
+            return None
         self.bytes_moved += int(nbytes)
         bps = self.bytes_per_s
         work = float(nbytes) + writes * self._write_bytes + self._latency_bytes
         active = self._active
-        now = self.env._now
+        now = self.env.now
         n = len(active)
         if n:
             dt = now - self._last  # advance the virtual clock to now
@@ -131,7 +129,7 @@ class FairLink:
         self._last = now
         self._seq = seq = self._seq + 1
         virtual = self._virtual
-        heappush(active, (virtual + work, seq, done))
+        heappush(active, (virtual + work, seq, join))
         n += 1
         # everyone slows down, so only this transfer can finish before the pending wake-up
         if now + work * n / bps < self._wake_at:
@@ -139,16 +137,16 @@ class FairLink:
             wait = (active[0][0] - virtual) * n / bps
             if not wait > 0.0:
                 wait = 0.0
-            self._wake_at = at = now + wait
-            heappush(self._queue, (at, NORMAL, next(self._eid), Call(self._wake_cb, version)))
-        return None if join is not None else done
+            self._wake_at = now + wait
+            self._later(wait, self._wake_cb, version)
+        return join.done if own else None
 
     def _wake(self, ev) -> None:
         version = self._version
-        if ev._value != version:  # a later reschedule superseded this wake-up
+        if ev.value != version:  # a later reschedule superseded this wake-up
             return
         active = self._active
-        now = self.env._now
+        now = self._wake_at  # a current wake-up runs at the moment it was set for
         n = len(active)
         bps = self.bytes_per_s
         if n:
@@ -174,25 +172,15 @@ class FairLink:
             wait = (active[0][0] - virtual) * len(active) / bps
             if not wait > 0.0:
                 wait = 0.0
-            self._wake_at = at = now + wait
-            heappush(self._queue, (at, NORMAL, next(self._eid), Call(self._wake_cb, version)))
+            self._wake_at = now + wait
+            self._later(wait, self._wake_cb, version)
         else:
             self._wake_at = _INF
             self._virtual = 0.0
-        # completed now, not queued: callbacks may start transfers on this link
+        # completed now, not queued, once the link's state is consistent: callbacks may start
+        # transfers on this link
         if first is not None:
-            if type(first) is Join:  # Join.one, inline
-                first.left -= 1
-                if not first.left:
-                    if first.fn is not None:
-                        first.fn()
-                    else:
-                        fire(first.done)
-            else:
-                fire(first)
+            first.one()
             if more is not None:
-                for done in more:
-                    if type(done) is Join:
-                        done.one()
-                    else:
-                        fire(done)
+                for join in more:
+                    join.one()

@@ -61,21 +61,22 @@ def replay(s, w: Workload, load: float) -> tuple[Simulation, list[Served]]:
     sim = Simulation(s, make_replay(s, w, load))
     served: list[Served] = []
     current: list[Dispatch] = []
-    prefill, chunk_gids = sim._prefill, sim.keys.chunk_gids
+    prompts = sim.lifecycle.prompts
+    build, chunk_gids = prompts.build, sim.keys.chunk_gids
 
-    def recording_prefill(d, *args):
+    def recording_build(d):
         current[:] = [d]
-        return prefill(d, *args)
+        return build(d)
 
-    def recording_chunk_gids(scope, thread, block_ids, block_tokens, n_tokens, prefix=None, *, chain_scope=None):
-        gids = chunk_gids(scope, thread, block_ids, block_tokens, n_tokens, prefix, chain_scope=chain_scope)
+    def recording_chunk_gids(scope, thread, block_ids, block_tokens, n_tokens, *, chain_scope=None):
+        gids = chunk_gids(scope, thread, block_ids, block_tokens, n_tokens, chain_scope=chain_scope)
         (d,) = current
         assert (scope, thread) == (d.scope, d.request.thread)
         served.append(Served(d, scope, np.array(block_ids), block_tokens, n_tokens, chain_scope, np.array(gids)))
         current.clear()
         return gids
 
-    sim._prefill = recording_prefill
+    prompts.build = recording_build
     sim.keys.chunk_gids = recording_chunk_gids
     records = sim.run()
     assert len(served) == len(records)  # one key-space call per request served

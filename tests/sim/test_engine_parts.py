@@ -1,4 +1,4 @@
-"""Pieces of sim.engine written out for speed, checked against the policy core they stand for."""
+"""Pieces of the simulator's request steps written out for speed, checked against what they stand for."""
 
 import pytest
 
@@ -57,16 +57,15 @@ def test_block_ids_from_reports_the_known_prefix_it_copied():
         assert copied  # the walks do stop at kept lists
 
 
-def test_play_state_lists_extend_in_place_and_keep_earlier_views():
-    """_PlayState.block_ids: every request's block ids and GPU cache ids (ids + offset) are
-    right, most extend their thread's last list in its buffer (a view of the same memory), and
-    no list handed out earlier changes afterwards (the GPU cache log and the key space keep them)."""
-    from types import SimpleNamespace
-
+def test_play_prompts_extend_in_place_and_keep_earlier_views():
+    """PlayPrompts.ids: every request's block ids and GPU cache ids (ids + offset) are right,
+    most extend their thread's last list in its buffer (a view of the same memory), and no list
+    handed out earlier changes afterwards (earlier prompts, the GPU cache log and the key space
+    keep them)."""
     import numpy as np
 
     from kvpool.scenario import load_scenario
-    from kvpool.sim.engine import _PlayState
+    from kvpool.sim.prompt import PlayPrompts
     from kvpool.sim.run import workload_for
 
     w = workload_for(load_scenario("mi355x-1p1d"))
@@ -75,17 +74,18 @@ def test_play_state_lists_extend_in_place_and_keep_earlier_views():
     for s in w.sessions[:6]:
         store = s.blocks
         lists = store.lists()
-        play = _PlayState()
+        play = PlayPrompts()
         handed: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         for req in s.requests[:120]:
             prev = play.blocks.get(play.last_request.get(req.thread, -1))
-            blocks, gblocks, _, n, src = play.block_ids(SimpleNamespace(request=req, session=s), off,
-                                                        lists if req.index % 2 else None)
+            blocks, gblocks, r, n = play.ids(store, req.index, req.thread, off, lists)
             want = store.block_ids(req.index)
             assert blocks.dtype == want.dtype and np.array_equal(blocks, want)
             assert gblocks.dtype == np.int64 and np.array_equal(gblocks, want.astype(np.int64) + off)
             if n:
-                assert src is not None and np.array_equal(blocks[:n], src[:n])
+                assert r != req.index and np.array_equal(blocks[:n], store.block_ids(r)[:n])
+            else:
+                assert r == -1
             if prev is not None and prev.size and np.shares_memory(prev, blocks):
                 in_place += 1
             handed.append((blocks, gblocks, want.copy()))
@@ -94,14 +94,12 @@ def test_play_state_lists_extend_in_place_and_keep_earlier_views():
     assert in_place  # the buffers are extended, not copied
 
 
-def test_play_state_does_not_write_over_a_list_another_thread_extended():
+def test_play_prompts_do_not_write_over_a_list_another_thread_extended():
     """Two threads extend the same list in turn (a subagent opening with its parent's whole
     prompt, then the parent going on): the second may not write where the first's ids lie."""
-    from types import SimpleNamespace
-
     import numpy as np
 
-    from kvpool.sim.engine import _PlayState
+    from kvpool.sim.prompt import PlayPrompts
     from kvpool.workload.model import BlockStoreBuilder
 
     b = BlockStoreBuilder()
@@ -110,11 +108,10 @@ def test_play_state_does_not_write_over_a_list_another_thread_extended():
     b.add(0, 3, np.array([4, 5]), 5)  # request 2, thread 0: request 0's ids, then others
     b.add(1, 5, np.array([9]), 6)  # request 3, thread 1: extends request 1
     store = b.build()
-    play = _PlayState()
+    play = PlayPrompts()
     got = []
     for i, thread in enumerate([0, 1, 0, 1]):
-        d = SimpleNamespace(request=SimpleNamespace(index=i, thread=thread), session=SimpleNamespace(blocks=store))
-        blocks, gblocks, *_ = play.block_ids(d, 10)
+        blocks, gblocks, *_ = play.ids(store, i, thread, 10, store.lists())
         got.append((blocks, gblocks))
     want = [[1, 2, 3], [1, 2, 3, 7, 8], [1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9]]
     for (blocks, gblocks), ids in zip(got, want):
@@ -138,3 +135,151 @@ def test_dispatch_and_wake_are_frozen_dataclasses():
     for obj, name in ((d, "key"), (w, "done")):
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, name, 0)
+
+
+def test_admit_step_resumes_where_a_waiting_process_would():
+    """The admit step's callbacks run in the queue slots of a SimPy process that waits on
+    ``admitted | timeout(max_wait_s)`` (the policy's arrive/release/expire in both): markers
+    scheduled at the same moments land in the same order, for a release before a deadline, a
+    release at a deadline's moment after the deadline fired, and a waiter that times out."""
+    import simpy
+
+    from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
+    from kvpool.sim.events import start
+    from kvpool.sim.metrics import RequestRecord
+    from kvpool.sim.steps.admit import Admit
+
+    def model(use_step: bool) -> list:
+        env = simpy.Environment()
+        gate = AdmissionGate(GateConfig(tokens_per_decode=1000, budget_fraction=1.0, max_wait_s=2.0), 1)
+        log: list = []
+        step, waiters = Admit(env, gate), {}
+
+        def ref_wait(rec):
+            a = gate.arrive(rec.key, rec.in_tokens, rec.out_tokens, env.now)
+            if a.verdict is Verdict.ADMITTED:
+                log.append((env.now, "admitted", rec.key, a.decode))
+                return
+            ev = waiters[rec.key] = env.event()
+            yield ev | env.timeout(gate.config.max_wait_s)
+            if not gate.expire(rec.key):
+                log.append((env.now, "admitted", rec.key, ev.value))
+                return
+            del waiters[rec.key]
+            log.append((env.now, "rejected", rec.key, None))
+
+        def arrive(key, need):
+            rec = RequestRecord(key, "s", 0, True, env.now, need - 1, 1)
+            if use_step:
+                start(env, lambda _c: step.arrive(rec, lambda d: log.append((env.now, "admitted", key, d)),
+                                                  lambda: log.append((env.now, "rejected", key, None))))
+            else:
+                env.process(ref_wait(rec))
+
+        def release(key):
+            if use_step:
+                step.release(key)
+            else:
+                for wkey, d in gate.release(key):
+                    waiters.pop(wkey).succeed(d)
+            for i in range(2):  # markers at the release's moment
+                env.timeout(0).callbacks.append(lambda _e, i=i: log.append((env.now, "marker", key, i)))
+
+        def script():
+            arrive("a", 900)  # admitted at once
+            yield env.timeout(1.0)
+            arrive("b", 500)  # waits; deadline 3.0
+            arrive("c", 900)  # waits; deadline 3.0
+            yield env.timeout(0.5)
+            env.process(at(0.5, lambda: release("a")))  # at 2.0, before b's deadline: b admitted
+            env.process(at(0.5, lambda: arrive("d", 100)))  # d admitted at once (fits beside b)
+            yield env.timeout(0.25)
+            env.process(at(1.25, lambda: release("b")))  # at 3.0, after the deadlines fired: c admitted
+            env.timeout(1.25).callbacks.append(lambda _e: log.append((env.now, "marker", "deadline", 0)))
+            yield env.timeout(2.0)
+            arrive("e", 1000)  # waits on a full gate until its deadline at 5.75
+
+        def at(delay, fn):
+            yield env.timeout(delay)
+            fn()
+
+        env.process(script())
+        env.run()
+        return log
+
+    got, want = model(True), model(False)
+    assert got == want
+    assert want == [(0, "admitted", "a", 0),
+                    (2.0, "admitted", "d", 0),  # a new arrival fits beside b at once
+                    (2.0, "marker", "a", 0), (2.0, "marker", "a", 1),
+                    (2.0, "admitted", "b", 0),  # two entries after the release: after its markers
+                    (3.0, "marker", "deadline", 0),
+                    (3.0, "admitted", "c", 0),  # its deadline fired first; the release admits it then
+                    (3.0, "marker", "b", 0), (3.0, "marker", "b", 1),
+                    (5.75, "rejected", "e", None)]
+
+
+def _check_prompts(sim, shared_prefix_tokens: int) -> list[bool]:
+    """Run ``sim``, checking every Prompt it builds against its request's ids; per request,
+    whether its ids were copied from a kept list."""
+    import numpy as np
+
+    from kvpool.sim.keys import SHARED_PREFIX_SCOPE
+
+    prompts, keys = sim.lifecycle.prompts, sim.keys
+    build, seen = prompts.build, []
+
+    def checked_build(d):
+        p = build(d)
+        store, bt = d.session.blocks, d.session.block_tokens
+        want = store.block_ids(d.request.index)
+        assert np.array_equal(p.blocks, want) and (p.thread, p.request) == (d.request.thread, d.request.index)
+        full = min(want.size, d.request.in_tokens // bt)
+        gpu = want[:full].astype(np.int64) + keys.block_offset(d.scope, 0)  # (registered: its offset)
+        if shared_prefix_tokens and p.thread == 0:
+            k = min(shared_prefix_tokens // bt, full)
+            gpu[:k] = keys.block_offset(SHARED_PREFIX_SCOPE, shared_prefix_tokens) + np.arange(k)
+        assert np.array_equal(p.gpu_ids, gpu) and (not gpu.size or gpu.max() <= p.max_gpu_id)
+        assert p.gids.size == np.unique(p.gids).size and (not p.gids.size or p.gids.max() <= p.max_gid)
+        if p.copied:
+            assert np.array_equal(want[:p.copied], store.block_ids(p.source)[:p.copied])
+        seen.append(p.copied > 0)
+        return p
+
+    prompts.build = checked_build
+    assert len(sim.run()) == len(seen)
+    return seen
+
+
+@pytest.mark.parametrize("shared_prefix_tokens", [0, 150 * 64 + 17])
+def test_every_prompt_names_its_request_ids(shared_prefix_tokens):
+    """Over a replay (subagents, replayed plays; with and without a shared prefix), every
+    request's Prompt holds its block ids, their GPU cache ids (its scope's offset, a main-thread
+    prompt's shared blocks on the shared prefix's own ids), its full blocks only, within its
+    bounds, and ids copied from the play's request it names."""
+    from kvpool.scenario import load_scenario
+    from kvpool.sim.engine import Simulation
+    from kvpool.sim.run import make_replay, workload_for
+
+    s = load_scenario("mi355x-1p1d", ["workload.duration_s=600", f"workload.shared_prefix_tokens={shared_prefix_tokens}"])
+    seen = _check_prompts(Simulation(s, make_replay(s, workload_for(s), 8)), shared_prefix_tokens)
+    assert len(seen) > 100 and sum(seen) > len(seen) // 2  # most copy a kept list
+
+
+def test_every_mooncake_prompt_names_its_request_ids(tmp_path):
+    """The same for global-scope ids (Mooncake rows: 512-token blocks, a partial last block)."""
+    from trace_builders import MOONCAKE_CONVERSATION_HEAD
+
+    from kvpool.scenario import load_scenario
+    from kvpool.sim.engine import Simulation
+    from kvpool.sim.run import make_replay
+    from kvpool.workload import load_workload
+
+    src = MOONCAKE_CONVERSATION_HEAD
+    if not src.is_file():
+        pytest.skip(f"real Mooncake trace not found at {src}")
+    with src.open() as f:
+        (tmp_path / "head.jsonl").write_text("".join(next(f) for _ in range(1500)))
+    s = load_scenario("mi355x-1p1d", ["workload.mode=replay", "workload.duration_s=120"])
+    seen = _check_prompts(Simulation(s, make_replay(s, load_workload(tmp_path / "head.jsonl"), 8.0)), 0)
+    assert len(seen) > 500

@@ -76,13 +76,63 @@ def test_call_later_runs_as_a_timeouts_callback_in_scheduling_order():
     seen = []
     for i in range(6):
         if i % 2:
-            call_later(env, 1.5 if i < 4 else 0.5, lambda ev, i=i: seen.append((env.now, i, ev._value)), value=i * 10)
+            call_later(env, 1.5 if i < 4 else 0.5, lambda ev, i=i: seen.append((env.now, i, ev.value)), value=i * 10)
         else:
-            env.timeout(1.5 if i < 4 else 0.5, i * 10).callbacks.append(lambda ev, i=i: seen.append((env.now, i, ev._value)))
+            env.timeout(1.5 if i < 4 else 0.5, i * 10).callbacks.append(lambda ev, i=i: seen.append((env.now, i, ev.value)))
     env.run()
     assert seen == [(0.5, 4, 40), (0.5, 5, 50), (1.5, 0, 0), (1.5, 1, 10), (1.5, 2, 20), (1.5, 3, 30)]
     with pytest.raises(ValueError):
         call_later(env, -1.0, lambda ev: None)
+
+
+def test_scheduler_is_call_later_bound_to_one_environment():
+    """scheduler(env)'s calls interleave with call_later's and Timeouts' in scheduling order."""
+    from kvpool.sim.events import call_later, scheduler
+
+    env = simpy.Environment()
+    later = scheduler(env)
+    seen = []
+    for i in range(6):
+        note = lambda ev, i=i: seen.append((env.now, i, ev.value))  # noqa: E731
+        [lambda: later(1.0, note, i), lambda: call_later(env, 1.0, note, i),
+         lambda: env.timeout(1.0, i).callbacks.append(note)][i % 3]()
+    env.run()
+    assert seen == [(1.0, i, i) for i in range(6)]
+
+
+def test_start_takes_a_new_processs_initialize_slot():
+    """start(env, fn) runs where env.process would start a process at that moment: ahead of the
+    normal events due now, after the urgent ones scheduled before it, interleaved with real
+    process starts in scheduling order."""
+    from kvpool.sim.events import start
+
+    def model(use_start: bool) -> list:
+        env = simpy.Environment()
+        seen = []
+
+        def begin(i):
+            seen.append((env.now, "begin", i))
+
+        def proc(i):
+            begin(i)
+            yield env.timeout(0)
+
+        def at_one():
+            yield env.timeout(1.0)
+            env.timeout(0).callbacks.append(lambda _e: seen.append((env.now, "timeout")))
+            for i in range(3):
+                if use_start and i != 1:
+                    start(env, lambda call: begin(call.value), i)
+                else:
+                    env.process(proc(i))
+            seen.append((env.now, "caller"))
+
+        env.process(at_one())
+        env.run()
+        return seen
+
+    assert model(True) == model(False) == [(1.0, "caller"), (1.0, "begin", 0), (1.0, "begin", 1),
+                                           (1.0, "begin", 2), (1.0, "timeout")]
 
 
 

@@ -77,24 +77,3 @@ def test_chunk_gids_prefixes_copied_across_threads(dtype, block_tokens, requests
                 for d in digests_from_blocks(p, block_tokens, n_tokens, 256, chain_seed("ns", "s"))]
         assert got.tolist() == want
     assert keys.groups == len(ref)
-
-
-@settings(max_examples=60, deadline=None)
-@given(requests=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30), st.integers(0, 20)), min_size=1, max_size=30))
-def test_chunk_gids_with_a_known_prefix_equal_those_without(requests):
-    """The caller's ``prefix=(ids, n)`` hint (block_ids[:n] == ids[:n]) changes no id: taken
-    when ``ids`` is the thread's last list, ignored otherwise."""
-    plain, hinted = KeySpace("ns", 256), KeySpace("ns", 256)
-    last: dict[int, np.ndarray] = {}
-    fresh = 10_000
-    for thread, keep, grow in requests:
-        prev = last.get(thread, np.zeros(0, dtype=np.uint32))
-        cut = min(prev.size, keep)
-        p = np.concatenate([prev[:cut], np.arange(fresh, fresh + grow, dtype=np.uint32)])
-        fresh += grow
-        other = np.array(p)  # equal ids in another array: not the thread's last list
-        hint = (prev, cut) if thread % 2 else (other, p.size)
-        want = plain.chunk_gids("s", thread, p, 64, p.size * 64)
-        got = hinted.chunk_gids("s", thread, p, 64, p.size * 64, prefix=hint)
-        assert got.tolist() == want.tolist()
-        last[thread] = p

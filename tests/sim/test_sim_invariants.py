@@ -228,9 +228,10 @@ def test_a_full_gate_rejects_at_its_deadline_whatever_the_clock_rounding():
     env = sim.env
     env.run(until=start)
     rec = RequestRecord(1, "s", 0, True, env.now, 100_000, 1000)
-    env.process(sim._admit(rec))
+    rejected = []
+    sim.lifecycle.admit_step.arrive(rec, lambda decode: None, lambda: rejected.append(env.now))
     env.run(until=start + 2 * wait)
-    assert rec.rejected == "reject_admission_timeout"
+    assert rec.rejected == "reject_admission_timeout" and rejected == [start + wait]
 
 
 def test_gate_admits_waiters_first_fit_in_arrival_order_at_the_release():
@@ -248,15 +249,17 @@ def test_gate_admits_waiters_first_fit_in_arrival_order_at_the_release():
         assert gate.try_admit(("blocker", d), budget - 1000, 1000, d).value == "admitted"
     done: dict[int, tuple[float, int | None]] = {}
 
+    admit = sim.lifecycle.admit_step
+
     def ask(key: int, at_s: float, need: int):
         yield env.timeout(at_s - env.now)
         rec = RequestRecord(key, "s", 0, True, env.now, need - 1000, 1000)
-        decode = yield from sim._admit(rec)
-        done[key] = (env.now, decode, rec.rejected)
+        admit.arrive(rec, lambda decode: done.__setitem__(key, (env.now, decode, rec.rejected)),
+                     lambda: done.__setitem__(key, (env.now, None, rec.rejected)))
 
     def release(at_s: float, key):
         yield env.timeout(at_s)
-        sim._release_gate(key)
+        admit.release(key)
 
     for key, at_s, need in ((1, 1.0, 600_000), (2, 2.0, 700_000), (3, 3.0, 200_000), (4, 4.0, 120_000)):
         env.process(ask(key, at_s, need))
@@ -268,11 +271,11 @@ def test_gate_admits_waiters_first_fit_in_arrival_order_at_the_release():
     assert done[2] == (10.0, 1, "")  # the second kept its place until decode 1 freed
     assert done[4] == (10.0, 1, "")  # 100K left on decode 0 was too little; after the second, 200K on 1
     assert gate.free_tokens(0) == 100_000 and gate.free_tokens(1) == 900_000 - 700_000 - 120_000
-    assert not sim._gate_waiters
+    assert not admit.waiters
     # nothing is released any more: a request that does not fit waits its 30 s and is rejected
     env.process(ask(5, 101.0, 400_000))
     env.run(until=200.0)
-    assert done[5] == (131.0, None, "reject_admission_timeout") and not sim._gate_waiters
+    assert done[5] == (131.0, None, "reject_admission_timeout") and not admit.waiters
 
 
 def test_split_pool_serves_each_prefill_from_its_own_server():

@@ -1,0 +1,165 @@
+"""A request's prompt, named once: its block ids, GPU cache ids and chunk group ids.
+
+Contract:
+    * ``Prompts.build(d)`` returns the ``Prompt`` of dispatch ``d`` (``workload.replay``'s
+      ``Dispatch``), built once, before the request's lookup; every step reads it, none changes it.
+    * ``Prompt.blocks``: the request's block ids (``BlockStore.block_ids``). ``gpu_ids``: the GPU
+      cache ids of its full blocks (each block id plus its scope's ``keys.block_offset``; a main
+      thread's prompt opens with the shared prefix's own ids when the workload has one).
+      ``gids``: the group ids of its keyable chunks (``sim.keys``), distinct (every chunk's key
+      chains its whole prefix). ``max_gpu_id`` and ``max_gid`` bound them (the scope's id range;
+      the key space's groups so far).
+    * ``Prompt.source``/``copied``: its first ``copied`` block ids (and GPU cache ids) are those of
+      the play's request ``source`` (``-1, 0``: none known), the latest of a thread of the same
+      play when it was built; ``source`` is the thread's own previous request in the usual case
+      (a turn extends its thread's last prompt).
+    * Per play, the latest prompt of each thread is kept (the store decompresses a later
+      prompt's ids against them) until ``forget(d)`` after the play's last request, together with
+      each thread's latest GPU cache insert (``PlayPrompts.inserts``, set by the compute step).
+
+Implementation: a thread's block ids and GPU cache ids live in buffers with room to grow
+(``_Ids``): a prompt that extends the list at a buffer's tip (its thread's last prompt,
+typically) writes only its new ids past it, and its lists are views of the same buffers. Ids are
+only ever written past a tip, so every earlier prompt's lists keep their ids.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from kvpool.sim.gpucache import LogEntry
+from kvpool.sim.keys import SHARED_PREFIX_SCOPE, KeySpace
+
+
+class Prompt(NamedTuple):
+    """One request's prompt (see the module docstring)."""
+
+    thread: int
+    request: int  # its index in the session
+    blocks: np.ndarray
+    gpu_ids: np.ndarray
+    gids: np.ndarray
+    max_gpu_id: int
+    max_gid: int
+    source: int
+    copied: int
+
+
+class _Ids:
+    """A thread's block ids and their GPU cache ids, in buffers of which ``tip`` ids are in use."""
+
+    __slots__ = ("blocks", "gblocks", "tip")
+
+    def __init__(self, capacity: int, dtype) -> None:
+        self.blocks = np.empty(capacity, dtype=dtype)
+        self.gblocks = np.empty(capacity, dtype=np.int64)
+        self.tip = 0
+
+
+class PlayPrompts:
+    """What a play's later prompts reuse: per thread its latest request's ids (by request index,
+    with the buffers they are views of) and its latest GPU cache insert."""
+
+    __slots__ = ("blocks", "gblocks", "bufs", "last_request", "inserts")
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, np.ndarray] = {}  # request index -> block ids
+        self.gblocks: dict[int, np.ndarray] = {}  # request index -> GPU cache ids
+        self.bufs: dict[int, _Ids] = {}  # request index -> the buffers of its lists
+        self.last_request: dict[int, int] = {}  # thread -> request index
+        #: thread -> (prefill index, the log entry of its latest GPU cache insert, its request index)
+        self.inserts: dict[int, tuple[int, LogEntry | None, int]] = {}
+
+    def ids(self, store, index: int, thread: int, off: int, lists) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Request ``index``'s block ids and GPU cache ids (``off`` + each), kept as ``thread``'s
+        latest, and ``(r, n)``: its first ``n`` ids are those of kept request ``r`` (-1, 0: none).
+        ``lists``: the store's ``lists()``."""
+        pieces, r, n = store.pieces_from(index, self.blocks, lists)
+        total = lists[3][index]
+        src = self.blocks.get(r) if n else None
+        buf = self.bufs.get(r) if n else None
+        if buf is None or n != src.size or buf.tip != n or buf.blocks.size < total:
+            old = buf
+            buf = _Ids(max(2 * total, 64), store.tail.dtype)  # room for the thread's next prompts
+            if n:
+                buf.blocks[:n] = src[:n]
+                buf.gblocks[:n] = (old.gblocks if old is not None else self.gblocks[r])[:n]
+        blocks, gblocks, tail = buf.blocks, buf.gblocks, store.tail
+        for at, start, count in pieces:  # past the tip: no list handed out covers them
+            blocks[at:at + count] = tail[start:start + count]
+            gblocks[at:at + count] = tail[start:start + count]
+        if n < total:  # the new ids' cache ids: one add over them all
+            new = gblocks[n:total]
+            np.add(new, off, out=new)
+        buf.tip = total
+        blocks, gblocks = blocks[:total], gblocks[:total]
+        old_index = self.last_request.get(thread)
+        if old_index is not None:
+            self.blocks.pop(old_index, None)
+            self.gblocks.pop(old_index, None)
+            self.bufs.pop(old_index, None)
+        self.blocks[index] = blocks
+        self.gblocks[index] = gblocks
+        self.bufs[index] = buf
+        self.last_request[thread] = index
+        return blocks, gblocks, r, n
+
+
+class Prompts:
+    """Builds every request's ``Prompt`` (see the module docstring)."""
+
+    def __init__(self, keys: KeySpace, shared_prefix_tokens: int) -> None:
+        self.keys = keys
+        self.plays: dict[int, PlayPrompts] = {}
+        self._max_block: dict[str, int] = {}  # session id -> its largest block id
+        self._lists: dict[str, tuple] = {}  # session id -> its BlockStore.lists()
+        # one range of GPU cache ids for the prefix every session shares (taken first, so each
+        # scope's own range lies above it); chunk keys then come from global ids under one chain
+        self._shared_tokens = shared_prefix_tokens
+        base = keys.block_offset(SHARED_PREFIX_SCOPE, shared_prefix_tokens) if shared_prefix_tokens else 0
+        self._shared_ids = np.arange(base, base + shared_prefix_tokens, dtype=np.int64)
+
+    def play(self, d) -> PlayPrompts:
+        got = self.plays.get(d.play)
+        if got is None:
+            got = self.plays[d.play] = PlayPrompts()
+        return got
+
+    def build(self, d) -> Prompt:
+        """``d``'s prompt; its ids are kept as its thread's latest in ``play(d)``."""
+        req, session = d.request, d.session
+        bt = session.block_tokens
+        max_block = self._max_block_id(session)
+        off = self.keys.block_offset(d.scope, max_block)
+        lists = self._lists.get(session.id)
+        if lists is None:
+            lists = self._lists[session.id] = session.blocks.lists()
+        blocks, gblocks, source, copied = self.play(d).ids(session.blocks, req.index, req.thread, off, lists)
+        if self._shared_tokens:
+            if req.thread == 0:  # the main thread's prompts open with the shared prefix
+                gblocks = gblocks.copy()  # (the kept ids stay the plain ones other threads copy)
+                k = min(self._shared_tokens // bt, gblocks.size)
+                gblocks[:k] = self._shared_ids[:k]
+            gids = self.keys.chunk_gids(d.scope, req.thread, gblocks, bt, req.in_tokens, chain_scope="")
+        else:
+            gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
+        full_blocks = min(gblocks.size, req.in_tokens // bt)
+        return Prompt(req.thread, req.index, blocks, gblocks[:full_blocks], gids, off + max_block,
+                      self.keys.groups - 1, source, copied)
+
+    def forget(self, d) -> None:
+        """After a play's last request: its key scope and kept prompts go."""
+        if d.request.index == len(d.session.requests) - 1:
+            if d.scope:
+                self.keys.forget_scope(d.scope)
+            self.plays.pop(d.play, None)
+
+    def _max_block_id(self, session) -> int:
+        """The largest block id a session uses (bounds its id range in the GPU cache), memoized."""
+        got = self._max_block.get(session.id)
+        if got is None:
+            tail = session.blocks.tail
+            got = self._max_block[session.id] = int(tail.max()) if tail.size else 0
+        return got

@@ -1,0 +1,52 @@
+"""The lookup step: where a prompt's tokens come from (GPU prefix cache, pool, computed).
+
+Contract: ``Lookup(world)(r)`` takes a routed request (``r.prefill`` set) and its ``r.prompt``;
+it counts the prompt's leading blocks held by the prefill's GPU cache as used now
+(``sim.steps.gpu.use``), checks every rank x chunk in the pool in one batched call
+(``SimPool.lookup_runs``; with an SSD tier the presence rows, a chunk on the SSD counting for
+every stage) and decides with ``policy.hits.compute_hits``. It fills ``r.hits`` and
+``r.in_dram`` and the record's token sources and ``prefill_start_s``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool.policy.hits import compute_hits
+from kvpool.sim.request import Request
+from kvpool.sim.steps import gpu
+from kvpool.sim.world import World
+
+
+class Lookup:
+    def __init__(self, world: World) -> None:
+        s = world.s
+        self.env = world.env
+        self.pool = world.pool
+        self.chunk_tokens = world.chunk_tokens
+        self.page_tokens = s.model.page_tokens
+        self.min_load_tokens = s.pool.min_load_tokens
+
+    def __call__(self, r: Request) -> None:
+        now = self.env.now
+        p, prompt, rec = r.prefill, r.prompt, r.rec
+        bt = r.d.session.block_tokens
+        run = gpu.use(r, now)
+        gids = prompt.gids
+        pool = self.pool
+        present = runs = None
+        if pool is not None and gids.size:
+            if pool.ssd is None:  # each rank's leading run is all the hit needs
+                runs = pool.lookup_runs(p.server, p.ranks, gids, now, prompt.max_gid)
+            else:  # a chunk on the SSD tier counts for every stage
+                present = pool.lookup(p.server, p.ranks, gids, now)
+                on_ssd = pool.ssd_lookup(p.server, gids, now)
+                r.in_dram = np.logical_and.reduce(present)
+                present = present | on_ssd  # [rank, chunk]
+        hits = r.hits = compute_hits(rec.in_tokens, run * bt, present, chunk_tokens=self.chunk_tokens,
+                                     page_tokens=self.page_tokens, min_load_tokens=self.min_load_tokens,
+                                     stage_runs=runs)
+        rec.gpu_tokens = hits.gpu_tokens
+        rec.pool_tokens = hits.pool_tokens
+        rec.computed_tokens = hits.computed_tokens
+        rec.prefill_start_s = now

@@ -1,0 +1,44 @@
+"""The save step: a prompt's new chunks go to the pool, in the background.
+
+Contract: ``Save(world, nics)(r, gids)`` for the chunk groups ``gids`` of ``r``'s prompt that the
+pool did not hold: every rank packs its objects (in parallel: the largest rank's pack time,
+``CostModel.unpack_s``), sends them over its NICs (``PoolNics``) and, once every byte has landed,
+puts them with their group ids (``SimPool.save``: ``policy.grouptable`` eviction); the record's
+``save_bytes`` grows then and the pool's time series is sampled. Nothing waits for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool.sim.events import call_later
+from kvpool.sim.links import Join
+from kvpool.sim.request import Request
+from kvpool.sim.steps.nics import PoolNics
+from kvpool.sim.world import World
+
+
+class Save:
+    def __init__(self, world: World, nics: PoolNics) -> None:
+        self.world = world
+        self.env = world.env
+        self.pool = world.pool
+        self.nics = nics
+        self.rank_bytes = world.rank_bytes
+        self.pack_s = world.cost.unpack_s  # packing costs what unpacking does
+
+    def __call__(self, r: Request, gids: np.ndarray) -> None:
+        env, p, rec = self.env, r.prefill, r.rec
+        nbytes = [gids.size * b for b in self.rank_bytes]
+
+        def put() -> None:
+            self.pool.save(p.server, p.ranks, gids, env.now, r.prompt.max_gid)
+            rec.save_bytes += sum(nbytes)
+            self.world.sample_pool()
+
+        def send(_e) -> None:
+            j = Join(env, put)
+            for rank in range(p.ranks):
+                self.nics.transfer(p, rank, nbytes[rank], int(gids.size), j)
+
+        call_later(env, self.pack_s(max(nbytes)), send)  # every rank packs in parallel

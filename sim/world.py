@@ -1,0 +1,127 @@
+"""The simulated cluster of one scenario, wired once: instances, pool, links, routers and the gate.
+
+Contract:
+    * ``World(s, cost=, unbounded=)`` builds everything a request meets on its way
+      (``sim.lifecycle``): the SimPy environment, the cost model, the key space, the prefill and
+      decode instances (each prefill with its GPU prefix cache), the pool (``None`` without one),
+      the network (``sim.cluster.Network``) and the SSD links, one router per decode group and
+      the admission gate (``None`` when disabled). It holds no request state and decides nothing.
+    * ``unbounded``: infinite GPU caches and pool (the trace-ceiling check).
+    * Ranks: prefill rank ``r = stage * tp + t`` holds stage ``r // tp``'s layers (the MLA latent
+      is replicated over TP); ``rank_bytes[r]`` is the size of one chunk object of rank ``r``.
+    * The time series (``timeline``) are sampled by ``sample_pool`` (after every save) and by the
+      decode instances' occupancy reports.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import simpy
+
+from kvpool.policy.admission import AdmissionGate, GateConfig
+from kvpool.policy.chunks import namespace_for
+from kvpool.policy.routing import make_router
+from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacity_tokens
+from kvpool.scenario.model import Scenario
+from kvpool.sim.cluster import Network, place
+from kvpool.sim.cost import AnalyticalCost, CostModel
+from kvpool.sim.gpucache import GPUPrefixCache
+from kvpool.sim.instances import DecodeInstance, PrefillInstance
+from kvpool.sim.keys import KeySpace
+from kvpool.sim.links import FairLink
+from kvpool.sim.pool import SimPool
+
+
+@dataclass
+class Timeline:
+    """Time series sampled during the run (for plots)."""
+
+    pool_t: list[float] = field(default_factory=list)
+    pool_used: list[float] = field(default_factory=list)
+    pool_evicted: list[int] = field(default_factory=list)
+    decode_t: list[float] = field(default_factory=list)
+    decode_occ: list[float] = field(default_factory=list)
+
+
+class World:
+    """One scenario's cluster (see the module docstring)."""
+
+    def __init__(self, s: Scenario, *, cost: CostModel | None = None, unbounded: bool = False) -> None:
+        self.s = s
+        self.env = env = simpy.Environment()
+        self.cost = cost or AnalyticalCost.from_scenario(s)
+        self.spec = spec = s.kvspec()
+        self.chunk_tokens = s.pool.chunk_tokens
+        self.keys = KeySpace(namespace_for(spec, s.pool.chunk_tokens), s.pool.chunk_tokens)
+        self.layout = place(s)
+        self.net = Network(env, s)
+        self.timeline = Timeline()
+        tp = s.prefill.tp
+        self.rank_stage = [r // tp for r in range(s.prefill.pp * tp)]
+        self.rank_bytes = [spec.chunk_object_bytes(st, self.chunk_tokens) for st in self.rank_stage]
+        self.pool = _pool(s, self.rank_bytes, unbounded)
+        self._pool_capacity = max(1, self.pool.capacity_bytes) if self.pool is not None else 1
+        cache_tokens = None if unbounded else prefill_kv_capacity_tokens(s)
+        self.prefills = [
+            PrefillInstance(env, i, pl.server, pl.gpus, pp=s.prefill.pp, tp=tp,
+                            max_batched_tokens=s.prefill.max_batched_tokens, cost=self.cost,
+                            cache=GPUPrefixCache(cache_tokens), load_workers=s.cost.load_workers_per_stage)
+            for i, pl in enumerate(self.layout.prefill)
+        ]
+        self.decodes = [
+            DecodeInstance(env, i, pl.server, pl.gpus, capacity_tokens=decode_kv_capacity_tokens(s),
+                           max_seqs=s.decode.max_seqs, tokens_per_step=s.decode.mtp_accept_tokens, cost=self.cost,
+                           on_occupancy=self._decode_occupancy)
+            for i, pl in enumerate(self.layout.decode)
+        ]
+        self._decode_capacity_tokens = sum(d.capacity_tokens for d in self.decodes)
+        #: per decode group: its prefill instances (every instance when a group has none)
+        self.group_prefills = [[p.index for p, pl in zip(self.prefills, self.layout.prefill) if pl.group == g]
+                               or list(range(len(self.prefills))) for g in range(len(self.decodes))]
+        rng = random.Random(s.seed)
+        self.routers = [make_router(s.routing.prefill, random.Random(rng.random())) for _ in self.decodes]
+        self.gate = (AdmissionGate(GateConfig(s.gate.tokens_per_decode, s.gate.budget_fraction, s.gate.max_input_tokens,
+                                              s.gate.max_output_tokens, s.gate.max_wait_s), len(self.decodes))
+                     if s.gate.enabled else None)
+        ssd = s.pool.ssd
+        self.ssd_links = [FairLink(env, ssd.read_gb_s_per_server * 1e9, name=f"ssd{i}") for i in range(s.cluster.servers)]
+        self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus
+        #: per prefill, per rank: its own NIC and the remote NICs that carry a share of its pool traffic
+        self.rank_nics = [self._nics_of(p) for p in self.prefills]
+
+    def _nics_of(self, p: PrefillInstance) -> list[tuple[FairLink, list[FairLink]]]:
+        """Per rank of ``p``: its own NIC and, in a shared multi-server pool, the NICs of the other
+        servers on its rail (in server order), which carry their share of its pool traffic."""
+        out = []
+        servers = self.s.cluster.servers
+        shared = self.pool is not None and self.pool.mode == "shared" and servers > 1
+        for rank in range(p.ranks):
+            gpu = p.rank_gpu(rank)
+            rail = gpu % self.s.cluster.gpus_per_server
+            remotes = [self.net.rail_nic(srv, rail) for srv in range(servers) if srv != p.server] if shared else []
+            out.append((self.net.nic[gpu], remotes))
+        return out
+
+    def _decode_occupancy(self, now: float, _frac: float) -> None:
+        cap = self._decode_capacity_tokens
+        self.timeline.decode_t.append(now)
+        self.timeline.decode_occ.append(sum([d.reserved_tokens for d in self.decodes]) / cap if cap else 0.0)
+
+    def sample_pool(self) -> None:
+        """Append the pool's used fraction and evicted groups now to the time series."""
+        pool = self.pool
+        if pool is None:
+            return
+        tl = self.timeline
+        tl.pool_t.append(self.env.now)
+        tl.pool_used.append(pool.used_bytes / self._pool_capacity)
+        tl.pool_evicted.append(pool.evicted_groups)
+
+
+def _pool(s: Scenario, rank_bytes: list[int], unbounded: bool) -> SimPool | None:
+    """The scenario's pool (``None`` without one); ``unbounded``: one service of 1 PiB."""
+    if unbounded:
+        s = s.model_copy(update={"pool": s.pool.model_copy(update={"gib_per_service": 1 << 20, "services_per_server": 1})})
+    return SimPool(s, rank_bytes) if s.pool.services_per_server and s.pool.gib_per_service else None
