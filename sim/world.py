@@ -27,7 +27,7 @@ from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacit
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
-from kvpool.sim.gpucache import GPUPrefixCache
+from kvpool.sim.gpucache import GPUPrefixCache, Scratch
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
 from kvpool.sim.links import FairLink
@@ -64,10 +64,11 @@ class World:
         self.pool = _pool(s, self.rank_bytes, unbounded)
         self._pool_capacity = max(1, self.pool.capacity_bytes) if self.pool is not None else 1
         cache_tokens = None if unbounded else prefill_kv_capacity_tokens(s)
+        scratch = Scratch()  # one for every GPU cache
         self.prefills = [
             PrefillInstance(env, i, pl.server, pl.gpus, pp=s.prefill.pp, tp=tp,
                             max_batched_tokens=s.prefill.max_batched_tokens, cost=self.cost,
-                            cache=GPUPrefixCache(cache_tokens), load_workers=s.cost.load_workers_per_stage)
+                            cache=GPUPrefixCache(cache_tokens, scratch=scratch), load_workers=s.cost.load_workers_per_stage)
             for i, pl in enumerate(self.layout.prefill)
         ]
         self.decodes = [

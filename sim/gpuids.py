@@ -1,0 +1,56 @@
+"""One GPU prefix cache's names for the blocks it meets: dense ids, allocated page by page.
+
+Contract:
+    * ``CacheIds().ids(scope, max_id, blocks, out)`` writes into ``out`` the cache ids of block
+      ids ``blocks`` of ``scope`` (each ``<= max_id``): two blocks get the same cache id exactly
+      when they are the same block of the same scope. A local scope's ids are ``0 .. max_id`` as
+      first given, the global scope's (``""``, Mooncake traces) ``keys.GLOBAL_SCOPE_IDS``, as in
+      ``keys.IdRanges``; a ``max_id`` past the scope's last page is an error.
+    * Ids are allocated from 0 in pages of ``PAGE_IDS`` consecutive block ids of one scope, the
+      first time a block of that page is met; ``size`` bounds every id handed out. A cache's
+      arrays by id (``sim.gpucache``) are then as long as the pages its prompts touched, not as
+      every session's ids: with N servers a thread's requests meet many prefills, and each of
+      them holds only what it served.
+    * A scope's page table holds one entry per ``PAGE_IDS`` of its ids.
+
+Which page gets which ids follows the order pages are met, so ids differ from one cache to
+another; the cache's decisions depend only on which ids are equal, never on their values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool.sim.keys import GLOBAL_SCOPE_IDS
+
+PAGE_BITS = 6
+PAGE_IDS = 1 << PAGE_BITS  # block ids per page
+_OFFSET_MASK = PAGE_IDS - 1
+
+
+class CacheIds:
+    """See the module docstring."""
+
+    __slots__ = ("_pages", "size")
+
+    def __init__(self) -> None:
+        self._pages: dict[str, np.ndarray] = {}  # scope -> cache id of each page's first id (-1: not met)
+        self.size = 0
+
+    def ids(self, scope: str, max_id: int, blocks: np.ndarray, out: np.ndarray) -> None:
+        """Write the cache ids of ``blocks`` (block ids of ``scope``) into ``out`` (int64, as long)."""
+        pages = self._pages.get(scope)
+        if pages is None:
+            ids = GLOBAL_SCOPE_IDS if not scope else max_id + 1
+            pages = self._pages[scope] = np.full(((ids - 1) >> PAGE_BITS) + 1, -1, dtype=np.int64)
+        if max_id >> PAGE_BITS >= pages.size:
+            raise ValueError(f"block id {max_id} beyond the {pages.size * PAGE_IDS} ids of scope {scope!r}")
+        page = blocks >> PAGE_BITS
+        base = pages[page]
+        if base.size and int(base.min()) < 0:  # pages met for the first time: the next ids
+            new = np.unique(page[base < 0])
+            pages[new] = self.size + (np.arange(new.size, dtype=np.int64) << PAGE_BITS)
+            self.size += int(new.size) << PAGE_BITS
+            base = pages[page]
+        np.bitwise_and(blocks, _OFFSET_MASK, out=out, casting="unsafe")
+        out += base
