@@ -22,7 +22,7 @@ DEFAULT_LOADS = {"sessions": "56,72,96,112", "rps": "0.6,0.8,1.0,1.2"}
 LOAD_LABELS = {"sessions": "Sessions (AgentX lanes), comma-separated", "rps": "Requests per second, comma-separated"}
 
 
-WARM_MODULES = ("pandas", "altair", "kvpool.sim.run", "kvpool.sim.engine", "kvpool.sim.plan", "kvpool.cli.sim",
+WARM_MODULES = ("pandas", "altair", "kvpool.sim.run", "kvpool.sim.engine", "kvpool.sim.plan",
                 "kvpool.dashboard.results", "kvpool.dashboard.charts")
 
 
@@ -92,8 +92,8 @@ class RunSettings:
 
 def run_settings(prefix: str, key: str, default_loads: str | None = None) -> tuple[RunSettings | None, list[str]]:
     """The loads and run length inputs (inside the caller's form); returns settings or error lines."""
-    from kvpool.cli.common import UserError
-    from kvpool.cli.sim import parse_loads
+    from kvpool.errors import UserError
+    from kvpool.loads import parse_loads
 
     c1, c2, c3, c4 = st.columns([3, 1.2, 1.2, 1])
     text = kept(c1.text_input, f"{prefix}_loads_{key}", default_loads or DEFAULT_LOADS[key], label=LOAD_LABELS[key],

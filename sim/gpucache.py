@@ -35,8 +35,6 @@ from collections import deque
 
 import numpy as np
 
-from kvpool.policy.grouptable import grown
-
 _ALL = np.logical_and.reduce
 _EVICTED = 0.0  # the last use of a block not held (never inserted, or evicted): no moment, so a
 # log entry's live blocks are those whose last use is the entry's moment, and a block is held
@@ -106,7 +104,9 @@ class GPUPrefixCache:
         n = len(self._last)
         if max_id < n:
             return
-        self._last = grown(self._last, max(max_id + 1, 4 * n))  # (zeros: _EVICTED)
+        last = np.zeros(max(max_id + 1, 4 * n), dtype=self._last.dtype)  # fresh zeros: _EVICTED
+        last[:n] = self._last
+        self._last = last
 
     def hit_blocks(self, ids: np.ndarray, now: float, max_id: int | None = None) -> int:
         """Leading blocks of ``ids`` held; they count as used now."""
