@@ -41,7 +41,7 @@ class Join:
     own event would have completed. Exactly a join of the transfers' events that completes when
     the last one does (``tests/sim/test_links.py`` checks it against one), whose only callbacks it
     would have been. ``close()`` after adding them: with none (every transfer
-    empty), ``done`` succeeds through SimPy's queue, as that join's did."""
+    empty), ``done`` succeeds through SimPy's queue (``succeed()``), as a join of no events does."""
 
     __slots__ = ("left", "fn", "done")
 
