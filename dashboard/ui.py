@@ -6,6 +6,7 @@ Nothing here runs at import; every function draws into the page that calls it.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ LOAD_LABELS = {"sessions": "Sessions (AgentX lanes), comma-separated", "rps": "R
 
 WARM_MODULES = ("pandas", "altair", "kvpool.sim.run", "kvpool.sim.engine", "kvpool.sim.plan",
                 "kvpool.dashboard.results", "kvpool.dashboard.charts")
+_warm_thread: threading.Thread | None = None  # the thread warm_imports started, if any
 
 
 def warm_imports() -> None:
@@ -34,8 +36,8 @@ def warm_imports() -> None:
     """
     import importlib
     import sys
-    import threading
 
+    global _warm_thread
     if all(m in sys.modules for m in WARM_MODULES):
         return
 
@@ -46,7 +48,16 @@ def warm_imports() -> None:
         except Exception:  # noqa: BLE001 - the page that needs the module reports the failure itself
             return
 
-    threading.Thread(target=warm, name="kvpool-dashboard-warm-imports", daemon=True).start()
+    _warm_thread = threading.Thread(target=warm, name="kvpool-dashboard-warm-imports", daemon=True)
+    _warm_thread.start()
+
+
+def finish_warm_imports() -> None:
+    """Wait until the imports of ``warm_imports`` are done. Call it before starting worker processes:
+    a process forked while another thread is inside an import inherits that import's lock held,
+    and hangs on its first import of the same module."""
+    if _warm_thread is not None:
+        _warm_thread.join()
 
 
 def kept(widget: Callable[..., Any], key: str, default: Any, **kwargs: Any) -> Any:
