@@ -241,15 +241,3 @@ class RequestMetrics:
     def prompt_tokens(self) -> int:
         return self.gpu_tokens + self.pool_tokens + self.computed_tokens
 
-    def record_fields(self) -> dict:
-        """The fields ``kvpool.sim.metrics.RequestRecord`` shares with this record (same names)."""
-        return {
-            "gpu_tokens": self.gpu_tokens,
-            "pool_tokens": self.pool_tokens,
-            "computed_tokens": self.computed_tokens,
-            "restore_stage_s": list(self.restore_stage_s),
-            "restore_spread_s": self.restore_spread_s,
-            "restore_failed": self.restore_failed,
-            "restore_bytes": self.restore_bytes,
-            "save_bytes": self.save_bytes,
-        }

@@ -189,7 +189,7 @@ def _search(base: Scenario, variable: Variable, targets: Sequence[Target], load:
         values = [v for v in dict.fromkeys(int(round(x)) if integer else x for x in values) if v not in seen]
         if not values:
             return
-        if run_batch is not None:  # on_run as each point finishes; explored in value order, as before
+        if run_batch is not None:  # on_run as each point finishes; ``explored`` stays in value order (below)
             def each(i: int, row: dict) -> None:
                 if on_run:
                     on_run(values[i], row, all(t.met(row) for t in targets))

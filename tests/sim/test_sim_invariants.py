@@ -213,8 +213,8 @@ def test_frontend_overhead_delays_every_first_token_by_exactly_that_much():
 @pytest.mark.timeout(60)
 def test_a_full_gate_rejects_at_its_deadline_whatever_the_clock_rounding():
     """A wait that starts at 500.002 s with a 30 s bound ends at 530.002 s rounded down, a few
-    1e-14 s short of its deadline; a timeout that short never advances the clock, and re-waiting
-    on it used to hang the run at that moment."""
+    1e-14 s short of its deadline; a timeout that short never advances the clock, so the gate must
+    reject at the deadline as rounded (re-waiting on it would hang the run at that moment)."""
     from kvpool.sim.metrics import RequestRecord
 
     s = load_scenario("mi350x-6p2d-shared", ["gate.max_wait_s=30"])
