@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kvpool.scenario.model import Scenario
 from kvpool.sim.executor import Runner
-from kvpool.sim.metrics import SUMMARY_KEYS
+from kvpool.workload.records import SUMMARY_KEYS
 
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 _TARGET = re.compile(r"^\s*([a-z0-9_]+)\s*(>=|<=|>|<)\s*([-+0-9.eE]+)\s*$")
