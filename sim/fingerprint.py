@@ -3,13 +3,17 @@
 Contract:
     * ``CONFIGS`` names the configurations (scenario, load, overrides); ``simulate(name)`` runs one,
       ``fingerprint(sim, records)`` is its digest.
-    * A digest covers every field of every request record (floats by ``repr``, exact), the pool's
+    * A digest covers the simulator's fields of every request record (``RECORD_FIELDS``, floats by
+      ``repr``, exact), the pool's
       counters (used bytes, evicted groups, per-table state sizes), the GPU caches' counters
       (blocks held, evicted), the key space's counters, the links' byte counts and the run's time
       series. Equal digests mean equal results; speed work must leave every digest unchanged.
     * ``combined(digests)`` is the one hash over the configurations, in ``CONFIGS`` order.
     * The expected digests live in ``tests/sim/golden/fingerprint.json``, which
       ``tests/sim/test_fingerprint.py`` compares against (and regenerates on request).
+    * ``RECORD_FIELDS`` is a fixed list, not every field of ``RequestRecord``: a field the
+      simulator does not set (``lookup_answered``, the backend's) leaves the digests alone, and a
+      new record field joins the fingerprint only together with a regenerated golden file.
 """
 
 from __future__ import annotations
@@ -17,12 +21,11 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping
-from dataclasses import fields
 
 from kvpool.scenario import load_scenario
 from kvpool.sim.engine import Simulation
-from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.run import make_replay, workload_for
+from kvpool.workload.records import RequestRecord
 
 #: name -> (scenario, load, overrides)
 CONFIGS: dict[str, tuple[str, float, list[str]]] = {
@@ -39,7 +42,13 @@ CONFIGS: dict[str, tuple[str, float, list[str]]] = {
                                         "gate.tokens_per_decode=2000000"]),
 }
 
-_RECORD_FIELDS = [f.name for f in fields(RequestRecord)]
+#: The ``RequestRecord`` fields a digest covers, in this order (see the module docstring).
+RECORD_FIELDS = (
+    "key", "session", "thread", "measured", "arrival_s", "in_tokens", "out_tokens", "prefill", "decode",
+    "gpu_tokens", "pool_tokens", "ssd_tokens", "computed_tokens", "restore_stage_s", "restore_spread_s",
+    "restore_failed", "prefill_start_s", "prefill_end_s", "handoff_s", "first_token_s", "end_s",
+    "restore_bytes", "save_bytes", "handoff_bytes", "handoff_writes", "rejected",
+)
 
 
 def _feed(h, *values) -> None:
@@ -52,7 +61,7 @@ def fingerprint(sim: Simulation, records: list[RequestRecord]) -> str:
     h = hashlib.sha256()
     _feed(h, len(records), sim.env.now)
     for r in records:
-        _feed(h, *[getattr(r, k) for k in _RECORD_FIELDS])
+        _feed(h, *[getattr(r, k) for k in RECORD_FIELDS])
     if sim.pool is not None:
         pool = sim.pool
         _feed(h, "pool", pool.capacity_bytes, pool.used_bytes, pool.evicted_groups)
