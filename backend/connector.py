@@ -11,7 +11,7 @@ reference engine, the tests and ``bench/restore.py``); in a real PP engine the p
 cross process boundaries instead, carrying the same ``connector_data`` messages.
 
 Per request (``StageAlignedConnector``):
-    ``restore(request_id, token_ids, block_ids, gpu_hit_tokens) -> RequestMetrics``
+    ``restore(request_id, token_ids, block_ids, gpu_hit_tokens) -> RequestRecord``
         lookup (one batched exists), plan (recheck if stale), every stage loads in parallel on
         its load thread, the scheduler aggregates (all-or-nothing).
     ``compute_ranges(request_id) -> [(start, end), ...]``  what prefill computes: the tokens
@@ -20,7 +20,12 @@ Per request (``StageAlignedConnector``):
     ``save(request_id, block_ids, computed_tokens) -> SaveOutcome | None``
         after prefill: every stage packs and puts its new full chunks asynchronously (bounded);
         ``wait=True`` waits for all stages and tells the scheduler.
-    ``finish(request_id) -> RequestMetrics``  export the record (Prometheus) and forget the request.
+    ``finish(request_id) -> RequestRecord``  export the record (Prometheus) and forget the request.
+
+The record is the simulator's ``kvpool.workload.records.RequestRecord`` (``docs/metrics.md``):
+its ``key`` is the request id, ``in_tokens`` the prompt length; the connector fills the token
+sources, the restore and save fields and ``lookup_answered``, and leaves the replay's identity and
+timing fields at their defaults for the engine serving the request to fill.
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ from typing import TYPE_CHECKING, Literal
 from kvpool.backend.connector_data import (
     LoadOutcome,
     LoadPlan,
-    RequestMetrics,
     SaveOutcome,
     SavePlan,
     StageReport,
@@ -44,6 +48,7 @@ from kvpool.backend.connector_scheduler import ConnectorScheduler, Lookup, Sched
 from kvpool.backend.pool.api import Pool
 from kvpool.policy.chunks import ChunkNaming
 from kvpool.policy.kvspec import KVSpec
+from kvpool.workload.records import RequestRecord
 
 if TYPE_CHECKING:
     import torch
@@ -159,15 +164,16 @@ class StageAlignedConnector:
         self.workers = list(workers)
         self.metrics = metrics
         self.load_wait_s = load_wait_s
-        self._records: dict[str, RequestMetrics] = {}
+        self._records: dict[str, RequestRecord] = {}
         self._digests: dict[str, list[bytes]] = {}
         self._loaded: dict[str, tuple[int, int]] = {}  # request -> tokens [lo, hi) the pool provided
         self.last_lookup: Lookup | None = None
         self.last_load: LoadOutcome | None = None
         self.last_reports: list[StageReport] = []
 
-    def record(self, request_id: str) -> RequestMetrics:
-        return self._records.setdefault(request_id, RequestMetrics(request_id))
+    def record(self, request_id: str) -> RequestRecord:
+        """The request's record (a fresh one, keyed by ``request_id``, on first use)."""
+        return self._records.setdefault(request_id, RequestRecord(request_id))
 
     def restore(
         self,
@@ -176,7 +182,7 @@ class StageAlignedConnector:
         block_ids: torch.Tensor,
         gpu_hit_tokens: int = 0,
         on_round: Callable[[int, int, int], None] | None = None,
-    ) -> RequestMetrics:
+    ) -> RequestRecord:
         """Look up and load the request's pool hit into its pages (all stages or none).
 
         ``on_round(stage, chunks_done, chunks_total)`` reports load progress (profiling, tests).
@@ -186,6 +192,7 @@ class StageAlignedConnector:
         n = len(token_ids)
         look = self.last_lookup = sched.lookup(request_id, digests, n, gpu_hit_tokens)
         rec = self.record(request_id)
+        rec.in_tokens = n
         rec.lookup_answered = look.answered
         rec.gpu_tokens, rec.pool_tokens, rec.computed_tokens = look.hit.gpu_tokens, 0, n - look.hit.gpu_tokens
         self.last_load, self.last_reports = None, []
@@ -197,6 +204,22 @@ class StageAlignedConnector:
             w.submit_load(plan, block_ids, None if on_round is None else (lambda d, t, s=w.stage: on_round(s, d, t)))
             for w in self.workers
         ]
+        outcome = self.last_load = self._wait_loads(request_id, futures)
+        rec.restore_stage_s = list(outcome.stage_load_s)
+        rec.restore_spread_s = outcome.first_to_last_s
+        rec.restore_bytes += outcome.bytes_loaded
+        if outcome.ok:
+            rec.pool_tokens = outcome.pool_tokens
+            rec.computed_tokens = n - rec.gpu_tokens - rec.pool_tokens
+            chunk = sched.config.chunk_tokens
+            self._loaded[request_id] = (plan.first_chunk * chunk, plan.end_chunk * chunk)
+        else:
+            rec.restore_failed = True
+        return rec
+
+    def _wait_loads(self, request_id: str, futures: Sequence[Future[StageReport]]) -> LoadOutcome:
+        """Every stage's load report (each wait bounded), told to the scheduler in stage order."""
+        sched = self.scheduler
         outcome = None
         for w, fut in zip(self.workers, futures):
             try:
@@ -210,18 +233,7 @@ class StageAlignedConnector:
             self.last_reports.append(rep)
             outcome = sched.report_stage(rep) or outcome
         assert outcome is not None
-        self.last_load = outcome
-        rec.restore_stage_s = list(outcome.stage_load_s)
-        rec.restore_spread_s = outcome.first_to_last_s
-        rec.restore_bytes += outcome.bytes_loaded
-        if outcome.ok:
-            rec.pool_tokens = outcome.pool_tokens
-            rec.computed_tokens = n - rec.gpu_tokens - rec.pool_tokens
-            chunk = sched.config.chunk_tokens
-            self._loaded[request_id] = (plan.first_chunk * chunk, plan.end_chunk * chunk)
-        else:
-            rec.restore_failed = True
-        return rec
+        return outcome
 
     def compute_ranges(self, request_id: str) -> list[tuple[int, int]]:
         """Token ranges ``[start, end)`` prefill must compute, in order, after ``restore``.
@@ -231,7 +243,7 @@ class StageAlignedConnector:
         then ``[end * chunk_tokens, prompt)``. The last range always ends at the prompt's end.
         """
         rec = self.record(request_id)
-        n = rec.prompt_tokens
+        n = rec.in_tokens
         gpu = rec.gpu_tokens
         span = self._loaded.get(request_id)
         if span is None:
@@ -268,9 +280,9 @@ class StageAlignedConnector:
         started = self.submit_save(request_id, block_ids, computed_tokens)
         return None if started is None else self.complete_save(*started)
 
-    def finish(self, request_id: str) -> RequestMetrics:
+    def finish(self, request_id: str) -> RequestRecord:
         """Export the request's record and forget it (call after its last save completed)."""
-        rec = self._records.pop(request_id, RequestMetrics(request_id))
+        rec = self._records.pop(request_id, RequestRecord(request_id))
         self._digests.pop(request_id, None)
         self._loaded.pop(request_id, None)
         self.scheduler.finish(request_id)

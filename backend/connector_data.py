@@ -14,15 +14,14 @@ Primitives, by direction:
     aggregation (pure; the scheduler and the facade call these):
         ``aggregate_load(plan, reports) -> LoadOutcome``
         ``aggregate_save(plan, reports) -> SaveOutcome``
-    per request (the metrics of ``docs/metrics.md``, one record per request):
-        ``RequestMetrics`` GPU / pool / computed tokens, per-stage load time, first-to-last-stage
-        spread, bytes read and written.
+The per-request record the connector fills is ``kvpool.workload.records.RequestRecord``, the
+simulator's record type (``docs/metrics.md``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -209,47 +208,3 @@ def aggregate_save(plan: SavePlan, reports: Sequence[StageSaveReport]) -> SaveOu
         failed_stages=failed,
     )
 
-
-@dataclass
-class RequestMetrics:
-    """One request's connector metrics, with the simulator's definitions (``docs/metrics.md``).
-
-    Attributes:
-        request_id: the request.
-        gpu_tokens, pool_tokens, computed_tokens: where its prompt tokens came from (they sum to
-            the prompt); ``pool_tokens`` is 0 when the load failed (those tokens were computed).
-        restore_stage_s: per stage, from its load starting to its objects being read and unpacked.
-        restore_spread_s: first stage starting its load to the last stage finishing it.
-        restore_failed: a load was planned and failed (the request recomputed).
-        restore_bytes: bytes read from the pool.
-        save_bytes: bytes written to the pool.
-        lookup_answered: whether the pool answered the lookup.
-    """
-
-    request_id: str
-    gpu_tokens: int = 0
-    pool_tokens: int = 0
-    computed_tokens: int = 0
-    restore_stage_s: list[float] = field(default_factory=list)
-    restore_spread_s: float = 0.0
-    restore_failed: bool = False
-    restore_bytes: int = 0
-    save_bytes: int = 0
-    lookup_answered: bool = True
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.gpu_tokens + self.pool_tokens + self.computed_tokens
-
-    def record_fields(self) -> dict:
-        """The fields ``kvpool.sim.metrics.RequestRecord`` shares with this record (same names)."""
-        return {
-            "gpu_tokens": self.gpu_tokens,
-            "pool_tokens": self.pool_tokens,
-            "computed_tokens": self.computed_tokens,
-            "restore_stage_s": list(self.restore_stage_s),
-            "restore_spread_s": self.restore_spread_s,
-            "restore_failed": self.restore_failed,
-            "restore_bytes": self.restore_bytes,
-            "save_bytes": self.save_bytes,
-        }

@@ -22,6 +22,7 @@ import tomllib
 
 import streamlit as st
 
+from kvpool.dashboard.ui import finish_warm_imports
 from kvpool.scenario import Scenario, summarize
 from kvpool.scenario.load import read_raw, validate
 
@@ -51,6 +52,7 @@ def sweep(toml_text: str, loads: tuple[float, ...], traces: str | None = None, _
 
     s = scenario(toml_text)
     workers = _workers or min(len(loads), os.cpu_count() or 1)
+    finish_warm_imports()  # before the sweep forks its workers
     bar = st.progress(0.0, text=f"simulating {s.name}: 0/{len(loads)} loads")
     done: list[float] = []
 
@@ -89,6 +91,7 @@ def plan(toml_text: str, targets: tuple[str, ...], vary: str, load: float | None
                      text=f"searching {variable.field}: run {len(runs)} (at most {max_runs}): "
                           f"{variable.field}={value:g} {'meets' if meets else 'fails'} the targets")
 
+    finish_warm_imports()  # before the search forks its workers
     try:
         result = pl.search(s, variable, parsed, load=load, workers=workers, max_runs=max_runs, on_run=on_run)
     finally:

@@ -6,6 +6,7 @@ Nothing here runs at import; every function draws into the page that calls it.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,8 +23,9 @@ DEFAULT_LOADS = {"sessions": "56,72,96,112", "rps": "0.6,0.8,1.0,1.2"}
 LOAD_LABELS = {"sessions": "Sessions (AgentX lanes), comma-separated", "rps": "Requests per second, comma-separated"}
 
 
-WARM_MODULES = ("pandas", "altair", "kvpool.sim.run", "kvpool.sim.engine", "kvpool.sim.plan", "kvpool.cli.sim",
+WARM_MODULES = ("pandas", "altair", "kvpool.sim.run", "kvpool.sim.engine", "kvpool.sim.plan",
                 "kvpool.dashboard.results", "kvpool.dashboard.charts")
+_warm_thread: threading.Thread | None = None  # the thread warm_imports started, if any
 
 
 def warm_imports() -> None:
@@ -34,8 +36,8 @@ def warm_imports() -> None:
     """
     import importlib
     import sys
-    import threading
 
+    global _warm_thread
     if all(m in sys.modules for m in WARM_MODULES):
         return
 
@@ -46,7 +48,16 @@ def warm_imports() -> None:
         except Exception:  # noqa: BLE001 - the page that needs the module reports the failure itself
             return
 
-    threading.Thread(target=warm, name="kvpool-dashboard-warm-imports", daemon=True).start()
+    _warm_thread = threading.Thread(target=warm, name="kvpool-dashboard-warm-imports", daemon=True)
+    _warm_thread.start()
+
+
+def finish_warm_imports() -> None:
+    """Wait until the imports of ``warm_imports`` are done. Call it before starting worker processes:
+    a process forked while another thread is inside an import inherits that import's lock held,
+    and hangs on its first import of the same module."""
+    if _warm_thread is not None:
+        _warm_thread.join()
 
 
 def kept(widget: Callable[..., Any], key: str, default: Any, **kwargs: Any) -> Any:
@@ -92,8 +103,8 @@ class RunSettings:
 
 def run_settings(prefix: str, key: str, default_loads: str | None = None) -> tuple[RunSettings | None, list[str]]:
     """The loads and run length inputs (inside the caller's form); returns settings or error lines."""
-    from kvpool.cli.common import UserError
-    from kvpool.cli.sim import parse_loads
+    from kvpool.errors import UserError
+    from kvpool.loads import parse_loads
 
     c1, c2, c3, c4 = st.columns([3, 1.2, 1.2, 1])
     text = kept(c1.text_input, f"{prefix}_loads_{key}", default_loads or DEFAULT_LOADS[key], label=LOAD_LABELS[key],

@@ -198,7 +198,7 @@ def _copy_rows_persistent_kernel(
     """One record size, a fixed number of programs, each looping over tiles ``pid, pid + nprog, ..``
     (tile ``f`` = row tile ``f % n_tiles`` of group ``f // n_tiles``). Software-pipelined by hand:
     the next tile's block ids and table entries are read while this tile's data is in flight, so
-    the small dependent loads no longer add their latency to every tile."""
+    the small dependent loads do not add their latency to every tile."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = n_tiles * n_groups

@@ -1,6 +1,6 @@
 """Cost models: how long prefill steps, decode steps, restores and handoffs take.
 
-Contract: a ``CostModel`` turns work (tokens, context, bytes, writes) into seconds; it holds no
+Contract: a ``CostModel`` turns work (tokens, context, bytes) into seconds; it holds no
 state and sees no SimPy. ``AnalyticalCost`` is the default, parameterized by the scenario's
 ``[cost]``, ``[gpu]`` and ``[model]`` sections (sources and calibration in docs/cost-model.md):
 
@@ -8,9 +8,10 @@ state and sees no SimPy. ``AnalyticalCost`` is the default, parameterized by the
                    / (GPUs of the instance x dense peak x MFU)        [pipeline stages overlap]
     decode step    fixed + per-token x batch x tokens verified per sequence
                    + context bytes read / (HBM bandwidth x efficiency x ranks)
-    transfer       bytes / bandwidth share + writes / message rate  (the links add the sharing)
     pack/gather    bytes / GPU copy rate (the Triton kernels)
     pool load      bytes / load-worker rate (Mooncake get into the registered buffer + unpack)
+
+Transfers (bytes / bandwidth share + writes / message rate) are priced by the links (``sim/links.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ class CostModel(Protocol):
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """Time of one decode step of ``batch`` sequences holding ``context_tokens`` in all."""
-
-    def write_cost_s(self, writes: int) -> float:
-        """Posting cost of ``writes`` separate writes on one NIC."""
 
     def unpack_s(self, nbytes: int) -> float:
         """GPU time to pack (or gather, scatter) ``nbytes``."""
@@ -51,7 +49,6 @@ class AnalyticalCost:
     decode_per_seq_s: float  # per sequence per step: per verified token x tokens verified per sequence
     decode_bytes_per_ctx_token: float
     decode_bytes_s: float
-    writes_per_s: float
     unpack_bytes_s: float
     pool_load_bytes_s: float
 
@@ -70,7 +67,6 @@ class AnalyticalCost:
             decode_per_seq_s=c.decode_step_per_seq_s * math.ceil(s.decode.mtp_accept_tokens - 1e-9),
             decode_bytes_per_ctx_token=c.decode_kv_read_bytes_per_token,
             decode_bytes_s=g.hbm_tb_s * 1e12 * c.hbm_efficiency * s.decode.dcp,
-            writes_per_s=g.nic_writes_per_s,
             unpack_bytes_s=c.unpack_gb_s * 1e9,
             pool_load_bytes_s=c.pool_load_gb_s * 1e9,
         )
@@ -87,9 +83,6 @@ class AnalyticalCost:
             return 0.0
         return (self.decode_fixed_s + self.decode_per_seq_s * batch
                 + context_tokens * self.decode_bytes_per_ctx_token / self.decode_bytes_s)
-
-    def write_cost_s(self, writes: int) -> float:
-        return writes / self.writes_per_s
 
     def unpack_s(self, nbytes: int) -> float:
         return nbytes / self.unpack_bytes_s

@@ -15,8 +15,8 @@ from kvpool.sim.cost import CostModel
 from kvpool.sim.driver import drive
 from kvpool.sim.events import run_all
 from kvpool.sim.lifecycle import Lifecycle
-from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.world import World
+from kvpool.workload.records import RequestRecord
 
 
 class Simulation:

@@ -27,7 +27,6 @@ from collections.abc import Callable
 
 from kvpool.policy.routing import choose_decode
 from kvpool.sim.events import call_later
-from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.prompt import Prompts
 from kvpool.sim.request import Request
 from kvpool.sim.steps.admit import Admit
@@ -38,6 +37,7 @@ from kvpool.sim.steps.nics import PoolNics
 from kvpool.sim.steps.restore import Restore
 from kvpool.sim.steps.save import Save
 from kvpool.sim.world import World
+from kvpool.workload.records import RequestRecord
 
 
 class Lifecycle:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from kvpool.scenario.model import Scenario
 from kvpool.sim.executor import Runner
-from kvpool.sim.metrics import SUMMARY_KEYS
+from kvpool.workload.records import SUMMARY_KEYS
 
 _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt}
 _TARGET = re.compile(r"^\s*([a-z0-9_]+)\s*(>=|<=|>|<)\s*([-+0-9.eE]+)\s*$")
@@ -31,6 +31,10 @@ _VARY = re.compile(r"^\s*([a-z0-9_.]+)\s*=\s*([-+0-9.eE]+)\s*\.\.\s*([-+0-9.eE]+
 LOAD_FIELDS = ("workload.sessions", "workload.rps")
 INTEGER_FIELDS = ("workload.sessions", "cluster.servers", "pool.services_per_server", "prefill.instances",
                   "decode.instances")
+#: runs a batch of (scenario, load) points, returning their metrics in order
+Batch = Callable[[list[tuple[Scenario, float]]], list[dict]]
+#: the same, calling ``each(i, metrics)`` as point ``i`` finishes
+StreamedBatch = Callable[[list[tuple[Scenario, float]], Callable[[int, dict], None]], list[dict]]
 
 
 class PlanError(ValueError):
@@ -145,7 +149,7 @@ def search(
     executor: str = "local",
     address: str | None = None,
     runner: Runner | None = None,
-    evaluate: Callable[[list[tuple[Scenario, float]]], list[dict]] | None = None,
+    evaluate: Batch | None = None,
     on_run: Callable[[float, dict, bool], None] | None = None,
 ) -> PlanResult:
     """Search ``variable`` for the best value meeting every target (see the module docstring).
@@ -160,7 +164,7 @@ def search(
         return _search(base, variable, targets, load, tolerance, workers, max_runs, evaluate, None, on_run)
     from kvpool.sim.executor import runner as open_runner
 
-    def batches(r: Runner) -> Callable[[list[tuple[Scenario, float]], Callable[[int, dict], None]], list[dict]]:
+    def batches(r: Runner) -> StreamedBatch:
         return lambda points, each: r.map(_run_task, [(s, x, traces) for s, x in points], each)
 
     if runner is not None:
@@ -169,64 +173,111 @@ def search(
         return _search(base, variable, targets, load, tolerance, workers, max_runs, None, batches(r), on_run)
 
 
-def _search(base: Scenario, variable: Variable, targets: Sequence[Target], load: float | None,
-            tolerance: float | None, workers: int, max_runs: int,
-            evaluate: Callable[[list[tuple[Scenario, float]]], list[dict]] | None,
-            run_batch: Callable[[list[tuple[Scenario, float]], Callable[[int, dict], None]], list[dict]] | None,
-            on_run: Callable[[float, dict, bool], None] | None) -> PlanResult:
-    default_load = base.workload.sessions if base.workload.mode == "agentx" else base.workload.rps
-    integer = variable.integer
-    tol = tolerance if tolerance is not None else (1.0 if integer else (variable.hi - variable.lo) / 64)
-    result = PlanResult(variable, list(targets))
-    seen: dict[float, bool] = {}
+class _Trials:
+    """The points a search evaluates: each value's run and verdict, kept once per value.
 
-    def point(v: float) -> tuple[Scenario, float]:
-        if variable.field in LOAD_FIELDS:
-            return base, (int(round(v)) if integer else v)
-        return _with(base, variable.field, v, integer), (load if load is not None else default_load)
+    ``seen[v]``: whether every target held at value ``v`` (integers rounded for integer fields);
+    ``result.explored``: every point in the order the batches returned them."""
 
-    def run(values: list[float]) -> None:
-        values = [v for v in dict.fromkeys(int(round(x)) if integer else x for x in values) if v not in seen]
+    def __init__(self, base: Scenario, variable: Variable, targets: Sequence[Target], load: float | None,
+                 evaluate: Batch | None, run_batch: StreamedBatch | None,
+                 on_run: Callable[[float, dict, bool], None] | None) -> None:
+        self.base, self.variable, self.targets = base, variable, list(targets)
+        self.load = load if load is not None else (
+            base.workload.sessions if base.workload.mode == "agentx" else base.workload.rps)
+        self.evaluate, self.run_batch, self.on_run = evaluate, run_batch, on_run
+        self.seen: dict[float, bool] = {}
+        self.result = PlanResult(variable, list(targets))
+
+    def value(self, x: float) -> float:
+        return int(round(x)) if self.variable.integer else x
+
+    def met(self, row: dict) -> bool:
+        return all(t.met(row) for t in self.targets)
+
+    def point(self, v: float) -> tuple[Scenario, float]:
+        """The (scenario, load) a value stands for: the load itself, or the base scenario changed."""
+        if self.variable.field in LOAD_FIELDS:
+            return self.base, v
+        return _with(self.base, self.variable.field, v, self.variable.integer), self.load
+
+    def run(self, values: list[float]) -> None:
+        """Evaluate the values not tried yet, as one batch, and record their verdicts."""
+        values = [v for v in dict.fromkeys(self.value(x) for x in values) if v not in self.seen]
         if not values:
             return
-        if run_batch is not None:  # on_run as each point finishes; explored in value order, as before
-            def each(i: int, row: dict) -> None:
-                if on_run:
-                    on_run(values[i], row, all(t.met(row) for t in targets))
-
-            rows = run_batch([point(v) for v in values], each)
-        else:
-            rows = evaluate([point(v) for v in values])
+        rows = self._rows(values)
         for v, row in zip(values, rows):
-            ok = all(t.met(row) for t in targets)
-            seen[v] = ok
-            result.explored.append((v, row, ok))
-            if on_run and run_batch is None:
-                on_run(v, row, ok)
+            ok = self.met(row)
+            self.seen[v] = ok
+            self.result.explored.append((v, row, ok))
+            if self.on_run and self.run_batch is None:
+                self.on_run(v, row, ok)
 
-    # "good" is the side where targets hold: high values when minimizing, low when maximizing
-    run([variable.lo, variable.hi])
+    def _rows(self, values: list[float]) -> list[dict]:
+        points = [self.point(v) for v in values]
+        if self.run_batch is None:
+            return self.evaluate(points)
+
+        def each(i: int, row: dict) -> None:  # on_run as each point finishes; ``explored`` stays in value order
+            if self.on_run:
+                self.on_run(values[i], row, self.met(row))
+
+        return self.run_batch(points, each)
+
+
+def _inner_points(lo: float, hi: float, k: int, integer: bool) -> list[float]:
+    """``k`` evenly spaced points strictly inside ``(lo, hi)``; for integer fields the distinct
+    integers among them (empty when no integer lies strictly inside)."""
+    inner = [lo + (hi - lo) * (i + 1) / (k + 1) for i in range(k)]
+    if not integer:
+        return inner
+    if int(hi) - int(lo) <= 1:
+        return []
+    return sorted({min(max(int(round(x)), int(lo) + 1), int(hi) - 1) for x in inner})
+
+
+def _flip(seen: dict[float, bool], lo: float, hi: float) -> tuple[float, float]:
+    """The first neighbouring pair of tried values in ``[lo, hi]`` whose verdicts differ (else ``lo, hi``)."""
+    grid = sorted(v for v in seen if lo <= v <= hi)
+    for a, b in zip(grid, grid[1:]):
+        if seen[a] != seen[b]:
+            return a, b
+    return lo, hi
+
+
+def _narrow(trials: _Trials, tol: float, workers: int, max_runs: int) -> tuple[float, float]:
+    """Rounds of ``workers`` interior points until the bracket is narrower than ``tol`` (or the
+    runs are spent); the bracket's ends have different verdicts."""
+    variable = trials.variable
     lo, hi = variable.lo, variable.hi
+    k = max(1, workers)
+    while hi - lo > tol and len(trials.result.explored) < max_runs:
+        inner = _inner_points(lo, hi, k, variable.integer)
+        if not inner:
+            break
+        trials.run(inner)
+        lo, hi = _flip(trials.seen, lo, hi)
+    return lo, hi
+
+
+def _search(base: Scenario, variable: Variable, targets: Sequence[Target], load: float | None,
+            tolerance: float | None, workers: int, max_runs: int,
+            evaluate: Batch | None, run_batch: StreamedBatch | None,
+            on_run: Callable[[float, dict, bool], None] | None) -> PlanResult:
+    trials = _Trials(base, variable, targets, load, evaluate, run_batch, on_run)
+    result = trials.result
+    tol = tolerance if tolerance is not None else (1.0 if variable.integer else (variable.hi - variable.lo) / 64)
+    # "good" is the side where targets hold: high values when minimizing, low when maximizing
+    trials.run([variable.lo, variable.hi])
     good_end = variable.lo if variable.maximize else variable.hi
     bad_end = variable.hi if variable.maximize else variable.lo
-    if not seen[int(round(good_end)) if integer else good_end]:
+    if not trials.seen[trials.value(good_end)]:
         return result  # even the best end fails: nothing meets the targets in range
-    if seen[int(round(bad_end)) if integer else bad_end]:
+    if trials.seen[trials.value(bad_end)]:
         result.best = bad_end  # even the cheapest end passes
         return result
-    k = max(1, workers)
-    while hi - lo > tol and len(result.explored) < max_runs:
-        inner = [lo + (hi - lo) * (i + 1) / (k + 1) for i in range(k)]
-        if integer:
-            inner = sorted({min(max(int(round(x)), int(lo) + 1), int(hi) - 1) for x in inner})
-            if not inner or int(hi) - int(lo) <= 1:
-                break
-        run(inner)
-        grid = sorted(v for v in seen if lo <= v <= hi)
-        for a, b in zip(grid, grid[1:]):
-            if seen[a] != seen[b]:
-                lo, hi = a, b
-                break
+    lo, hi = _narrow(trials, tol, workers, max_runs)
     result.best = lo if variable.maximize else hi
     return result
 

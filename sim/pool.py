@@ -17,23 +17,11 @@ Contract:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from kvpool.policy.grouptable import GroupTable
 from kvpool.scenario.derive import GIB, pool_capacity_bytes
 from kvpool.scenario.model import Scenario
-
-
-@dataclass(frozen=True)
-class PartRef:
-    """Where one prefill rank's objects live: a table and the slot of that rank in it."""
-
-    table: GroupTable
-    slot: int
-    server_group: int  # -1: shared by every server
-    part: int
 
 
 class SimPool:
@@ -85,12 +73,6 @@ class SimPool:
 
     def _group(self, server: int) -> int:
         return 0 if self.mode == "shared" else server
-
-    def ref(self, server: int, rank: int) -> PartRef:
-        """Where prefill rank ``rank`` of an instance on ``server`` reads and writes."""
-        q = self.rank_part[rank]
-        g = self._group(server)
-        return PartRef(self.tables[g][q], self.part_ranks[q].index(rank), -1 if self.mode == "shared" else server, q)
 
     def lookup(self, server: int, ranks: int, gids: np.ndarray, now: float) -> np.ndarray:
         """Presence ``[rank, chunk]`` of every rank's object for each chunk: one batched check per

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from kvpool.sim.metrics import SUMMARY_KEYS
+from kvpool.workload.records import SUMMARY_KEYS
 
 _TABLE_COLUMNS = (
     ("throughput_per_gpu_tok_s", "tok/s/GPU", "{:,.0f}"),

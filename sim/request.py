@@ -16,8 +16,8 @@ import numpy as np
 from kvpool.policy.hits import HitResult
 from kvpool.sim.gpucache import LogEntry
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
-from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.prompt import PlayPrompts, Prompt
+from kvpool.workload.records import RequestRecord
 
 
 class Request:

@@ -2,7 +2,7 @@
 
 Contract:
     * ``run_point(scenario, load, traces=None)`` simulates one load (AgentX sessions, or RPS for
-      production replay) and returns a plain dict: the metrics of ``sim.metrics.summarize``
+      production replay) and returns a plain dict: the metrics of ``kvpool.workload.records.summarize``
       (keys in docs/metrics.md) plus time series for the plots. Deterministic: the same scenario
       (seed included), load and traces give identical results, in any process.
     * The workload is the scenario's trace set (``workload.traces``, or ``traces=`` here), else its
@@ -126,7 +126,7 @@ def load_key(s: Scenario) -> str:
 def run_point(s: Scenario, load: float, traces: str | None = None) -> dict:
     """Simulate one load; see the module docstring."""
     from kvpool.sim.engine import Simulation
-    from kvpool.sim.metrics import summarize
+    from kvpool.workload.records import summarize
 
     workload = workload_for(s, traces)
     t0 = time.perf_counter()

@@ -10,6 +10,8 @@ drive the same schedules. Public API:
 * stats: :func:`workload_stats`
 * replay: see :mod:`kvpool.workload.replay`
 * synthesis: see :mod:`kvpool.workload.synth`; presets (package data): :mod:`kvpool.workload.presets`
+* per-request records and the metrics computed from them (both worlds): see
+  :mod:`kvpool.workload.records`
 """
 
 from kvpool.workload.errors import TraceError

@@ -96,7 +96,7 @@ Phase = Literal["primer", "warmup", "profile", "cold"]
 _EPS_S = 1e-9
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Dispatch:
     """One request to send now.
 
@@ -123,21 +123,6 @@ class Dispatch:
     phase: Phase
     due_s: float
 
-    def __init__(self, key: int, lane: int, play: int, session: Session, request: Request, scope: str,
-                 out_tokens: int, phase: Phase, due_s: float) -> None:
-        # frozen: the fields are set once, here, in the instance dict (the generated __init__
-        # does it through object.__setattr__, one call per field: ~2x the time, per request)
-        d = self.__dict__
-        d["key"] = key
-        d["lane"] = lane
-        d["play"] = play
-        d["session"] = session
-        d["request"] = request
-        d["scope"] = scope
-        d["out_tokens"] = out_tokens
-        d["phase"] = phase
-        d["due_s"] = due_s
-
     @property
     def measured(self) -> bool:
         return self.phase == "profile"
@@ -150,19 +135,13 @@ class Dispatch:
         return self.session.block_ids(self.request.index)
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True, slots=True)
 class Wake:
     """What the driver does next: issue ``ready`` now; poll at ``next_due_s``; stop when ``done``."""
 
     ready: tuple[Dispatch, ...]
     next_due_s: float | None
     done: bool
-
-    def __init__(self, ready: tuple[Dispatch, ...], next_due_s: float | None, done: bool) -> None:
-        d = self.__dict__  # frozen: set once, here (as Dispatch)
-        d["ready"] = ready
-        d["next_due_s"] = next_due_s
-        d["done"] = done
 
 
 def _scope(s: Session, play: int) -> str:

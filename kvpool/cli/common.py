@@ -1,14 +1,13 @@
-"""Helpers shared by the CLI sub-apps: user errors and scenario loading with ``--set``."""
+"""Helpers shared by the CLI sub-apps: user errors (``kvpool.errors.UserError``) and scenario loading with ``--set``."""
 
 from __future__ import annotations
 
 import typer
 
+from kvpool.errors import UserError
 from kvpool.scenario import Scenario, ScenarioError, load_scenario
 
-
-class UserError(Exception):
-    """A mistake of the user's, printed as ``error: <message>`` without a traceback."""
+__all__ = ["SET_HELP", "UserError", "load_or_exit"]
 
 
 SET_HELP = "Override a scenario field, e.g. --set pool.gib_per_service=512 (repeatable)."

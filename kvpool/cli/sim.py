@@ -12,29 +12,12 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvpool.cli.common import SET_HELP, UserError, load_or_exit
+from kvpool.loads import parse_loads
 
 app = typer.Typer(
     help="Run the simulator: single runs, sweeps over sessions or RPS, comparisons and capacity search.",
     no_args_is_help=True,
 )
-
-
-def parse_loads(text: str | None, flag: str, integer: bool) -> list[float]:
-    """``56,72,96`` -> [56, 72, 96]; every value positive."""
-    if text is None:
-        return []
-    out = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            v = int(part) if integer else float(part)
-        except ValueError:
-            raise UserError(f"{flag} {text!r}: {part!r} is not a{'n integer' if integer else ' number'}; "
-                            f"give a comma-separated list such as {'56,72,96,112' if integer else '0.6,0.8,1.0'}") from None
-        if v <= 0:
-            raise UserError(f"{flag} {text!r}: every value must be > 0, got {part}")
-        out.append(v)
-    return out
 
 
 def run_overrides(set_: list[str], *, duration: float | None = None, seed: int | None = None,

@@ -62,7 +62,6 @@ class GPUConfig(_Section):
     hbm_gb: float = Field(gt=0, description="HBM per GPU, GB (1e9 B)")
     hbm_tb_s: float = Field(gt=0, description="HBM bandwidth, TB/s")
     dense_tflops: float = Field(gt=0, description="dense peak of the compute dtype, TFLOP/s")
-    host_link_gb_s: float = Field(gt=0, description="GPU <-> host DRAM, GB/s per direction")
     nic_gb_s: float = Field(gt=0, description="effective large-write bandwidth of the GPU's NIC, GB/s")
     nic_writes_per_s: float = Field(gt=0, description="small-write message rate of one NIC, writes/s")
     nic_latency_us: float = Field(default=5.0, ge=0, description="one-way NIC latency, microseconds")
@@ -74,7 +73,6 @@ class ClusterConfig(_Section):
     servers: int = Field(gt=0, description="servers in the cluster")
     gpus_per_server: int = Field(gt=0, description="GPUs per server")
     numa_per_server: int = Field(default=2, gt=0, description="NUMA nodes per server")
-    dram_gb_s_per_numa: float = Field(default=450.0, gt=0, description="sustained DRAM bandwidth per NUMA node, GB/s")
 
 
 class PrefillConfig(_Section):
@@ -110,12 +108,12 @@ class DecodeConfig(_Section):
 
 
 class SSDConfig(_Section):
-    """An optional tier below DRAM: groups evicted from DRAM demote here."""
+    """An optional tier below DRAM: groups evicted from DRAM demote here (at once: demotion takes no
+    link time); restores read from it at ``read_gb_s_per_server``."""
 
     enabled: bool = Field(default=False, description="add the SSD tier")
     gib_per_server: float = Field(default=0.0, ge=0, description="SSD capacity per server, GiB")
     read_gb_s_per_server: float = Field(default=12.0, gt=0, description="SSD read bandwidth per server, GB/s")
-    write_gb_s_per_server: float = Field(default=6.0, gt=0, description="SSD write bandwidth per server, GB/s")
 
 
 class PoolConfig(_Section):
@@ -137,7 +135,6 @@ class HandoffConfig(_Section):
     """Prefill -> decode KV handoff."""
 
     max_write_bytes: int = Field(default=8 << 20, gt=0, description="largest single write of the handoff, bytes")
-    landing_slots: int = Field(default=32, gt=0, description="8 MiB landing slots per decode rank")
 
 
 class GateConfigModel(_Section):
@@ -158,10 +155,10 @@ class GateConfigModel(_Section):
 
 
 class RoutingConfig(_Section):
-    """How requests are routed to prefill and decode instances."""
+    """How requests are routed to prefill instances (decode is always the instance with the most free KV,
+    ``policy.routing.choose_decode``)."""
 
     prefill: Literal["power_of_two", "session_affinity"] = Field(default="power_of_two", description="prefill router")
-    decode: Literal["kv_aware"] = Field(default="kv_aware", description="decode choice: most free KV")
 
 
 class WorkloadConfig(_Section):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from kvpool.policy.admission import AdmissionGate, Verdict
 from kvpool.sim.events import Call, call_later
-from kvpool.sim.metrics import RequestRecord
+from kvpool.workload.records import RequestRecord
 
 
 class _Waiter:

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from kvpool.sim.events import call_later
 from kvpool.sim.instances import PrefillInstance
 from kvpool.sim.links import Join
-from kvpool.sim.metrics import RequestRecord
 from kvpool.sim.request import Request
 from kvpool.sim.steps.nics import PoolNics
 from kvpool.sim.world import World
+from kvpool.workload.records import RequestRecord
 
 
 class Restore:

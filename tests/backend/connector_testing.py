@@ -12,13 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from kvpool.backend.connector import StageAlignedConnector
-from kvpool.backend.connector_data import RequestMetrics, SaveOutcome
+from kvpool.backend.connector_data import SaveOutcome
 from kvpool.backend.connector_metrics import ConnectorMetrics
 from kvpool.backend.connector_scheduler import ConnectorScheduler, SchedulerConfig
 from kvpool.backend.connector_worker import ConnectorWorker, WorkerConfig
 from kvpool.backend.pool import Pool
 from kvpool.backend.refmodel import RefConfig, RefModel, gather_tokens
 from kvpool.policy.chunks import ChunkNaming, namespace_for
+from kvpool.workload.records import RequestRecord
 
 CHUNK = 256
 #: 4 layers in 3 stages (uneven, like GLM's 20/20/20/18); bf16 records of 1,152 B.
@@ -42,7 +43,7 @@ def prompt(n: int, seed: int, prefix: list[int] | None = None) -> list[int]:
 @dataclass
 class Served:
     logits: torch.Tensor
-    metrics: RequestMetrics
+    metrics: RequestRecord
     table: torch.Tensor
     save: SaveOutcome | None
 

@@ -154,8 +154,8 @@ def test_admit_step_resumes_where_a_waiting_process_would():
 
     from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
     from kvpool.sim.events import start
-    from kvpool.sim.metrics import RequestRecord
     from kvpool.sim.steps.admit import Admit
+    from kvpool.workload.records import RequestRecord
 
     def model(use_step: bool) -> list:
         env = simpy.Environment()

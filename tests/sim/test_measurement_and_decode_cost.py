@@ -1,10 +1,10 @@
-"""The measured window's grace cutoff (sim.metrics) and the MTP-aware decode step (sim.cost)."""
+"""The measured window's grace cutoff (kvpool.workload.records) and the MTP-aware decode step (sim.cost)."""
 
 import pytest
 
 from kvpool.scenario import load_scenario
 from kvpool.sim.cost import AnalyticalCost
-from kvpool.sim.metrics import RequestRecord, summarize
+from kvpool.workload.records import RequestRecord, summarize
 
 
 def _rec(key: int, arrival: float, end: float, tokens: int = 1000) -> RequestRecord:

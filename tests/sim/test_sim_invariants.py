@@ -8,10 +8,10 @@ from trace_builders import KV_TRACES, req, trace
 
 from kvpool.scenario import load_scenario
 from kvpool.sim.engine import Simulation
-from kvpool.sim.metrics import summarize
 from kvpool.sim.run import run_point, sweep
 from kvpool.workload.load import load_workload
 from kvpool.workload.model import Workload
+from kvpool.workload.records import summarize
 from kvpool.workload.replay import AgentXReplay
 from kvpool.workload.weka import session_from_weka
 
@@ -166,7 +166,7 @@ def test_real_traces_run_and_use_the_pool_under_pressure():
 
 
 def test_weighted_median_of_a_step_function():
-    from kvpool.sim.metrics import weighted_median
+    from kvpool.workload.records import weighted_median
 
     # 0.1 for 1 s, 0.9 for 3 s, 0.5 for 1 s -> the median time-weighted value is 0.9
     assert weighted_median([0.0, 1.0, 4.0], [0.1, 0.9, 0.5], 5.0) == 0.9
@@ -213,9 +213,9 @@ def test_frontend_overhead_delays_every_first_token_by_exactly_that_much():
 @pytest.mark.timeout(60)
 def test_a_full_gate_rejects_at_its_deadline_whatever_the_clock_rounding():
     """A wait that starts at 500.002 s with a 30 s bound ends at 530.002 s rounded down, a few
-    1e-14 s short of its deadline; a timeout that short never advances the clock, and re-waiting
-    on it used to hang the run at that moment."""
-    from kvpool.sim.metrics import RequestRecord
+    1e-14 s short of its deadline; a timeout that short never advances the clock, so the gate must
+    reject at the deadline as rounded (re-waiting on it would hang the run at that moment)."""
+    from kvpool.workload.records import RequestRecord
 
     s = load_scenario("mi350x-6p2d-shared", ["gate.max_wait_s=30"])
     sim = Simulation(s, every_request(small_workload(1), lanes=1))
@@ -238,7 +238,7 @@ def test_gate_admits_waiters_first_fit_in_arrival_order_at_the_release():
     """A release offers the freed budget to the waiters in arrival order: one that does not fit
     keeps its place while a later, smaller one is admitted; each is admitted at the release's
     moment on the decode instance with room, and one that never fits is rejected at its bound."""
-    from kvpool.sim.metrics import RequestRecord
+    from kvpool.workload.records import RequestRecord
 
     s = load_scenario("mi350x-6p2d-shared", ["gate.tokens_per_decode=1000000", "gate.max_wait_s=30"])
     sim = Simulation(s, every_request(small_workload(1), lanes=1))

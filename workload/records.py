@@ -1,7 +1,15 @@
 """Per-request records and the per-run metrics computed from them (definitions: docs/metrics.md).
 
-One definition for the simulator and the backend's production mode: ``summarize`` takes plain
-``RequestRecord`` values, whoever produced them.
+One record type and one metrics function for both worlds: the simulator's lifecycle fills a
+``RequestRecord`` per request, and so does the backend's store connector (the token, restore and
+save fields; the identity and timing fields are for the engine serving the request to fill).
+``summarize`` takes plain ``RequestRecord`` values, whoever produced them.
+
+Contract:
+    * ``RequestRecord``'s fields keep their order (callers may construct it positionally); a new
+      field goes last, with a default.
+    * ``summarize(records, gpus=...)`` is a pure function of its arguments: the keys of
+      docs/metrics.md's per-run table that a run's records determine.
 """
 
 from __future__ import annotations
@@ -14,15 +22,20 @@ import numpy as np
 
 @dataclass
 class RequestRecord:
-    """What happened to one request (times in seconds since the run started)."""
+    """What happened to one request (times in seconds since the run started; docs/metrics.md).
 
-    key: int
-    session: str
-    thread: int
-    measured: bool
-    arrival_s: float
-    in_tokens: int
-    out_tokens: int
+    The identity fields (``key`` .. ``out_tokens``) come from the replay; a producer that does not
+    know one (the store connector knows the request id and the prompt only) leaves its default.
+    ``key`` is the replay's request key in the simulator and the engine's request id in the backend.
+    """
+
+    key: int | str
+    session: str = ""
+    thread: int = 0
+    measured: bool = True
+    arrival_s: float = 0.0
+    in_tokens: int = 0
+    out_tokens: int = 0
     prefill: int = -1
     decode: int = -1
     gpu_tokens: int = 0
@@ -42,6 +55,7 @@ class RequestRecord:
     handoff_bytes: int = 0
     handoff_writes: int = 0
     rejected: str = ""
+    lookup_answered: bool = True
 
     @property
     def ttft_s(self) -> float:
@@ -80,6 +94,54 @@ def weighted_median(times_s: Sequence[float], values: Sequence[float], end_s: fl
     return float(v[order][np.searchsorted(cum, cum[-1] / 2)])
 
 
+def _counted(records: Sequence[RequestRecord], cutoff_s: float | None = None) -> list[RequestRecord]:
+    """The requests every metric is over: measured, admitted, finished (by ``cutoff_s`` if given)."""
+    return [r for r in records if r.measured and not r.rejected and r.end_s > 0
+            and (cutoff_s is None or r.end_s <= cutoff_s)]
+
+
+def _span_s(kept: Sequence[RequestRecord]) -> tuple[float, float]:
+    """First arrival and last end of ``kept`` (0, 0 when empty)."""
+    if not kept:
+        return 0.0, 0.0
+    return min(r.arrival_s for r in kept), max(r.end_s for r in kept)
+
+
+def _token_shares(kept: Sequence[RequestRecord], prompt_tokens: int) -> dict:
+    """Where the prompt tokens came from, each over Σ prompt tokens (0 without any)."""
+    gpu = sum(r.gpu_tokens for r in kept)
+    pool = sum(r.pool_tokens + r.ssd_tokens for r in kept)
+    computed = sum(r.computed_tokens for r in kept)
+    ssd = sum(r.ssd_tokens for r in kept)
+
+    def share(x: int) -> float:
+        return x / prompt_tokens if prompt_tokens else 0.0
+
+    return {"share_gpu": share(gpu), "share_pool": share(pool), "share_ssd": share(ssd),
+            "share_computed": share(computed), "reuse": share(gpu + pool)}
+
+
+def _restore_times(kept: Sequence[RequestRecord]) -> dict:
+    """Per-rank restore times and spreads over the requests that loaded from the pool."""
+    stages = [s for r in kept if r.pool_tokens for s in r.restore_stage_s]
+    spreads = [r.restore_spread_s for r in kept if r.pool_tokens]
+    return {"restore_stage_s_p50": _pct(stages, 50),
+            "restore_spread_s_mean": float(np.mean(spreads)) if spreads else 0.0}
+
+
+def _occupancy_in(occupancy: tuple[list[float], list[float]],
+                  window: tuple[float, float]) -> tuple[list[float], list[float]]:
+    """The step function ``occupancy`` restricted to ``window``, its value at the window start included."""
+    occ_t, occ_v = occupancy
+    if not occ_t:
+        return occ_t, occ_v
+    before = [v for t, v in zip(occ_t, occ_v) if t <= window[0]]
+    inside = [(t, v) for t, v in zip(occ_t, occ_v) if window[0] < t <= window[1]]
+    times = [window[0]] + [t for t, _ in inside] if before else [t for t, _ in inside]
+    values = ([before[-1]] if before else []) + [v for _, v in inside]
+    return times, values
+
+
 def summarize(records: Sequence[RequestRecord], *, gpus: int, occupancy: tuple[list[float], list[float]] = ([], []),
               window: tuple[float, float] | None = None, cutoff_s: float | None = None) -> dict:
     """Per-run metrics over measured, non-rejected requests (AgentX definitions).
@@ -88,33 +150,16 @@ def summarize(records: Sequence[RequestRecord], *, gpus: int, occupancy: tuple[l
     over ``window`` (default: first arrival to last end of the measured requests).
     ``cutoff_s``: requests still running then are left out, as AIPerf leaves out the responses
     still pending when its grace period after the benchmark duration expires."""
-    kept = [r for r in records if r.measured and not r.rejected and r.end_s > 0
-            and (cutoff_s is None or r.end_s <= cutoff_s)]
+    kept = _counted(records, cutoff_s)
     prompt = sum(r.in_tokens for r in kept)
     out = sum(r.out_tokens for r in kept)
-    if kept:
-        start = min(r.arrival_s for r in kept)
-        end = max(r.end_s for r in kept)
-    else:
-        start = end = 0.0
+    start, end = _span_s(kept)
     span = end - start
     tput = (prompt + out) / span if span > 0 else 0.0
-    gpu = sum(r.gpu_tokens for r in kept)
-    pool = sum(r.pool_tokens + r.ssd_tokens for r in kept)
-    comp = sum(r.computed_tokens for r in kept)
-    share = (lambda x: x / prompt if prompt else 0.0)
     speeds = [r.out_tokens / (r.end_s - r.first_token_s) for r in kept if r.out_tokens > 1 and r.end_s > r.first_token_s]
-    stages = [s for r in kept if r.pool_tokens for s in r.restore_stage_s]
-    spreads = [r.restore_spread_s for r in kept if r.pool_tokens]
-    occ_t, occ_v = occupancy
     if window is None:
         window = (start, end)
-    if occ_t:
-        # the step function restricted to the window (its value at the window start included)
-        before = [v for t, v in zip(occ_t, occ_v) if t <= window[0]]
-        inside = [(t, v) for t, v in zip(occ_t, occ_v) if window[0] < t <= window[1]]
-        occ_t = [window[0]] + [t for t, _ in inside] if before else [t for t, _ in inside]
-        occ_v = ([before[-1]] if before else []) + [v for _, v in inside]
+    occ_t, occ_v = _occupancy_in(occupancy, window)
     return {
         "gpus": gpus,
         "requests": len(kept),
@@ -123,15 +168,10 @@ def summarize(records: Sequence[RequestRecord], *, gpus: int, occupancy: tuple[l
         "throughput_per_gpu_tok_s": tput / gpus if gpus else 0.0,
         "ttft_p50_s": _pct([r.ttft_s for r in kept], 50),
         "ttft_p90_s": _pct([r.ttft_s for r in kept], 90),
-        "share_gpu": share(gpu),
-        "share_pool": share(pool),
-        "share_ssd": share(sum(r.ssd_tokens for r in kept)),
-        "share_computed": share(comp),
-        "reuse": share(gpu + pool),
+        **_token_shares(kept, prompt),
         "gen_speed_per_user_tok_s_p50": _pct(speeds, 50),
         "decode_kv_occupancy_p50": weighted_median(occ_t, occ_v, window[1]),
-        "restore_stage_s_p50": _pct(stages, 50),
-        "restore_spread_s_mean": float(np.mean(spreads)) if spreads else 0.0,
+        **_restore_times(kept),
         "bytes_moved": int(sum(r.restore_bytes + r.save_bytes + r.handoff_bytes for r in kept)),
         "prompt_tokens": prompt,
         "output_tokens": out,
