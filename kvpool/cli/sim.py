@@ -129,6 +129,19 @@ def degenerate(rows: list[dict], prefix: str = "") -> list[str]:
     return out
 
 
+def rows_warning(s, traces: str | None, rows: list[dict]) -> list[str]:
+    """Why a replay of one-request sessions (Mooncake rows) measured no request, when it did not."""
+    from kvpool.sim.run import workload_for
+
+    if s.workload.mode != "replay" or not (traces or s.workload.traces) or any(r.get("requests") for r in rows):
+        return []
+    if all(len(x.requests) == 1 for x in workload_for(s, traces)):
+        return ["every trace is a single request (Mooncake rows): production replay excludes each session's cold "
+                "first turn from the metrics, so nothing is measured; replay multi-turn sessions (Weka traces) "
+                "or run them as AgentX lanes (--sessions)"]
+    return []
+
+
 def warn(lines: list[str]) -> None:
     for line in lines:
         typer.echo(f"warning: {line}", err=True)
@@ -197,7 +210,7 @@ def run(
     stem = f"{safe_name(s.name)}-{key}-" + "-".join(f"{x:g}" for x in loads) + f"-{short_id(prov)}"
     refuse_other_run(out / f"{stem}.json", short_id(prov))
     doc = report.run_document(rows, prov, report.run_info(rows, executor=executor, workers=n_workers))
-    warnings = degenerate(rows)
+    warnings = rows_warning(s, traces, rows) + degenerate(rows)
     if warnings:
         doc["warnings"] = warnings
     paths = report.write_files(rows, out, stem, document=doc, title=title_of(prov))
@@ -268,7 +281,8 @@ def compare(
     doc = {"id": short_id(prov), "provenance": prov, "arms": {n: [report.public(r) for r in rows] for n, rows in arms.items()},
            "run": {"executor": executor, "workers": n_workers,
                    "arms": {n: [report.timing(r) for r in rows] for n, rows in arms.items()}}}
-    warnings = [w for n, rows in arms.items() for w in degenerate(rows, prefix=f"{n} ")]
+    warnings = [w for s in arms_s for w in rows_warning(s, traces, arms[s.name])]
+    warnings += [w for n, rows in arms.items() for w in degenerate(rows, prefix=f"{n} ")]
     if warnings:
         doc["warnings"] = warnings
     stem = "compare-" + safe_name("-vs-".join(names)) + f"-{doc['id']}"

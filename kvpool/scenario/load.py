@@ -130,6 +130,7 @@ def format_validation_error(err: ValidationError, source: str, raw: Mapping) -> 
 
 
 def _short(value: Any) -> str:
+    """A value for a one-line message: its repr (control characters escaped), cut when long."""
     text = repr(value)
     return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
 
@@ -196,7 +197,8 @@ def load_scenario(name_or_path: str | Path, overrides: Iterable[str] = ()) -> Sc
     overrides = list(overrides)
     if overrides:
         raw = apply_overrides(raw, overrides, source)
-        source = f"{source} (with --set {' '.join(overrides)})"
+        shown = [o if o.isprintable() and len(o) <= 200 else _short(o) for o in overrides]
+        source = f"{source} (with --set {' '.join(shown)})"
     return validate(raw, source)
 
 
