@@ -64,7 +64,9 @@ def to_csv(rows: Sequence[dict]) -> str:
 
 def stem(scenario_name: str, rows: Sequence[dict]) -> str:
     """The CLI's file stem: ``NAME-sessions-56-72``."""
-    return f"{scenario_name}-{load_name(rows)}-" + "-".join(f"{load_of(r)[1]:g}" for r in rows)
+    from kvpool.outputs import safe_name
+
+    return f"{safe_name(scenario_name)}-{load_name(rows)}-" + "-".join(f"{load_of(r)[1]:g}" for r in rows)
 
 
 def _label(row: dict) -> str:

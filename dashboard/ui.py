@@ -101,6 +101,9 @@ class RunSettings:
                 f"--set workload.synthetic_sessions={int(self.synthetic_sessions)} --json")
 
 
+MAX_WORKERS = 64  # processes one dashboard run may start
+
+
 def run_settings(prefix: str, key: str, default_loads: str | None = None) -> tuple[RunSettings | None, list[str]]:
     """The loads and run length inputs (inside the caller's form); returns settings or error lines."""
     from kvpool.errors import UserError
@@ -120,13 +123,15 @@ def run_settings(prefix: str, key: str, default_loads: str | None = None) -> tup
     errors = []
     loads: list[float] = []
     try:
-        loads = parse_loads(text, LOAD_LABELS[key].split(",")[0], key == "sessions")
+        loads = parse_loads(text, LOAD_LABELS[key].split(",")[0], key == "sessions", f"workload.{key}")
         if not loads:
             errors.append(f"{LOAD_LABELS[key].split(',')[0]}: give at least one load, e.g. {DEFAULT_LOADS[key]}")
     except UserError as e:
         errors.append(str(e))
     if workers < 1:
         errors.append(f"Workers: value {workers}: must be at least 1")
+    elif workers > MAX_WORKERS:
+        errors.append(f"Workers: value {workers}: at most {MAX_WORKERS}")
     if errors:
         return None, errors
     return RunSettings(loads, float(duration), int(synth), int(workers)), []
@@ -140,9 +145,15 @@ def scenario_for_run(toml_text: str, label: str, settings: RunSettings) -> tuple
         s = knobs.edited(tomllib.loads(toml_text), settings.overrides(), label)
     except ScenarioError as e:
         return None, knobs.error_lines(e)
-    if s.workload.traces and not os.path.exists(s.workload.traces):
-        return None, [f"{label}: workload.traces: value {s.workload.traces!r}: no such file or directory "
-                      "(give a trace file or directory, or leave it empty for the synthetic preset)"]
+    if s.workload.traces:
+        from kvpool.workload.errors import TraceError
+        from kvpool.workload.load import trace_files
+
+        try:
+            trace_files(s.workload.traces)
+        except TraceError as e:
+            return None, [f"{label}: workload.traces: value {s.workload.traces!r}: {e.message} "
+                          "(give a trace file or directory, or leave it empty for the synthetic preset)"]
     return s, []
 
 

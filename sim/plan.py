@@ -16,8 +16,11 @@ Contract:
 
 from __future__ import annotations
 
+import math
 import operator
 import re
+import types
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -62,18 +65,40 @@ class Variable:
 
     @property
     def integer(self) -> bool:
-        return self.field in INTEGER_FIELDS
+        """Integer fields (by the scenario model's type) are searched at whole values only."""
+        return self.field in INTEGER_FIELDS or _integer_field(self.field)
 
     @property
     def maximize(self) -> bool:
         return self.field in LOAD_FIELDS
 
 
+def _integer_field(path: str) -> bool:
+    from kvpool.scenario.fields import field_info
+
+    try:
+        ann = field_info(path).annotation
+    except (KeyError, AttributeError):
+        return False
+    return ann is int or (typing.get_origin(ann) in (typing.Union, types.UnionType) and int in typing.get_args(ann))
+
+
+def _number(text: str, what: str) -> float:
+    """``text`` as a finite float, or a ``PlanError`` naming ``what``."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise PlanError(f"{what}: {text!r} is not a number") from None
+    if not math.isfinite(v):
+        raise PlanError(f"{what}: {text!r} is not a finite number")
+    return v
+
+
 def parse_target(text: str) -> Target:
     m = _TARGET.match(text)
     if not m:
         raise PlanError(f"--target {text!r}: expected METRIC>=VALUE (or <=, >, <), e.g. reuse>=0.95")
-    metric, op, value = m.group(1), m.group(2), float(m.group(3))
+    metric, op, value = m.group(1), m.group(2), _number(m.group(3), f"--target {text!r}")
     if metric not in SUMMARY_KEYS or metric in ("sessions", "rps", "duration_s", "gpus", "wall_s"):
         allowed = ", ".join(k for k in SUMMARY_KEYS if k not in ("sessions", "rps", "duration_s", "gpus", "wall_s"))
         raise PlanError(f"--target {text!r}: unknown metric {metric!r}; allowed: {allowed}")
@@ -84,7 +109,7 @@ def parse_vary(text: str, base: Scenario) -> Variable:
     m = _VARY.match(text)
     if not m:
         raise PlanError(f"--vary {text!r}: expected section.field=LO..HI, e.g. pool.gib_per_service=64..768")
-    name, lo, hi = m.group(1), float(m.group(2)), float(m.group(3))
+    name, lo, hi = m.group(1), _number(m.group(2), f"--vary {text!r}: LO"), _number(m.group(3), f"--vary {text!r}: HI")
     if not lo < hi:
         raise PlanError(f"--vary {text!r}: LO must be below HI")
     try:  # the field must exist and accept both ends

@@ -108,19 +108,24 @@ def table(rows: Sequence[dict], title: str = "") -> Table:
 def write_files(rows: Sequence[dict], out_dir: Path, stem: str, *, document: dict | None = None,
                 title: str = "") -> list[Path]:
     """``stem.json`` (``document``, a ``run_document``; without one, the list of ``public`` rows),
-    ``stem.csv`` and ``stem.png`` (titled ``title``, else the stem); returns the paths."""
+    ``stem.csv`` and ``stem.png`` (titled ``title``, else the stem); returns the paths. Each file is
+    written under a temporary name and renamed into place (``kvpool.outputs.atomic_path``)."""
+    from kvpool.outputs import atomic_path
+
     out_dir.mkdir(parents=True, exist_ok=True)
     js = out_dir / f"{stem}.json"
-    js.write_text(json.dumps(document if document is not None else [public(r) for r in rows], indent=2) + "\n")
+    with atomic_path(js) as tmp:
+        tmp.write_text(json.dumps(document if document is not None else [public(r) for r in rows], indent=2) + "\n")
     cs = out_dir / f"{stem}.csv"
     keys = list(public(rows[0])) if rows else []
-    with cs.open("w", newline="") as f:
+    with atomic_path(cs) as tmp, tmp.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         for r in rows:
             w.writerow(public(r))
     png = out_dir / f"{stem}.png"
-    figure(rows, png, title=title or stem)
+    with atomic_path(png) as tmp:
+        figure(rows, tmp, title=title or stem)
     return [js, cs, png]
 
 

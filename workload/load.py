@@ -12,11 +12,16 @@ Contract:
 
     Memory: each file is parsed, converted to the compact model and dropped before the next one,
     so peak memory is the compact workload plus one parsed file.
+
+    Limits: only regular files are read (a FIFO, a device or a socket is an error, never a read
+    that blocks or never ends), each at most ``MAX_FILE_BYTES`` on disk and after gzip; JSON nested
+    too deeply is an error. Weka trace ids are distinct across the whole workload.
 """
 
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import warnings
 import zlib
@@ -32,27 +37,44 @@ from kvpool.workload.mooncake import session_from_mooncake_row
 from kvpool.workload.weka import session_from_weka, session_to_weka
 
 SUFFIXES = (".json", ".json.gz", ".jsonl", ".jsonl.gz")
+MAX_FILE_BYTES = 4 << 30  # 4 GiB per trace file, compressed or not
 Progress = Callable[[int, int], None]
 
 
 def trace_files(path: str | Path) -> list[Path]:
     """The trace files ``path`` names: itself, or the trace files of a directory in name order."""
     p = Path(path)
-    if not p.exists():
-        raise TraceError("no such file or directory", file=str(p))
-    if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(SUFFIXES))
-        if not files:
-            raise TraceError(f"no trace files ({', '.join(SUFFIXES)}) in the directory", file=str(p))
-        return files
+    try:
+        if not p.exists():
+            raise TraceError("no such file or directory", file=str(p))
+        if p.is_dir():
+            files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(SUFFIXES))
+            if not files:
+                raise TraceError(f"no trace files ({', '.join(SUFFIXES)}) in the directory", file=str(p))
+            return files
+    except OSError as e:
+        raise TraceError(f"cannot read: {e.strerror or e}", file=str(p)) from None
+    if not p.is_file():
+        raise TraceError("not a regular file (a FIFO, device or socket is not a trace)", file=str(p))
     return [p]
 
 
 def _read_bytes(f: Path) -> bytes:
     try:
+        if not f.is_file():
+            raise TraceError("not a regular file (a FIFO, device or socket is not a trace)", file=str(f))
+        if f.stat().st_size > MAX_FILE_BYTES:
+            raise TraceError(f"larger than {MAX_FILE_BYTES >> 30} GiB", file=str(f))
         raw = f.read_bytes()
+    except OSError as e:
+        raise TraceError(f"cannot read: {e.strerror or e}", file=str(f)) from None
+    try:
         if raw[:2] == b"\x1f\x8b":
-            return gzip.decompress(raw)
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as g:
+                data = g.read(MAX_FILE_BYTES + 1)
+            if len(data) > MAX_FILE_BYTES:
+                raise TraceError(f"larger than {MAX_FILE_BYTES >> 30} GiB after gzip", file=str(f))
+            return data
         return raw
     except (EOFError, OSError, zlib.error) as e:
         raise TraceError(f"truncated or corrupt gzip file ({e or type(e).__name__})", file=str(f)) from None
@@ -61,6 +83,8 @@ def _read_bytes(f: Path) -> bytes:
 def _json(text: bytes, file: str, line: int | None = None) -> Any:
     try:
         return json.loads(text)
+    except RecursionError:
+        raise TraceError("JSON nested too deeply", file=file, request=None if line is None else f"line {line}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         where = f"line {line}" if line is not None else None
         detail = f"line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) and line is None else ""
@@ -154,13 +178,23 @@ def _weka_doc(data: bytes, file: str, line: int | None = None) -> tuple[Any, lis
     if fast is not None:
         try:
             return json.loads(fast[0]), fast[1]
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             pass
     return _json(data, file, line), None
 
 
-def _sessions_of_file(f: Path) -> Iterator[Session | TraceError]:
-    """Sessions of one file; a bad trace is yielded as its TraceError (the caller decides)."""
+def _distinct(s: Session, name: str, seen: dict[str, str]) -> Session | TraceError:
+    """``s``, or a TraceError when a Weka trace of the same id came earlier (``seen``: id -> file)."""
+    if s.id in seen:
+        return TraceError(f"duplicate trace id (also in {seen[s.id]})", file=name, trace_id=s.id)
+    seen[s.id] = name
+    return s
+
+
+def _sessions_of_file(f: Path, seen: dict[str, str] | None = None) -> Iterator[Session | TraceError]:
+    """Sessions of one file; a bad trace is yielded as its TraceError (the caller decides).
+    ``seen``: ids of the Weka traces read so far (a repeated one is an error)."""
+    seen = {} if seen is None else seen
     name = str(f)
     data = _read_bytes(f)
     is_jsonl = f.name.endswith((".jsonl", ".jsonl.gz"))
@@ -170,7 +204,8 @@ def _sessions_of_file(f: Path) -> Iterator[Session | TraceError]:
         docs = doc if isinstance(doc, list) else [doc]
         for k, d in enumerate(docs):
             try:
-                yield session_from_weka(d, source=name if len(docs) == 1 else f"{name}[{k}]", id_table=table)
+                yield _distinct(session_from_weka(d, source=name if len(docs) == 1 else f"{name}[{k}]", id_table=table),
+                                name, seen)
             except TraceError as e:
                 yield e.located(file=name)
         return
@@ -191,7 +226,7 @@ def _sessions_of_file(f: Path) -> Iterator[Session | TraceError]:
                 yield s
             else:
                 doc, table = _weka_doc(line, name, n)
-                yield session_from_weka(doc, source=f"{name}:{n}", id_table=table)
+                yield _distinct(session_from_weka(doc, source=f"{name}:{n}", id_table=table), name, seen)
         except TraceError as e:
             yield e.located(file=name)
         lines[n - 1] = b""
@@ -202,9 +237,10 @@ def load_workload(path: str | Path, *, skip_bad: bool = False, progress: Progres
     files = trace_files(path)
     sessions: list[Session] = []
     skipped: list[SkippedTrace] = []
+    seen: dict[str, str] = {}
     for k, f in enumerate(files):
         try:
-            for item in _sessions_of_file(f):
+            for item in _sessions_of_file(f, seen):
                 if isinstance(item, TraceError):
                     if not skip_bad:
                         raise item

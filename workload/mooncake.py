@@ -21,6 +21,7 @@ import numpy as np
 
 from kvpool.workload.errors import TraceError
 from kvpool.workload.model import BlockStoreBuilder, Request, Session, Thread
+from kvpool.workload.weka import MAX_TOKENS
 
 MOONCAKE_BLOCK_TOKENS = 512
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -43,8 +44,8 @@ def session_from_mooncake_row(row: Any, line: int, *, prev_ms: float | None = No
     if prev_ms is not None and ts < prev_ms:
         raise _bad(f"timestamp decreases ({ts} ms after {prev_ms} ms)", line)
     for key, v in (("input_length", n_in), ("output_length", n_out)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise _bad(f"field '{key}' must be an integer >= 0, got {v!r}", line)
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= MAX_TOKENS:
+            raise _bad(f"field '{key}' must be an integer >= 0 and <= {MAX_TOKENS}, got {v!r}", line)
     if not isinstance(ids, list):
         raise _bad("field 'hash_ids' must be a list", line)
     if len(ids) not in (n_in // block_tokens, -(-n_in // block_tokens)):
@@ -53,7 +54,8 @@ def session_from_mooncake_row(row: Any, line: int, *, prev_ms: float | None = No
             line,
         )
     arr = np.asarray(ids) if ids else np.zeros(0, dtype=np.int64)
-    if ids and (arr.dtype.kind not in "iu" or arr.ndim != 1 or (arr.dtype.kind == "i" and arr.min() < 0)):
+    if ids and (arr.dtype.kind not in "iu" or arr.ndim != 1 or (arr.dtype.kind == "i" and arr.min() < 0)
+                or any(type(x) is bool for x in ids)):
         raise _bad("hash_ids must be a list of non-negative integers", line)
     b = BlockStoreBuilder()
     b.add(-1, 0, arr, len(ids))

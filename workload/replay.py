@@ -90,6 +90,7 @@ from typing import Literal
 
 import numpy as np
 
+from kvpool.workload.errors import TraceError
 from kvpool.workload.model import Request, Session, Workload
 
 Phase = Literal["primer", "warmup", "profile", "cold"]
@@ -162,7 +163,9 @@ def eligible_sessions(workload: Workload | Sequence[Session], max_context_tokens
     keep = [s for s in sessions if s.peak_context_tokens <= max_context_tokens]
     skipped = [s.id for s in sessions if s.peak_context_tokens > max_context_tokens]
     if not keep:
-        raise ValueError(f"every trace's peak context exceeds max_context_tokens={max_context_tokens}")
+        smallest = min((s.peak_context_tokens for s in sessions), default=0)
+        raise TraceError(f"every trace's peak context exceeds workload.max_context_tokens={max_context_tokens} "
+                         f"(the smallest peak is {smallest} tokens); raise workload.max_context_tokens or use other traces")
     return keep, skipped
 
 

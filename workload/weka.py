@@ -73,6 +73,10 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+MAX_TOKENS = 1 << 24          # tokens of one request's input or output: longer than any model's context
+MAX_API_TIME_S = 86_400.0     # one model call (api_time) or one pause (think_time): at most a day
+
+
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the common prefix of two id arrays."""
     n = min(len(a), len(b))
@@ -94,7 +98,7 @@ def _ids_array(ids: Any, path: str) -> np.ndarray:
         arr = np.asarray(ids)
     except (ValueError, OverflowError, TypeError):
         raise TraceError("hash_ids must be a list of non-negative integers", request=path) from None
-    if arr.dtype.kind not in "iu" or arr.ndim != 1 or any(type(x) is bool for x in ids[:1]):
+    if arr.dtype.kind not in "iu" or arr.ndim != 1 or any(type(x) is bool for x in ids):
         raise TraceError("hash_ids must be a list of non-negative integers", request=path)
     if arr.dtype.kind == "i" and int(arr.min()) < 0:
         raise TraceError(f"hash_ids must be non-negative (found {int(arr.min())})", request=path)
@@ -118,12 +122,13 @@ class _Parser:
         if not _num(t) or t < 0:
             raise TraceError(f"field 't' must be a number >= 0, got {t!r}", request=path)
         for key, v in (("in", n_in), ("out", n_out)):
-            if not _int(v) or v < 0:
-                raise TraceError(f"field '{key}' must be an integer >= 0, got {v!r}", request=path)
+            if not _int(v) or not 0 <= v <= MAX_TOKENS:
+                raise TraceError(f"field '{key}' must be an integer >= 0 and <= {MAX_TOKENS}, got {v!r}", request=path)
         api, think = r.get("api_time", 0.0), r.get("think_time", 0.0)
         for key, v in (("api_time", api), ("think_time", think)):
-            if v is not None and (not _num(v) or v < 0):
-                raise TraceError(f"field '{key}' must be a number >= 0, got {v!r}", request=path)
+            if v is not None and (not _num(v) or not 0 <= v <= MAX_API_TIME_S):
+                raise TraceError(f"field '{key}' must be a number >= 0 and <= {MAX_API_TIME_S:g} s, got {v!r}",
+                                 request=path)
         if self.id_table is not None and isinstance(ids, dict) and "@" in ids:
             ids = self.id_table[ids["@"]]
         ids = _ids_array(ids, path)
@@ -213,10 +218,14 @@ def session_from_weka(doc: Any, *, source: str = "", id_table: list[np.ndarray] 
     if not isinstance(doc, dict):
         raise TraceError("a trace must be a JSON object", file=source)
     trace_id = doc.get("id")
-    tid = None if trace_id is None else str(trace_id)
+    tid = trace_id if isinstance(trace_id, str) else str(trace_id) if _int(trace_id) else None
     try:
         if trace_id is None:
             raise TraceError("field 'id' is missing")
+        if tid is None:
+            raise TraceError(f"field 'id' must be a string (or an integer), got {type(trace_id).__name__}")
+        if len(tid) > 1024:
+            raise TraceError(f"field 'id' is {len(tid)} characters long; at most 1024")
         block = doc.get("block_size")
         if block is None:
             raise TraceError("field 'block_size' is missing")
@@ -235,6 +244,8 @@ def session_from_weka(doc: Any, *, source: str = "", id_table: list[np.ndarray] 
         return _build(p, tid, block, scope, doc.get("models") or (), source)
     except TraceError as e:
         raise e.located(file=source, trace_id=tid) from None
+    except RecursionError:
+        raise TraceError("subagents nested too deeply", file=source, trace_id=tid) from None
 
 
 def _build(p: _Parser, tid: str, block: int, scope: str, models: Any, source: str) -> Session:

@@ -8,6 +8,9 @@ the search runs with a progress bar per run; the result is the object ``kvpool s
 
 from __future__ import annotations
 
+from kvpool.errors import UserError
+from kvpool.scenario.fields import check
+
 import shlex
 from dataclasses import dataclass
 
@@ -146,10 +149,19 @@ def _inputs(s, label: str, toml_text: str):
         errors.append(f"Variable: {field} is not this scenario's load; it runs in {mode} mode, so vary {load_field}")
     if not is_load and load <= 0:
         errors.append(f"{load_label}: value {load:g}: must be > 0")
+    elif not is_load:
+        try:
+            check(load_field, int(load) if key == "sessions" and float(load).is_integer() else load, load_label)
+        except UserError as e:
+            errors.append(str(e))
     if workers < 1:
         errors.append(f"Points per round: value {workers}: must be at least 1")
+    elif workers > ui.MAX_WORKERS:
+        errors.append(f"Points per round: value {workers}: at most {ui.MAX_WORKERS}")
     if max_runs < 2:
         errors.append(f"Max runs: value {max_runs}: must be at least 2 (the search first runs both ends of the range)")
+    elif max_runs > 1000:
+        errors.append(f"Max runs: value {max_runs}: at most 1000")
     settings = ui.RunSettings([float(load)], float(duration), int(synth), int(workers))
     run_s, scenario_errors = ui.scenario_for_run(toml_text, label, settings)
     errors += scenario_errors

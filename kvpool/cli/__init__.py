@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     except cx.ClickException as e:
         typer.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
-    except cx.Abort:
+    except (getattr(cx, "Abort", KeyboardInterrupt), KeyboardInterrupt):
         typer.echo("aborted", err=True)
-        sys.exit(1)
+        sys.exit(130)
     sys.exit(code if isinstance(code, int) else 0)

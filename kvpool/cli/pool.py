@@ -59,8 +59,18 @@ def up(
     rpc_timeout_ms: int = typer.Option(2_000, "--rpc-timeout-ms", help="MC_RPC_TIMEOUT_MS: a hung master fails calls after this."),
     work_dir: Path = typer.Option(None, "--work-dir", help="Logs and ready files (default: a new temporary directory)."),
     state_file: Path = typer.Option(None, "--state-file", help="Where to record the address for 'pool status' (default: in the temp dir)."),
+    allow_public_listeners: bool = typer.Option(
+        False, "--allow-public-listeners",
+        help="Start even outside a private network namespace, where the store services' Mooncake listeners "
+             "are reachable on every interface of this machine."),
 ) -> None:
-    """Start a master and N store services on 127.0.0.1; stop them on Ctrl-C or SIGTERM."""
+    """Start a master and N store services; stop them on Ctrl-C or SIGTERM.
+
+    Where it listens: the master (RPC) and its metrics on 127.0.0.1. Each store service runs
+    Mooncake's transfer engine, whose handshake and data listeners bind every interface (0.0.0.0
+    and [::]) whatever MC_TCP_BIND_ADDRESS says. So pool up refuses to start outside a private
+    network namespace whose only interface is lo (unshare -n sh -c 'ip link set lo up; exec
+    kvpool pool up ...'), unless --allow-public-listeners is given."""
     from kvpool.backend.pool.launcher import PoolSpec, PoolStartError, start_local_pool
     from kvpool.backend.pool.netns import netns_problem
 
@@ -85,6 +95,8 @@ def up(
             f"memory available on this machine ({_fmt_bytes(avail)}); lower --services or --gib-per-service"
         )
     problem = netns_problem()
+    if problem and not allow_public_listeners:
+        raise UserError(f"refusing to start: {problem} Or give --allow-public-listeners to start anyway.")
     if problem:
         typer.echo(f"warning: {problem}", err=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvpool.cli.common import SET_HELP, UserError, load_or_exit
 from kvpool.loads import parse_loads
+from kvpool.outputs import atomic_path, output_dir, safe_name
 
 app = typer.Typer(
     help="Run the simulator: single runs, sweeps over sessions or RPS, comparisons and capacity search.",
@@ -24,13 +26,13 @@ def run_overrides(set_: list[str], *, duration: float | None = None, seed: int |
                   sessions: str | None = None, rps: str | None = None) -> list[str]:
     """The ``--set`` overrides that ``--duration``, ``--seed`` and ``--sessions``/``--rps`` stand for,
     after the user's own ``--set`` ones."""
+    from kvpool.scenario.fields import check
+
     extra = list(set_)
     if duration is not None:
-        if duration <= 0:
-            raise UserError(f"--duration {duration:g}: must be > 0 seconds")
-        extra.append(f"workload.duration_s={duration}")
+        extra.append(f"workload.duration_s={check('workload.duration_s', duration, '--duration')!r}")
     if seed is not None:
-        extra.append(f"seed={seed}")
+        extra.append(f"seed={check('seed', seed, '--seed')}")
     if sessions is not None and rps is not None:
         raise UserError("give --sessions (AgentX lanes) or --rps (production replay), not both")
     if sessions is not None:
@@ -38,6 +40,37 @@ def run_overrides(set_: list[str], *, duration: float | None = None, seed: int |
     if rps is not None:
         extra.append('workload.mode="replay"')
     return extra
+
+
+MAX_WORKERS = 256
+
+
+def check_load(s, load: float, flag: str) -> None:
+    """A load given as one number (``sim plan --load``): valid for the scenario's load field."""
+    from kvpool.scenario.fields import check
+
+    if s.workload.mode == "agentx":
+        check("workload.sessions", int(load) if math.isfinite(load) and load.is_integer() else load, flag)
+    else:
+        check("workload.rps", load, flag)
+
+
+def refuse_other_run(path: Path, run_id: str) -> None:
+    """A result file of this name that holds another run's document (another ``id``) is not replaced."""
+    if not path.exists():
+        return
+    try:
+        other = json.loads(path.read_text(encoding="utf-8")).get("id")
+    except (OSError, ValueError, AttributeError):
+        other = None
+    if other != run_id:
+        raise UserError(f"--out: {path} exists and holds another run's content (id {other!r}, this run {run_id}); "
+                        "move it away or give another --out")
+
+
+def check_workers(workers: int) -> None:
+    if not 0 <= workers <= MAX_WORKERS:
+        raise UserError(f"--workers {workers}: must be between 0 (one per core) and {MAX_WORKERS}")
 
 
 EXECUTOR_HELP = ("Where the runs go: local (processes on this machine) or ray (tasks on a Ray cluster; "
@@ -96,6 +129,19 @@ def degenerate(rows: list[dict], prefix: str = "") -> list[str]:
     return out
 
 
+def rows_warning(s, traces: str | None, rows: list[dict]) -> list[str]:
+    """Why a replay of one-request sessions (Mooncake rows) measured no request, when it did not."""
+    from kvpool.sim.run import workload_for
+
+    if s.workload.mode != "replay" or not (traces or s.workload.traces) or any(r.get("requests") for r in rows):
+        return []
+    if all(len(x.requests) == 1 for x in workload_for(s, traces)):
+        return ["every trace is a single request (Mooncake rows): production replay excludes each session's cold "
+                "first turn from the metrics, so nothing is measured; replay multi-turn sessions (Weka traces) "
+                "or run them as AgentX lanes (--sessions)"]
+    return []
+
+
 def warn(lines: list[str]) -> None:
     for line in lines:
         typer.echo(f"warning: {line}", err=True)
@@ -139,9 +185,11 @@ def run(
 
     overrides = run_overrides(set_, duration=duration, seed=seed, sessions=sessions, rps=rps)
     s = load_or_exit(scenario, overrides)
+    output_dir(out)
     if traces is not None and not os.path.exists(traces):
         raise UserError(f"--traces {traces}: no such file or directory")
-    loads = parse_loads(sessions, "--sessions", True) or parse_loads(rps, "--rps", False)
+    loads = parse_loads(sessions, "--sessions", True, "workload.sessions") or parse_loads(rps, "--rps", False, "workload.rps")
+    check_workers(workers)
     if not loads:
         loads = [s.workload.sessions] if s.workload.mode == "agentx" else [s.workload.rps]
     n_workers = workers or min(len(loads), os.cpu_count() or 1)
@@ -159,9 +207,10 @@ def run(
     except TraceError as e:
         raise UserError(str(e)) from None
     prov = provenance(s, source=scenario, overrides=overrides, set_overrides=set_, traces=traces, load_key=key, loads=loads)
-    stem = f"{s.name}-{key}-" + "-".join(f"{x:g}" for x in loads) + f"-{short_id(prov)}"
+    stem = f"{safe_name(s.name)}-{key}-" + "-".join(f"{x:g}" for x in loads) + f"-{short_id(prov)}"
+    refuse_other_run(out / f"{stem}.json", short_id(prov))
     doc = report.run_document(rows, prov, report.run_info(rows, executor=executor, workers=n_workers))
-    warnings = degenerate(rows)
+    warnings = rows_warning(s, traces, rows) + degenerate(rows)
     if warnings:
         doc["warnings"] = warnings
     paths = report.write_files(rows, out, stem, document=doc, title=title_of(prov))
@@ -204,10 +253,12 @@ def compare(
         raise UserError("compare needs two or more scenarios")
     extra = run_overrides(set_, duration=duration, sessions=sessions, rps=rps)
     arms_s = [load_or_exit(name, extra) for name in scenarios]
+    output_dir(out)
     names = [s.name for s in arms_s]
     if len(set(names)) != len(names):
         raise UserError(f"the arms need distinct scenario names, got {names}")
-    loads = parse_loads(sessions, "--sessions", True) or parse_loads(rps, "--rps", False)
+    loads = parse_loads(sessions, "--sessions", True, "workload.sessions") or parse_loads(rps, "--rps", False, "workload.rps")
+    check_workers(workers)
     if not loads:
         first = arms_s[0].workload
         loads = [first.sessions] if first.mode == "agentx" else [first.rps]
@@ -230,13 +281,16 @@ def compare(
     doc = {"id": short_id(prov), "provenance": prov, "arms": {n: [report.public(r) for r in rows] for n, rows in arms.items()},
            "run": {"executor": executor, "workers": n_workers,
                    "arms": {n: [report.timing(r) for r in rows] for n, rows in arms.items()}}}
-    warnings = [w for n, rows in arms.items() for w in degenerate(rows, prefix=f"{n} ")]
+    warnings = [w for s in arms_s for w in rows_warning(s, traces, arms[s.name])]
+    warnings += [w for n, rows in arms.items() for w in degenerate(rows, prefix=f"{n} ")]
     if warnings:
         doc["warnings"] = warnings
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "compare-" + "-vs-".join(names) + f"-{doc['id']}"
-    (out / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
-    cmp.figure(arms, out / f"{stem}.png")
+    stem = "compare-" + safe_name("-vs-".join(names)) + f"-{doc['id']}"
+    refuse_other_run(out / f"{stem}.json", doc["id"])
+    with atomic_path(out / f"{stem}.json") as tmp:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    with atomic_path(out / f"{stem}.png") as tmp:
+        cmp.figure(arms, tmp)
     if json_:
         typer.echo(json.dumps(doc, indent=2))
         warn(warnings)
@@ -270,11 +324,18 @@ def plan(
 
     overrides = run_overrides(set_, duration=duration)
     base = load_or_exit(scenario, overrides)
+    output_dir(out)
     try:
         targets = [pl.parse_target(t) for t in target]
         variable = pl.parse_vary(vary, base)
     except pl.PlanError as e:
         raise UserError(str(e)) from None
+    if load is not None:
+        check_load(base, load, "--load")
+    if not 1 <= workers <= MAX_WORKERS:
+        raise UserError(f"--workers {workers}: must be between 1 and {MAX_WORKERS}")
+    if not 2 <= max_runs <= 1000:
+        raise UserError(f"--max-runs {max_runs}: must be between 2 and 1000")
     console = Console(stderr=True)
     from kvpool.workload.errors import TraceError
 
@@ -298,10 +359,12 @@ def plan(
         summary["failed"] = failed
     summary = {"id": short_id(prov), "provenance": prov, **summary,
                "run": {"executor": executor, "points": [{"value": v, **report.timing(row)} for v, row, _ in res.curve()]}}
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"plan-{base.name}-{variable.field}-{summary['id']}"
-    (out / f"{stem}.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plan_figure(curve, targets, variable.field, out / f"{stem}.png")
+    stem = f"plan-{safe_name(base.name)}-{variable.field}-{summary['id']}"
+    refuse_other_run(out / f"{stem}.json", summary["id"])
+    with atomic_path(out / f"{stem}.json") as tmp:
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    with atomic_path(out / f"{stem}.png") as tmp:
+        _plan_figure(curve, targets, variable.field, tmp)
     none_line = f"no value of {variable.field} in {variable.lo:g}..{variable.hi:g} meets every target"
     if json_:
         typer.echo(json.dumps(summary, indent=2))

@@ -106,21 +106,35 @@ def synth(
     out: Path = typer.Option(..., "--out", help=".jsonl/.jsonl.gz file, or a directory of .json.gz traces"),
     context_scale: float = typer.Option(
         1.0, "--context-scale", help="every prompt-side token count times this (workload.context_scale); outputs unchanged"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --out file (a directory: its trace files)"),
 ) -> None:
-    """Generate synthetic agent sessions in the Weka format."""
+    """Generate synthetic agent sessions in the Weka format. Every input is checked before anything
+    is written; the file appears under its name only when complete."""
     from rich.progress import Progress
 
+    from kvpool.outputs import atomic_path, output_dir, output_file, refuse_existing
+    from kvpool.scenario.fields import check
     from kvpool.workload.presets import PRESETS
     from kvpool.workload.synth import generate_session, preset_params
 
     if preset not in PRESETS:
         raise UserError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
-    if not 0 < context_scale <= 10:
+    check("workload.synthetic_sessions", sessions, "--sessions")
+    check("seed", seed, "--seed")
+    if not (math.isfinite(context_scale) and 0 < context_scale <= 10):
         raise UserError(f"--context-scale {context_scale:g}: must be > 0 and <= 10")
     params = preset_params(preset).with_context_scale(context_scale)
     from kvpool.workload.load import write_weka_jsonl
     from kvpool.workload.synth import write_weka_dir
 
+    single = out.name.endswith((".jsonl", ".jsonl.gz"))
+    if single:
+        output_file(out)
+        refuse_existing(out, "--out", force)
+    else:
+        if out.exists() and out.is_dir() and any(out.iterdir()) and not force:
+            raise UserError(f"--out {out}: the directory is not empty; give --force to write into it, or another name")
+        output_dir(out)
     with Progress(transient=True, disable=None) as bar:
         task = bar.add_task("generating", total=sessions)
 
@@ -129,11 +143,27 @@ def synth(
                 yield generate_session(params, seed=seed, index=k)
                 bar.advance(task)
 
-        if out.name.endswith((".jsonl", ".jsonl.gz")):
-            n = write_weka_jsonl(gen(), out)
+        if single:
+            with atomic_path(out) as tmp:
+                n = write_weka_jsonl(gen(), tmp)
         else:
-            n = write_weka_dir(gen(), out)
+            n = _write_dir_atomically(gen(), out, write_weka_dir)
     typer.echo(f"wrote {n} sessions ({preset}, seed {seed}) to {out}")
+
+
+def _write_dir_atomically(docs, out: Path, write) -> int:
+    """``write(docs, folder)`` into a temporary folder beside ``out``, then each file renamed into ``out``."""
+    import os
+    import shutil
+
+    tmp = out.parent / f".{out.name[:150]}.{os.getpid()}.tmp"
+    try:
+        n = write(docs, tmp)
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return n
 
 
 @app.command()
@@ -141,10 +171,14 @@ def convert(
     src: Path = typer.Argument(..., help="trace file or directory (Weka or Mooncake JSONL)"),
     to: str = typer.Option(..., "--to", help="mooncake or weka"),
     out: Path = typer.Option(..., "--out", help="output .jsonl (or .jsonl.gz) file"),
-    stagger_s: float = typer.Option(0.0, "--stagger-s", min=0.0, help="to mooncake: start session k at k * this"),
+    stagger_s: float = typer.Option(0.0, "--stagger-s", min=0.0, help="to mooncake: start session k at k * this (at most 86400 s)"),
     skip_bad: bool = typer.Option(False, "--skip-bad", help="leave malformed traces out"),
+    force: bool = typer.Option(False, "--force", help="overwrite an existing --out file"),
 ) -> None:
-    """Convert between the Weka (AgentX) format and Mooncake JSONL (512-token blocks)."""
+    """Convert between the Weka (AgentX) format and Mooncake JSONL (512-token blocks). The output
+    appears under its name only when complete, and never replaces the source."""
+    from kvpool.outputs import atomic_path, output_file, refuse_existing
+
     from kvpool.workload.load import write_jsonl_rows, write_weka_jsonl
     from kvpool.workload.mooncake import MOONCAKE_BLOCK_TOKENS, sessions_to_mooncake_rows, weka_to_mooncake_rows
 
@@ -152,6 +186,12 @@ def convert(
         raise UserError(f"--to must be 'mooncake' or 'weka', got '{to}'")
     if not out.name.endswith((".jsonl", ".jsonl.gz")):
         raise UserError(f"--out must end in .jsonl or .jsonl.gz, got '{out}'")
+    if not (math.isfinite(stagger_s) and 0 <= stagger_s <= 86_400):
+        raise UserError(f"--stagger-s {stagger_s}: must be a finite number of seconds, >= 0 and <= 86400")
+    if out.exists() and src.exists() and (out.resolve() == src.resolve() or src.is_dir() and src.resolve() in out.resolve().parents):
+        raise UserError(f"--out {out}: is the source {src} (or inside it); give another file")
+    output_file(out)
+    refuse_existing(out, "--out", force)
     w = _load(src, skip_bad)
     if to == "mooncake":
         flat = all(s.hash_scope == "global" and s.block_tokens == MOONCAKE_BLOCK_TOKENS and len(s.requests) == 1 for s in w)
@@ -159,8 +199,10 @@ def convert(
             rows = sessions_to_mooncake_rows(w) if flat else weka_to_mooncake_rows(w, stagger_s=stagger_s)
         except ValueError as e:
             raise UserError(str(e)) from None
-        n = write_jsonl_rows(rows, out)
+        with atomic_path(out) as tmp:
+            n = write_jsonl_rows(rows, tmp)
         typer.echo(f"wrote {n} Mooncake rows to {out}")
     else:
-        n = write_weka_jsonl(w, out)
+        with atomic_path(out) as tmp:
+            n = write_weka_jsonl(w, tmp)
         typer.echo(f"wrote {n} Weka traces to {out}")

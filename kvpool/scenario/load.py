@@ -7,6 +7,7 @@ and what is allowed, on one line per problem; the CLI prints it without a traceb
 from __future__ import annotations
 
 import copy
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from importlib import resources
@@ -29,11 +30,22 @@ def builtin_names() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
 
 
+MAX_SCENARIO_BYTES = 1 << 20   # a scenario file is a few KiB
+MAX_OVERRIDE_CHARS = 4096      # one --set value
+MAX_INT_DIGITS = 24            # wider than every bound of the model (and than 64 bits)
+_LONG_INT = re.compile(r"(?<![\w.])[+-]?\d[\d_]{%d,}" % MAX_INT_DIGITS)
+
+
 def _read_toml(text: str, source: str) -> dict:
+    if _LONG_INT.search(text):
+        raise ScenarioError(f"{source}: an integer of more than {MAX_INT_DIGITS} digits; every field's bound is "
+                            "smaller (docs/scenario.md)")
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{source}: not valid TOML: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise ScenarioError(f"{source}: not a usable TOML document: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def read_raw(name_or_path: str | Path) -> tuple[dict, str]:
@@ -41,8 +53,10 @@ def read_raw(name_or_path: str | Path) -> tuple[dict, str]:
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.exists():
         if not p.is_file():
-            raise ScenarioError(f"{p}: no such scenario file")
+            raise ScenarioError(f"{p}: no such scenario file" if not p.exists() else f"{p}: not a regular file")
         try:
+            if p.stat().st_size > MAX_SCENARIO_BYTES:
+                raise ScenarioError(f"{p}: larger than {MAX_SCENARIO_BYTES} bytes; a scenario file is a few KiB")
             text = p.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ScenarioError(f"{p}: cannot read: {e}") from None
@@ -84,7 +98,9 @@ def _field_help(model: type[BaseModel], loc: tuple) -> str:
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             cur = ann
         else:
-            return f.description or ""
+            from kvpool.scenario.fields import allowed
+
+            return "; ".join(x for x in (f.description, "allowed: " + allowed(f)) if x)
     return ""
 
 
@@ -104,24 +120,41 @@ def format_validation_error(err: ValidationError, source: str, raw: Mapping) -> 
             lines.append(f"{source}: {field}: required field is missing")
             continue
         value = e.get("input")
-        shown = "" if isinstance(value, (dict, list)) or not loc else f" value {value!r}:"
+        shown = "" if isinstance(value, (dict, list)) or not loc else f" value {_short(value)}:"
+        if not loc:  # a check across fields names them itself
+            lines.append(f"{source}: {msg}")
+            continue
         hint = _field_help(Scenario, loc)
         lines.append(f"{source}: {field}:{shown} {msg}" + (f" ({hint})" if hint else ""))
     return "\n".join(lines)
 
 
+def _short(value: Any) -> str:
+    """A value for a one-line message: its repr (control characters escaped), cut when long."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """``section.field=value`` -> (path, value). The value is read as TOML, else as a string."""
+    """``section.field=value`` -> (path, value). The value is read as TOML, else as a string.
+
+    A value longer than ``MAX_OVERRIDE_CHARS`` or with an integer of more than ``MAX_INT_DIGITS``
+    digits is refused before it is parsed."""
     if "=" not in text:
-        raise ScenarioError(f"--set {text!r}: expected section.field=value")
+        raise ScenarioError(f"--set {_short(text)}: expected section.field=value")
     key, _, val = text.partition("=")
     path = [p for p in key.strip().split(".")]
     if not all(path):
-        raise ScenarioError(f"--set {text!r}: empty field name in {key!r}")
+        raise ScenarioError(f"--set {_short(text)}: empty field name in {key!r}")
     val = val.strip()
+    if len(val) > MAX_OVERRIDE_CHARS:
+        raise ScenarioError(f"--set {key.strip()}: value of {len(val)} characters; at most {MAX_OVERRIDE_CHARS}")
+    if _LONG_INT.search(val):
+        raise ScenarioError(f"--set {key.strip()}: an integer of more than {MAX_INT_DIGITS} digits; every field's "
+                            "bound is smaller (docs/scenario.md)")
     try:
         value = tomllib.loads(f"v = {val}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, ValueError, RecursionError):
         value = val
     return path, value
 
@@ -164,7 +197,8 @@ def load_scenario(name_or_path: str | Path, overrides: Iterable[str] = ()) -> Sc
     overrides = list(overrides)
     if overrides:
         raw = apply_overrides(raw, overrides, source)
-        source = f"{source} (with --set {' '.join(overrides)})"
+        shown = [o if o.isprintable() and len(o) <= 200 else _short(o) for o in overrides]
+        source = f"{source} (with --set {' '.join(shown)})"
     return validate(raw, source)
 
 

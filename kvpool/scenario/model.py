@@ -7,12 +7,32 @@ names it. Units are in the field names. ``docs/scenario.md`` documents every fie
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from kvpool.policy.kvspec import ExtraRecord, KVSpec, every_kth_layer
 from kvpool.workload.presets import PRESETS
+
+
+# Strict scalar types: no bool taken as a number, no string coerced to a number or a bool, no
+# non-finite float. Each numeric field also has an upper bound that a real deployment cannot reach,
+# so a typo is an error rather than a run that never ends or exhausts memory.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict(), AllowInfNan(False)]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+Label = Annotated[str, Strict(), Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$")]
+
+MAX_LAYERS = 1024
+MAX_MTP_LAYERS = 16
+MAX_RECORD_BYTES = 1 << 20
+MAX_SERVERS = 1024
+MAX_INSTANCES = 4096
+MAX_TOKENS = 1 << 24          # 16,777,216 tokens: longer than any model's context
+MAX_SESSIONS = 100_000
+MAX_SECONDS = 604_800.0       # one week
+MAX_SEED = 2**32 - 1
 
 
 class _Section(BaseModel):
@@ -22,15 +42,24 @@ class _Section(BaseModel):
 class ExtraRecordConfig(_Section):
     """A per-token record on some layers only (e.g. the DSA indexer key)."""
 
-    name: str = Field(description="label, e.g. indexer")
-    bytes_per_token: int = Field(gt=0, description="bytes of the record per token per layer that carries it")
-    layer_ids: tuple[int, ...] | None = Field(
-        default=None, description="explicit layer ids (ids >= layers name MTP layers)"
+    name: Label = Field(description="label, e.g. indexer")
+    bytes_per_token: Int = Field(gt=0, le=MAX_RECORD_BYTES, description="bytes of the record per token per layer that carries it")
+    layer_ids: tuple[Annotated[int, Strict(), Field(ge=0, lt=MAX_LAYERS + MAX_MTP_LAYERS)], ...] | None = Field(
+        default=None, max_length=MAX_LAYERS + MAX_MTP_LAYERS,
+        description="explicit layer ids, distinct (ids >= layers name MTP layers)",
     )
-    first_dense_layers: int = Field(default=0, ge=0, description="schedule: the first N layers carry it")
-    every_k: int = Field(default=1, gt=0, description="schedule: then every k-th layer")
-    offset: int = Field(default=0, ge=0, description="schedule: starting at this layer")
-    include_mtp: bool = Field(default=False, description="schedule: MTP layers carry it too")
+    first_dense_layers: Int = Field(default=0, ge=0, le=MAX_LAYERS, description="schedule: the first N layers carry it")
+    every_k: Int = Field(default=1, gt=0, le=MAX_LAYERS, description="schedule: then every k-th layer")
+    offset: Int = Field(default=0, ge=0, le=MAX_LAYERS, description="schedule: starting at this layer")
+    include_mtp: Bool = Field(default=False, description="schedule: MTP layers carry it too")
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _distinct_ids(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None and len(set(v)) != len(v):
+            dup = sorted({x for x in v if v.count(x) > 1})
+            raise ValueError(f"layer ids must be distinct; repeated: {', '.join(map(str, dup))}")
+        return v
 
     def resolve(self, layers: int, mtp_layers: int) -> ExtraRecord:
         if self.layer_ids is not None:
@@ -45,46 +74,46 @@ class ExtraRecordConfig(_Section):
 class ModelConfig(_Section):
     """The served model's KV geometry and weight footprint."""
 
-    name: str = Field(description="model name (part of the key namespace)")
-    layers: int = Field(gt=0, description="attention layers of the main model")
-    mtp_layers: int = Field(default=0, ge=0, description="MTP draft layers caching KV; they run on the last stage")
-    record_bytes: int = Field(gt=0, description="bytes per token per layer of the main KV record")
-    extra_records: tuple[ExtraRecordConfig, ...] = Field(default=(), description="[[model.extra_records]] tables: records on some layers only")
-    page_tokens: int = Field(default=16, gt=0, description="tokens per GPU KV page (block size)")
-    weights_gb: float = Field(gt=0, description="weights of one instance, GB (1e9 B)")
-    active_params_b: float = Field(gt=0, description="active parameters per token, billions (cost model)")
+    name: Label = Field(description="model name (part of the key namespace)")
+    layers: Int = Field(gt=0, le=MAX_LAYERS, description="attention layers of the main model")
+    mtp_layers: Int = Field(default=0, ge=0, le=MAX_MTP_LAYERS, description="MTP draft layers caching KV; they run on the last stage")
+    record_bytes: Int = Field(gt=0, le=MAX_RECORD_BYTES, description="bytes per token per layer of the main KV record")
+    extra_records: tuple[ExtraRecordConfig, ...] = Field(default=(), max_length=16, description="[[model.extra_records]] tables: records on some layers only")
+    page_tokens: Int = Field(default=16, gt=0, le=4096, description="tokens per GPU KV page (block size)")
+    weights_gb: Float = Field(gt=0, le=100_000, description="weights of one instance, GB (1e9 B)")
+    active_params_b: Float = Field(gt=0, le=100_000, description="active parameters per token, billions (cost model)")
 
 
 class GPUConfig(_Section):
     """One GPU and its links."""
 
-    name: str = Field(description="GPU model")
-    hbm_gb: float = Field(gt=0, description="HBM per GPU, GB (1e9 B)")
-    hbm_tb_s: float = Field(gt=0, description="HBM bandwidth, TB/s")
-    dense_tflops: float = Field(gt=0, description="dense peak of the compute dtype, TFLOP/s")
-    nic_gb_s: float = Field(gt=0, description="effective large-write bandwidth of the GPU's NIC, GB/s")
-    nic_writes_per_s: float = Field(gt=0, description="small-write message rate of one NIC, writes/s")
-    nic_latency_us: float = Field(default=5.0, ge=0, description="one-way NIC latency, microseconds")
+    name: Label = Field(description="GPU model")
+    hbm_gb: Float = Field(gt=0, le=10_000, description="HBM per GPU, GB (1e9 B)")
+    hbm_tb_s: Float = Field(gt=0, le=1_000, description="HBM bandwidth, TB/s")
+    dense_tflops: Float = Field(gt=0, le=1_000_000, description="dense peak of the compute dtype, TFLOP/s")
+    nic_gb_s: Float = Field(gt=0, le=10_000, description="effective large-write bandwidth of the GPU's NIC, GB/s")
+    nic_writes_per_s: Float = Field(gt=0, le=1e10, description="small-write message rate of one NIC, writes/s")
+    nic_latency_us: Float = Field(default=5.0, ge=0, le=1_000_000, description="one-way NIC latency, microseconds")
 
 
 class ClusterConfig(_Section):
     """Servers and their NUMA nodes."""
 
-    servers: int = Field(gt=0, description="servers in the cluster")
-    gpus_per_server: int = Field(gt=0, description="GPUs per server")
-    numa_per_server: int = Field(default=2, gt=0, description="NUMA nodes per server")
+    servers: Int = Field(gt=0, le=MAX_SERVERS, description="servers in the cluster")
+    gpus_per_server: Int = Field(gt=0, le=64, description="GPUs per server")
+    numa_per_server: Int = Field(default=2, gt=0, le=16, description="NUMA nodes per server")
 
 
 class PrefillConfig(_Section):
     """Prefill instances: pipeline stages (layer split) x tensor parallel ranks."""
 
-    instances: int = Field(gt=0, description="prefill instances")
-    pp: int = Field(gt=0, description="pipeline stages per instance (one GPU each per TP rank)")
-    tp: int = Field(default=1, gt=0, description="tensor-parallel ranks per stage (MLA latent replicated)")
-    stage_layers: tuple[int, ...] = Field(description="layers per pipeline stage, in order; sums to model.layers")
-    gpu_mem_utilization: float = Field(default=0.85, gt=0, le=1, description="fraction of HBM the engine takes")
-    reserved_gb_per_gpu: float = Field(default=0.0, ge=0, description="activations/workspace per GPU, GB")
-    max_batched_tokens: int = Field(default=8192, gt=0, description="chunked-prefill tokens per step")
+    instances: Int = Field(gt=0, le=MAX_INSTANCES, description="prefill instances")
+    pp: Int = Field(gt=0, le=64, description="pipeline stages per instance (one GPU each per TP rank)")
+    tp: Int = Field(default=1, gt=0, le=256, description="tensor-parallel ranks per stage (MLA latent replicated)")
+    stage_layers: tuple[Annotated[int, Strict(), Field(gt=0, le=MAX_LAYERS)], ...] = Field(max_length=64, description="layers per pipeline stage, in order; sums to model.layers")
+    gpu_mem_utilization: Float = Field(default=0.85, gt=0, le=1, description="fraction of HBM the engine takes")
+    reserved_gb_per_gpu: Float = Field(default=0.0, ge=0, le=10_000, description="activations/workspace per GPU, GB")
+    max_batched_tokens: Int = Field(default=8192, gt=0, le=MAX_TOKENS, description="chunked-prefill tokens per step")
 
     @property
     def gpus(self) -> int:
@@ -94,13 +123,13 @@ class PrefillConfig(_Section):
 class DecodeConfig(_Section):
     """Decode instances: tensor parallel with decode context parallelism (tokens spread over DCP ranks)."""
 
-    instances: int = Field(gt=0, description="decode instances")
-    tp: int = Field(gt=0, description="tensor-parallel ranks (GPUs) per instance")
-    dcp: int = Field(default=1, gt=0, description="decode context parallelism: token t on rank t mod dcp")
-    gpu_mem_utilization: float = Field(default=0.85, gt=0, le=1, description="fraction of HBM the engine takes")
-    reserved_gb_per_gpu: float = Field(default=0.0, ge=0, description="activations/workspace per GPU, GB")
-    max_seqs: int = Field(default=256, gt=0, description="running sequences per instance")
-    mtp_accept_tokens: float = Field(default=1.0, ge=1, description="tokens per decode step (MTP acceptance)")
+    instances: Int = Field(gt=0, le=MAX_INSTANCES, description="decode instances")
+    tp: Int = Field(gt=0, le=256, description="tensor-parallel ranks (GPUs) per instance")
+    dcp: Int = Field(default=1, gt=0, le=256, description="decode context parallelism: token t on rank t mod dcp")
+    gpu_mem_utilization: Float = Field(default=0.85, gt=0, le=1, description="fraction of HBM the engine takes")
+    reserved_gb_per_gpu: Float = Field(default=0.0, ge=0, le=10_000, description="activations/workspace per GPU, GB")
+    max_seqs: Int = Field(default=256, gt=0, le=65_536, description="running sequences per instance")
+    mtp_accept_tokens: Float = Field(default=1.0, ge=1, le=16, description="tokens per decode step (MTP acceptance)")
 
     @property
     def gpus(self) -> int:
@@ -111,30 +140,30 @@ class SSDConfig(_Section):
     """An optional tier below DRAM: groups evicted from DRAM demote here (at once: demotion takes no
     link time); restores read from it at ``read_gb_s_per_server``."""
 
-    enabled: bool = Field(default=False, description="add the SSD tier")
-    gib_per_server: float = Field(default=0.0, ge=0, description="SSD capacity per server, GiB")
-    read_gb_s_per_server: float = Field(default=12.0, gt=0, description="SSD read bandwidth per server, GB/s")
+    enabled: Bool = Field(default=False, description="add the SSD tier")
+    gib_per_server: Float = Field(default=0.0, ge=0, le=1_048_576, description="SSD capacity per server, GiB")
+    read_gb_s_per_server: Float = Field(default=12.0, gt=0, le=10_000, description="SSD read bandwidth per server, GB/s")
 
 
 class PoolConfig(_Section):
     """The Mooncake Store pool: services, masters, eviction, chunking."""
 
     mode: Literal["shared", "split"] = Field(default="shared", description="shared: every prefill uses every master; split: each server's masters serve its own prefills")
-    parts: int = Field(default=1, gt=0, description="pool parts (one master each); rank i uses part i mod parts")
-    services_per_server: int = Field(ge=0, description="memory-only Store services per server")
-    gib_per_service: float = Field(ge=0, description="DRAM each service contributes, GiB")
-    high_watermark: float = Field(default=0.90, gt=0, le=1, description="usage fraction that starts eviction")
-    evict_ratio: float = Field(default=0.05, gt=0, le=1, description="fraction of capacity a pass frees")
+    parts: Int = Field(default=1, gt=0, le=4096, description="pool parts (one master each); rank i uses part i mod parts")
+    services_per_server: Int = Field(ge=0, le=256, description="memory-only Store services per server")
+    gib_per_service: Float = Field(ge=0, le=65_536, description="DRAM each service contributes, GiB")
+    high_watermark: Float = Field(default=0.90, gt=0, le=1, description="usage fraction that starts eviction")
+    evict_ratio: Float = Field(default=0.05, gt=0, le=1, description="fraction of capacity a pass frees")
     eviction_policy: Literal["lru", "lfu", "fifo"] = Field(default="lru", description="group eviction order")
-    chunk_tokens: int = Field(default=256, gt=0, description="tokens per chunk (multiple of model.page_tokens)")
-    min_load_tokens: int = Field(default=8192, ge=0, description="loads shorter than this are recomputed")
+    chunk_tokens: Int = Field(default=256, gt=0, le=1 << 20, description="tokens per chunk (multiple of model.page_tokens)")
+    min_load_tokens: Int = Field(default=8192, ge=0, le=MAX_TOKENS, description="loads shorter than this are recomputed")
     ssd: SSDConfig = Field(default=SSDConfig(), description="[pool.ssd]: optional tier below DRAM")
 
 
 class HandoffConfig(_Section):
     """Prefill -> decode KV handoff."""
 
-    max_write_bytes: int = Field(default=8 << 20, gt=0, description="largest single write of the handoff, bytes")
+    max_write_bytes: Int = Field(default=8 << 20, gt=0, le=1 << 34, description="largest single write of the handoff, bytes")
 
 
 class GateConfigModel(_Section):
@@ -146,12 +175,12 @@ class GateConfigModel(_Section):
     waiting after ``max_wait_s`` is rejected. A new request that fits is admitted at once.
     """
 
-    enabled: bool = Field(default=True, description="put the gate in front of decode")
-    tokens_per_decode: int = Field(default=10_000_000, gt=0, description="token budget per decode instance")
-    budget_fraction: float = Field(default=0.9, gt=0, le=1, description="usable fraction of the budget")
-    max_input_tokens: int = Field(default=917_504, gt=0, description="longer inputs are rejected")
-    max_output_tokens: int = Field(default=131_072, gt=0, description="longer outputs are rejected")
-    max_wait_s: float = Field(default=900.0, ge=0, description="longest admission wait before rejection, s")
+    enabled: Bool = Field(default=True, description="put the gate in front of decode")
+    tokens_per_decode: Int = Field(default=10_000_000, gt=0, le=10**12, description="token budget per decode instance")
+    budget_fraction: Float = Field(default=0.9, gt=0, le=1, description="usable fraction of the budget")
+    max_input_tokens: Int = Field(default=917_504, gt=0, le=MAX_TOKENS, description="longer inputs are rejected")
+    max_output_tokens: Int = Field(default=131_072, gt=0, le=MAX_TOKENS, description="longer outputs are rejected")
+    max_wait_s: Float = Field(default=900.0, ge=0, le=MAX_SECONDS, description="longest admission wait before rejection, s")
 
 
 class RoutingConfig(_Section):
@@ -165,31 +194,31 @@ class WorkloadConfig(_Section):
     """What is replayed, and how."""
 
     mode: Literal["agentx", "replay"] = Field(default="agentx", description="agentx: lanes of live session trees; replay: Poisson production replay")
-    traces: str | None = Field(default=None, description="trace file/dir; none: the synthetic preset")
-    preset: str = Field(default="agentx-062126", description="synthetic preset when no traces are given")
-    synthetic_sessions: int = Field(default=200, gt=0, description="sessions the synthetic preset generates")
-    sessions: int = Field(default=56, gt=0, description="AgentX lanes (concurrent session trees)")
-    rps: float = Field(default=0.8, gt=0, description="replay: Poisson arrivals per second")
-    lanes: int = Field(default=160, gt=0, description="replay: lanes")
-    duration_s: float = Field(default=3600.0, gt=0, description="measured window, s")
-    idle_cap_s: float = Field(default=300.0, gt=0, description="per-tree idle gap cap, s")
-    grace_s: float = Field(
-        default=30.0, ge=0,
+    traces: Annotated[str, Strict(), Field(min_length=1, max_length=4096)] | None = Field(default=None, description="trace file/dir; none: the synthetic preset")
+    preset: Label = Field(default="agentx-062126", description="synthetic preset when no traces are given")
+    synthetic_sessions: Int = Field(default=200, gt=0, le=MAX_SESSIONS, description="sessions the synthetic preset generates")
+    sessions: Int = Field(default=56, gt=0, le=MAX_SESSIONS, description="AgentX lanes (concurrent session trees)")
+    rps: Float = Field(default=0.8, gt=0, le=10_000, description="replay: Poisson arrivals per second")
+    lanes: Int = Field(default=160, gt=0, le=MAX_SESSIONS, description="replay: lanes")
+    duration_s: Float = Field(default=3600.0, gt=0, le=MAX_SECONDS, description="measured window, s")
+    idle_cap_s: Float = Field(default=300.0, gt=0, le=MAX_SECONDS, description="per-tree idle gap cap, s")
+    grace_s: Float = Field(
+        default=30.0, ge=0, le=MAX_SECONDS,
         description="responses finishing later than duration_s + grace_s after the measured start are "
                     "left out of the metrics (AIPerf's --benchmark-grace-period, default 30 s)",
     )
-    warmup_requests: int = Field(default=3, ge=0, description="warm-up requests per lane (excluded from metrics)")
-    start_fraction_min: float = Field(default=0.25, ge=0, le=1, description="lane start point t*: lowest fraction of the trace span")
-    start_fraction_max: float = Field(default=0.75, ge=0, le=1, description="lane start point t*: highest fraction")
-    max_context_tokens: int = Field(default=917_504, gt=0, description="traces whose peak context exceeds this are skipped")
-    max_output_tokens: int | None = Field(default=None, gt=0, description="cap on output tokens per request (none: recorded)")
-    context_scale: float = Field(
+    warmup_requests: Int = Field(default=3, ge=0, le=10_000, description="warm-up requests per lane (excluded from metrics)")
+    start_fraction_min: Float = Field(default=0.25, ge=0, le=1, description="lane start point t*: lowest fraction of the trace span")
+    start_fraction_max: Float = Field(default=0.75, ge=0, le=1, description="lane start point t*: highest fraction")
+    max_context_tokens: Int = Field(default=917_504, gt=0, le=MAX_TOKENS, description="traces whose peak context exceeds this are skipped")
+    max_output_tokens: Int | None = Field(default=None, gt=0, le=MAX_TOKENS, description="cap on output tokens per request (none: recorded)")
+    context_scale: Float = Field(
         default=1.0, gt=0, le=10,
         description="synthetic presets only: every prompt-side token count of the sessions times this "
                     "(first prompts, growth, compaction, context limits); outputs and timing unchanged",
     )
-    shared_prefix_tokens: int = Field(
-        default=0, ge=0,
+    shared_prefix_tokens: Int = Field(
+        default=0, ge=0, le=MAX_TOKENS,
         description="leading prompt tokens of every main-thread request that are the same in every session "
                     "(one agent product's tool definitions), whole trace blocks only; 0: sessions share nothing "
                     "(AgentX cache-busts every session)",
@@ -199,6 +228,9 @@ class WorkloadConfig(_Section):
     def _start_range(self) -> WorkloadConfig:
         if self.start_fraction_min > self.start_fraction_max:
             raise ValueError("start_fraction_min must be <= start_fraction_max")
+        if self.shared_prefix_tokens > self.max_context_tokens:
+            raise ValueError(f"shared_prefix_tokens ({self.shared_prefix_tokens}) must be <= max_context_tokens "
+                             f"({self.max_context_tokens})")
         return self
 
     @field_validator("preset")
@@ -212,30 +244,30 @@ class WorkloadConfig(_Section):
 class CostConfig(_Section):
     """Parameters of the analytical cost model (``kvpool.sim.cost``); sources in docs/cost-model.md."""
 
-    prefill_mfu: float = Field(default=0.15, gt=0, le=1, description="achieved fraction of dense peak in prefill")
-    attention_flops_per_token: float = Field(
-        default=2.2e10, ge=0, description="context-independent attention FLOPs per prefilled token (sparse MLA, top-2048)"
+    prefill_mfu: Float = Field(default=0.15, gt=0, le=1, description="achieved fraction of dense peak in prefill")
+    attention_flops_per_token: Float = Field(
+        default=2.2e10, ge=0, le=1e15, description="context-independent attention FLOPs per prefilled token (sparse MLA, top-2048)"
     )
-    attention_flops_per_token_ctx: float = Field(
-        default=1.7e5, ge=0, description="FLOPs per prefilled token per token of context (DSA indexer)"
+    attention_flops_per_token_ctx: Float = Field(
+        default=1.7e5, ge=0, le=1e12, description="FLOPs per prefilled token per token of context (DSA indexer)"
     )
-    prefill_step_overhead_s: float = Field(default=0.004, ge=0, description="fixed cost of one prefill step, s")
-    decode_step_fixed_s: float = Field(default=0.0093, ge=0, description="fixed cost of one decode step, s")
-    decode_step_per_seq_s: float = Field(
-        default=0.00031, ge=0,
+    prefill_step_overhead_s: Float = Field(default=0.004, ge=0, le=60, description="fixed cost of one prefill step, s")
+    decode_step_fixed_s: Float = Field(default=0.0093, ge=0, le=60, description="fixed cost of one decode step, s")
+    decode_step_per_seq_s: Float = Field(
+        default=0.00031, ge=0, le=60,
         description="decode step cost per running sequence per token it verifies (ceil(mtp_accept_tokens)), s",
     )
-    decode_kv_read_bytes_per_token: float = Field(
-        default=2800.0, ge=0, description="KV bytes a decode step reads per context token (DSA indexer keys)"
+    decode_kv_read_bytes_per_token: Float = Field(
+        default=2800.0, ge=0, le=1e7, description="KV bytes a decode step reads per context token (DSA indexer keys)"
     )
-    hbm_efficiency: float = Field(default=0.5, gt=0, le=1, description="achieved fraction of HBM bandwidth")
-    unpack_gb_s: float = Field(default=1000.0, gt=0, description="GPU pack/gather/scatter copy rate, GB/s")
-    pool_load_gb_s: float = Field(
-        default=10.0, gt=0, description="one load worker's pool read + unpack rate, GB/s (after the NIC transfer)"
+    hbm_efficiency: Float = Field(default=0.5, gt=0, le=1, description="achieved fraction of HBM bandwidth")
+    unpack_gb_s: Float = Field(default=1000.0, gt=0, le=100_000, description="GPU pack/gather/scatter copy rate, GB/s")
+    pool_load_gb_s: Float = Field(
+        default=10.0, gt=0, le=100_000, description="one load worker's pool read + unpack rate, GB/s (after the NIC transfer)"
     )
-    load_workers_per_stage: int = Field(default=1, gt=0, description="concurrent pool loads per prefill stage")
-    frontend_overhead_s: float = Field(
-        default=0.0, ge=0,
+    load_workers_per_stage: Int = Field(default=1, gt=0, le=1024, description="concurrent pool loads per prefill stage")
+    frontend_overhead_s: Float = Field(
+        default=0.0, ge=0, le=600,
         description="fixed time from a request's arrival to its admission: API gateway, chat template and "
                     "tokenization in front of the router, s (0: the client talks to the router directly)",
     )
@@ -244,9 +276,9 @@ class CostConfig(_Section):
 class Scenario(_Section):
     """A whole deployment. See ``docs/scenario.md``."""
 
-    name: str = Field(description="scenario name")
-    description: str = Field(default="", description="one line shown in listings")
-    seed: int = Field(default=7, description="seed of every random choice")
+    name: Label = Field(description="scenario name (a label: output file names use a sanitised form)")
+    description: Annotated[str, Strict(), Field(max_length=1000)] = Field(default="", description="one line shown in listings")
+    seed: Int = Field(default=7, ge=0, le=MAX_SEED, description="seed of every random choice")
     model: ModelConfig
     gpu: GPUConfig
     cluster: ClusterConfig
@@ -283,8 +315,37 @@ class Scenario(_Section):
             raise ValueError(f"decode.dcp ({self.decode.dcp}) must divide decode.tp ({self.decode.tp})")
         if self.handoff.max_write_bytes < m.record_bytes:
             raise ValueError("handoff.max_write_bytes must hold at least one record")
+        names = [r.name for r in m.extra_records]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model.extra_records: names must be distinct, got {', '.join(names)}")
+        self._check_pool()
+        for role, part in (("prefill", p), ("decode", self.decode)):
+            engine_gb, weights_gb = self.gpu.hbm_gb * part.gpu_mem_utilization, m.weights_gb / part.gpus
+            if weights_gb > engine_gb or weights_gb + part.reserved_gb_per_gpu > self.gpu.hbm_gb:
+                raise ValueError(
+                    f"{role}: the weights' share per GPU (model.weights_gb / {part.gpus} GPUs = {weights_gb:g} GB) "
+                    f"and {role}.reserved_gb_per_gpu ({part.reserved_gb_per_gpu:g} GB) do not fit in gpu.hbm_gb "
+                    f"({self.gpu.hbm_gb:g} GB) x {role}.gpu_mem_utilization ({part.gpu_mem_utilization:g})"
+                )
+            if role == "decode" and engine_gb - weights_gb - part.reserved_gb_per_gpu <= 0:
+                raise ValueError(
+                    f"decode: no HBM left for KV: gpu.hbm_gb x decode.gpu_mem_utilization ({engine_gb:g} GB) less "
+                    f"the weights' share ({weights_gb:g} GB) and decode.reserved_gb_per_gpu ({part.reserved_gb_per_gpu:g} GB)"
+                )
         self.kvspec()  # extra-record layer ids in range
         return self
+
+    def _check_pool(self) -> None:
+        pool, services = self.pool, self.cluster.servers * self.pool.services_per_server
+        if pool.services_per_server:
+            if pool.mode == "split" and pool.parts > pool.services_per_server:
+                raise ValueError(f"pool.parts ({pool.parts}) exceeds pool.services_per_server "
+                                 f"({pool.services_per_server}): a split pool has its parts on every server")
+            if pool.mode == "shared" and pool.parts > services:
+                raise ValueError(f"pool.parts ({pool.parts}) exceeds the store services (cluster.servers x "
+                                 f"pool.services_per_server = {services})")
+        if pool.ssd.enabled and pool.ssd.gib_per_server <= 0:
+            raise ValueError("pool.ssd.enabled needs pool.ssd.gib_per_server > 0")
 
     def kvspec(self) -> KVSpec:
         """The policy core's KV geometry for this deployment's prefill layout."""

@@ -60,11 +60,12 @@ def port_open(port: int) -> bool:
     ids=["sigterm-in-namespace", "ctrl-c-looks-outside"],
 )
 def test_pool_up_serves_status_and_stops_cleanly(tmp_path: Path, stop_signal: int, outside_namespace: bool) -> None:
-    """``outside_namespace`` makes ``pool up`` believe eth0 exists: it must warn but work (its
-    processes still start inside this test's namespace)."""
+    """``outside_namespace`` makes ``pool up`` believe eth0 exists: with --allow-public-listeners
+    it must warn but work (its processes still start inside this test's namespace)."""
     require_private_netns()
     fake = "import socket; socket.if_nameindex = lambda: [(1, 'lo'), (2, 'eth0')]" if outside_namespace else ""
-    proc, banner = start_pool_up(tmp_path, prelude=fake)
+    extra = ("--allow-public-listeners",) if outside_namespace else ()
+    proc, banner = start_pool_up(tmp_path, *extra, prelude=fake)
     try:
         addr = PoolAddress.parse(banner["address"])
         assert addr.host == "127.0.0.1" and addr.metrics_port
@@ -195,3 +196,20 @@ junk line
         metrics_from_text("master_key_count 1\n")
     with pytest.raises(MetricsUnavailable, match="no answer"):
         read_master_metrics("http://127.0.0.1:1", timeout_s=1.0)
+
+
+def test_pool_up_outside_a_private_namespace_refuses_without_the_flag(tmp_path: Path) -> None:
+    fake = "import socket; socket.if_nameindex = lambda: [(1, 'lo'), (2, 'eth0')]"
+    code = f"{fake}\nfrom kvpool.cli import main; main()"
+    r = subprocess.run([sys.executable, "-c", code, "pool", "up", "--services", "1", "--gib-per-service", "0.0625",
+                        "--work-dir", str(tmp_path / "pool")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: refusing to start: network interfaces other than lo are visible (eth0)")
+    assert "--allow-public-listeners" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "pool").exists()
+
+
+def test_pool_up_help_says_where_mooncake_listens() -> None:
+    r = subprocess.run([*KVPOOL, "pool", "up", "--help"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0 and "0.0.0.0" in r.stdout and "--allow-public-listeners" in r.stdout

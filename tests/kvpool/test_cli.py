@@ -53,7 +53,8 @@ def test_validate_ok_and_broken_file(tmp_path):
     r = run("scenario", "validate", str(bad))
     assert r.returncode == 2
     assert r.stderr.strip() == (f"error: {bad}: pool.gib_per_service: value -5: "
-                                "Input should be greater than or equal to 0 (DRAM each service contributes, GiB)")
+                                "Input should be greater than or equal to 0 (DRAM each service contributes, GiB; "
+                                "allowed: a finite number, >= 0 and <= 65536)")
     assert "Traceback" not in r.stderr
 
 

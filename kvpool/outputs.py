@@ -1,0 +1,84 @@
+"""Writing outputs safely: file names from labels, output folders, atomic writes, no clobbering.
+
+Contract (stdlib only; shared by the CLI and the simulator's report writer):
+    * ``safe_name(label)``: a file-name part from a user's label (a scenario name is a label, never a
+      path): letters, digits and ``. _ + -`` kept, anything else ``_``; no leading dot, no ``..``;
+      at most ``MAX_NAME_CHARS`` characters (a longer label is cut and keeps a short digest of the
+      whole). A label already made of those characters and short enough is returned unchanged.
+    * ``output_dir(path, flag)``: ``path`` as a folder that exists and is writable (created when
+      missing), or a ``UserError`` naming ``flag``: an existing file, a folder that cannot be created
+      or written.
+    * ``atomic_path(final)``: a context manager giving a temporary path in ``final``'s folder (same
+      suffixes, so writers that pick a format by suffix still do); on a clean exit it is renamed onto
+      ``final`` in one step, on any exception (Ctrl-C included) it is removed: an interrupted or
+      failed write never leaves a partial file, and ``final`` keeps its old content.
+    * ``refuse_existing(path, flag, force)``: a ``UserError`` when ``path`` exists and ``force`` is
+      false (a file the run did not create is not overwritten unless the user says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvpool.errors import UserError
+
+MAX_NAME_CHARS = 100
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
+
+
+def safe_name(label: str) -> str:
+    """``label`` as a safe part of a file name (see the module docstring)."""
+    name = _UNSAFE.sub("_", label)
+    name = re.sub(r"\.{2,}", "_", name).lstrip(".") or "_"
+    if len(name) > MAX_NAME_CHARS or name != label and len(label) > MAX_NAME_CHARS:
+        digest = hashlib.sha256(label.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+        name = f"{name[:MAX_NAME_CHARS - 9]}-{digest}"
+    return name
+
+
+def output_dir(path: Path, flag: str = "--out") -> Path:
+    """``path`` created if missing; a ``UserError`` naming ``flag`` if it is not a writable folder."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path}: exists and is not a directory; give a directory for the outputs")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot create the directory: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: the directory is not writable")
+    return path
+
+
+def output_file(path: Path, flag: str = "--out") -> Path:
+    """``path`` as a file to write: its folder is made writable (``output_dir``), and it is not a folder."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path}: is a directory; give a file name")
+    output_dir(path.parent if str(path.parent) else Path("."), flag)
+    return path
+
+
+def refuse_existing(path: Path, flag: str, force: bool) -> None:
+    if path.exists() and not force:
+        raise UserError(f"{flag} {path}: exists; give --force to overwrite it, or another name")
+
+
+@contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """A temporary sibling of ``final``, renamed onto it on success and removed on failure."""
+    final = Path(final)
+    suffixes = "".join(final.suffixes[-2:]) if final.name.endswith((".jsonl.gz", ".json.gz")) else final.suffix
+    tmp = final.with_name(f".{final.name[:150]}.{os.getpid()}.tmp{suffixes}")
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except FileNotFoundError:
+            pass
+        raise
