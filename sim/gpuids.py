@@ -23,7 +23,7 @@ import numpy as np
 
 from kvpool.sim.keys import GLOBAL_SCOPE_IDS
 
-PAGE_BITS = 6
+PAGE_BITS = 8
 PAGE_IDS = 1 << PAGE_BITS  # block ids per page
 _OFFSET_MASK = PAGE_IDS - 1
 
@@ -47,10 +47,13 @@ class CacheIds:
             raise ValueError(f"block id {max_id} beyond the {pages.size * PAGE_IDS} ids of scope {scope!r}")
         page = blocks >> PAGE_BITS
         base = pages[page]
-        if base.size and int(base.min()) < 0:  # pages met for the first time: the next ids
-            new = np.unique(page[base < 0])
-            pages[new] = self.size + (np.arange(new.size, dtype=np.int64) << PAGE_BITS)
-            self.size += int(new.size) << PAGE_BITS
+        if base.size and base.min() < 0:  # pages met for the first time get the next ids
+            new = page[base < 0]  # (a page may be in it more than once)
+            mark = np.arange(-2, -2 - new.size, -1, dtype=np.int64)
+            pages[new] = mark  # one mark stays per page (the write that came last)
+            first = new[pages[new] == mark]  # each page once
+            pages[first] = self.size + (np.arange(first.size, dtype=np.int64) << PAGE_BITS)
+            self.size += int(first.size) << PAGE_BITS
             base = pages[page]
         np.bitwise_and(blocks, _OFFSET_MASK, out=out, casting="unsafe")
         out += base
