@@ -25,16 +25,18 @@ from kvpool.sim.keys import GLOBAL_SCOPE_IDS
 
 PAGE_BITS = 8
 PAGE_IDS = 1 << PAGE_BITS  # block ids per page
-_OFFSET_MASK = PAGE_IDS - 1
+_NOT_MET = np.iinfo(np.int64).min  # the shift of a page not met yet (below every real one)
 
 
 class CacheIds:
-    """See the module docstring."""
+    """See the module docstring. Per scope, a page table holds each met page's shift: its first
+    cache id minus its first block id (``_NOT_MET`` before), so a block's cache id is the block
+    id plus its page's shift."""
 
     __slots__ = ("_pages", "size")
 
     def __init__(self) -> None:
-        self._pages: dict[str, np.ndarray] = {}  # scope -> cache id of each page's first id (-1: not met)
+        self._pages: dict[str, np.ndarray] = {}  # scope -> the shift of each page (_NOT_MET: not met)
         self.size = 0
 
     def ids(self, scope: str, max_id: int, blocks: np.ndarray, out: np.ndarray) -> None:
@@ -42,18 +44,17 @@ class CacheIds:
         pages = self._pages.get(scope)
         if pages is None:
             ids = GLOBAL_SCOPE_IDS if not scope else max_id + 1
-            pages = self._pages[scope] = np.full(((ids - 1) >> PAGE_BITS) + 1, -1, dtype=np.int64)
+            pages = self._pages[scope] = np.full(((ids - 1) >> PAGE_BITS) + 1, _NOT_MET, dtype=np.int64)
         if max_id >> PAGE_BITS >= pages.size:
             raise ValueError(f"block id {max_id} beyond the {pages.size * PAGE_IDS} ids of scope {scope!r}")
         page = blocks >> PAGE_BITS
-        base = pages[page]
-        if base.size and base.min() < 0:  # pages met for the first time get the next ids
-            new = page[base < 0]  # (a page may be in it more than once)
+        shift = pages[page]
+        if shift.size and shift.min() == _NOT_MET:  # pages met for the first time get the next ids
+            new = page[shift == _NOT_MET]  # (a page may be in it more than once)
             mark = np.arange(-2, -2 - new.size, -1, dtype=np.int64)
             pages[new] = mark  # one mark stays per page (the write that came last)
             first = new[pages[new] == mark]  # each page once
-            pages[first] = self.size + (np.arange(first.size, dtype=np.int64) << PAGE_BITS)
+            pages[first] = self.size + ((np.arange(first.size, dtype=np.int64) - first.astype(np.int64)) << PAGE_BITS)
             self.size += int(first.size) << PAGE_BITS
-            base = pages[page]
-        np.bitwise_and(blocks, _OFFSET_MASK, out=out, casting="unsafe")
-        out += base
+            shift = pages[page]
+        np.add(blocks, shift, out=out, dtype=np.int64, casting="unsafe")  # (any integer ids, no float)

@@ -31,3 +31,13 @@ def test_a_scope_keeps_its_first_bound():
         names.ids("a", 100 + PAGE_IDS, np.array([0, 1]), out)
     names.ids("", 1 << 20, np.array([1 << 20, 5]), out)  # the global scope: its whole reserve
     assert out[0] != out[1]
+
+
+def test_any_integer_block_ids_name_alike():
+    """Weka stores (uint32), Mooncake rows (uint64) and plain int64 ids get the same names."""
+    got = []
+    for dtype in (np.uint32, np.uint64, np.int64):
+        names, out = CacheIds(), np.empty(5, dtype=np.int64)
+        names.ids("", (1 << 23) + 9, np.array([5, 300, 70000, 5, (1 << 23) + 9], dtype=dtype), out)
+        got.append(out.tolist())
+    assert got[0] == got[1] == got[2] and got[0][0] == got[0][3] and len(set(got[0])) == 4
