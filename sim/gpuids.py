@@ -47,14 +47,22 @@ class CacheIds:
             pages = self._pages[scope] = np.full(((ids - 1) >> PAGE_BITS) + 1, _NOT_MET, dtype=np.int64)
         if max_id >> PAGE_BITS >= pages.size:
             raise ValueError(f"block id {max_id} beyond the {pages.size * PAGE_IDS} ids of scope {scope!r}")
-        page = blocks >> PAGE_BITS
+        page = np.right_shift(blocks, PAGE_BITS, dtype=np.intp, casting="unsafe")  # (intp: a plain gather)
         shift = pages[page]
         if shift.size and shift.min() == _NOT_MET:  # pages met for the first time get the next ids
-            new = page[shift == _NOT_MET]  # (a page may be in it more than once)
-            mark = np.arange(-2, -2 - new.size, -1, dtype=np.int64)
-            pages[new] = mark  # one mark stays per page (the write that came last)
-            first = new[pages[new] == mark]  # each page once
-            pages[first] = self.size + ((np.arange(first.size, dtype=np.int64) - first.astype(np.int64)) << PAGE_BITS)
-            self.size += int(first.size) << PAGE_BITS
+            self._meet(pages, page[shift == _NOT_MET])
             shift = pages[page]
         np.add(blocks, shift, out=out, dtype=np.int64, casting="unsafe")  # (any integer ids, no float)
+
+    def _meet(self, pages: np.ndarray, new: np.ndarray) -> None:
+        """Give the pages in ``new`` (not met yet, each maybe more than once) the next ids."""
+        lo = int(new.min())
+        if lo == new.max():  # one page (the usual case: a prompt growing into its next page)
+            pages[lo] = self.size - (lo << PAGE_BITS)
+            self.size += PAGE_IDS
+            return
+        mark = np.arange(-2, -2 - new.size, -1, dtype=np.int64)
+        pages[new] = mark  # one mark stays per page (the write that came last)
+        first = new[pages[new] == mark].astype(np.int64)  # each page once
+        pages[first] = self.size + ((np.arange(first.size, dtype=np.int64) - first) << PAGE_BITS)
+        self.size += int(first.size) << PAGE_BITS

@@ -92,10 +92,14 @@ class PlayPrompts:
         buf = self.bufs.get(r) if n else None
         fresh = n  # the first id whose cache id is not in the buffer yet
         if buf is None or n != src.size or buf.tip != n or buf.blocks.size < total or buf.names is not names:
+            old = buf
             buf = _Ids(max(2 * total, 64), store.tail.dtype, names)  # room for the thread's next prompts
             if n:
                 buf.blocks[:n] = src[:n]
-            fresh = 0
+                if old.names is names:  # its cache ids hold here too
+                    buf.gblocks[:n] = old.gblocks[:n]
+                else:
+                    fresh = 0
         blocks, gblocks, tail = buf.blocks, buf.gblocks, store.tail
         for at, start, count in pieces:  # past the tip: no list handed out covers them
             blocks[at:at + count] = tail[start:start + count]
