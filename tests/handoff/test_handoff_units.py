@@ -100,6 +100,17 @@ def test_unknown_transport_and_bad_timeouts_are_rejected():
         PrefillStage(0, LocalTransport(), staging_bytes=16, credit_timeout_s=0)
 
 
+def test_mooncake_transport_refuses_public_listeners_unless_allowed(monkeypatch):
+    """Outside a private namespace the engine is not started unless the caller allows it."""
+    from kvpool.backend.pool import netns
+
+    monkeypatch.setattr(netns.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0")])
+    engine = pytest.importorskip("mooncake.engine")
+    monkeypatch.setattr(engine, "TransferEngine", lambda: pytest.fail("the transfer engine started"))
+    with pytest.raises(netns.PublicListenersRefused, match=r"\(eth0\).*allow_public_listeners=True"):
+        make_transport("mooncake")
+
+
 def test_request_metrics_use_the_simulator_names():
     reports = [StageReport("r", s, 100, 3, 0.01, 0.02, 0.0, 0.05, 2) for s in range(2)]
     results = [HandoffResult("r", r, 100, 3, 0.1 * (r + 1), 0.01, {0: 0.05, 1: 0.1 * (r + 1)}) for r in range(2)]
