@@ -149,9 +149,14 @@ def warn(lines: list[str]) -> None:
 
 def title_of(prov: dict) -> str:
     """``mi355x-1p1d, synthetic agentx-062126 (40 sessions), 3600 s per load, --set a=b``."""
+    return f"{prov['scenario']['name']}, {inputs_label(prov)}"
+
+
+def inputs_label(prov: dict) -> str:
+    """What a run was given besides its scenario: ``synthetic agentx-062126 (40 sessions), 3600 s per load, --set a=b``."""
     from kvpool.sim.provenance import workload_label
 
-    text = f"{prov['scenario']['name']}, {workload_label(prov['workload'])}, {prov['duration_s']:g} s per load"
+    text = f"{workload_label(prov['workload'])}, {prov['duration_s']:g} s per load"
     if prov.get("set"):
         text += ", " + " ".join(f"--set {x}" for x in prov["set"])
     return text
@@ -218,8 +223,8 @@ def run(
         typer.echo(json.dumps(doc, indent=2))
         warn(warnings)
         return
-    wide = Console(width=max(Console().width, 150))
-    wide.print(report.table(rows, title=title_of(prov)))
+    screen = Console()
+    screen.print(report.table(rows, title=title_of(prov), width=screen.width))
     console.print("wrote " + ", ".join(str(p) for p in paths))
     warn(warnings)
 
@@ -240,10 +245,12 @@ def compare(
     workers: int = typer.Option(0, "--workers", help="Parallel processes, or local Ray CPUs (0: one per core, at most one per load)."),
     executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
     address: str = typer.Option(None, "--address", help=ADDRESS_HELP),
-    out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON and PNG. " + OUT_NAMES),
-    json_: bool = typer.Option(False, "--json", help="Print the comparison's JSON document: id, provenance (one block per arm), arms (scenario name: per-load objects), run."),
+    out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON, CSV and PNG. " + OUT_NAMES),
+    json_: bool = typer.Option(False, "--json", help="Print the comparison's JSON document: id, provenance (one block per arm), arms (scenario name: per-load objects), ratios (the first arm's values over each other arm's), run."),
 ) -> None:
-    """Run arms side by side at the same loads (e.g. shared vs split pool) and print the ratios."""
+    """Run arms side by side at the same loads (e.g. shared vs split pool) and print the ratios: the
+    first arm's value over each other arm's, as the seed states them (shared first: its throughput
+    ratio above 1 means it is faster). Writes JSON, CSV and PNG (out/compare-A-vs-B-ID.*)."""
     from kvpool.sim import compare as cmp
     from kvpool.sim import report
     from kvpool.sim.provenance import provenance, short_id
@@ -279,6 +286,7 @@ def compare(
     prov = {"arms": {s.name: provenance(s, source=src, overrides=extra, set_overrides=set_, traces=traces,
                                         load_key=load_key(s), loads=loads) for s, src in zip(arms_s, scenarios)}}
     doc = {"id": short_id(prov), "provenance": prov, "arms": {n: [report.public(r) for r in rows] for n, rows in arms.items()},
+           "ratios": {"reference": names[0], "over": cmp.ratios(arms)},
            "run": {"executor": executor, "workers": n_workers,
                    "arms": {n: [report.timing(r) for r in rows] for n, rows in arms.items()}}}
     warnings = [w for s in arms_s for w in rows_warning(s, traces, arms[s.name])]
@@ -289,14 +297,18 @@ def compare(
     refuse_other_run(out / f"{stem}.json", doc["id"])
     with atomic_path(out / f"{stem}.json") as tmp:
         tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    with atomic_path(out / f"{stem}.csv") as tmp:
+        cmp.write_csv(arms, tmp)
+    title = " vs ".join(names) + ", " + inputs_label(prov["arms"][names[0]])
     with atomic_path(out / f"{stem}.png") as tmp:
-        cmp.figure(arms, tmp)
+        cmp.figure(arms, tmp, title=title)
     if json_:
         typer.echo(json.dumps(doc, indent=2))
         warn(warnings)
         return
-    Console(width=max(Console().width, 150)).print(cmp.ratio_table(arms))
-    console.print(f"wrote {out / (stem + '.json')}, {out / (stem + '.png')}")
+    screen = Console()
+    screen.print(cmp.ratio_table(arms, width=screen.width))
+    console.print(f"wrote {out / (stem + '.json')}, {out / (stem + '.csv')}, {out / (stem + '.png')}")
     warn(warnings)
 
 
