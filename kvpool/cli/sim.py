@@ -19,6 +19,7 @@ from kvpool.outputs import atomic_path, output_dir, safe_name
 app = typer.Typer(
     help="Run the simulator: single runs, sweeps over sessions or RPS, comparisons and capacity search.",
     no_args_is_help=True,
+    rich_markup_mode=None,  # help texts are plain: a [...] in them is shown, not read as markup
 )
 
 
@@ -246,9 +247,9 @@ def compare(
     executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
     address: str = typer.Option(None, "--address", help=ADDRESS_HELP),
     out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON, CSV and PNG. " + OUT_NAMES),
-    json_: bool = typer.Option(False, "--json", help="Print the comparison's JSON document: id, provenance (one block per arm), arms (scenario name: per-load objects), ratios (the first arm's values over each other arm's), run."),
+    json_: bool = typer.Option(False, "--json", help="Print the comparison's JSON document: {id, provenance: {arms: {NAME: provenance}}, arms: {NAME: [results]}, ratios: {reference, over: {NAME: [per load]}}, run} (docs/metrics.md); every ratio is the first arm's value over the other arm's."),
 ) -> None:
-    """Run arms side by side at the same loads (e.g. shared vs split pool) and print the ratios: the
+    """Run arms side by side at the same loads, such as shared vs split pool, and print the ratios: the
     first arm's value over each other arm's, as the seed states them (shared first: its throughput
     ratio above 1 means it is faster). Writes JSON, CSV and PNG (out/compare-A-vs-B-ID.*)."""
     from kvpool.sim import compare as cmp
@@ -377,23 +378,25 @@ def plan(
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
     with atomic_path(out / f"{stem}.png") as tmp:
         _plan_figure(curve, targets, variable.field, tmp)
-    none_line = f"no value of {variable.field} in {variable.lo:g}..{variable.hi:g} meets every target"
+    none_line = (f"no value of {variable.field} in {variable.lo:g}..{with_unit(variable.field, variable.hi)} "
+                 "meets every target")
     if json_:
         typer.echo(json.dumps(summary, indent=2))
         if failed:
             typer.echo(f"error: {none_line}: " + "; ".join(failed), err=True)
             raise typer.Exit(1)
         return
-    from rich.table import Table
+    from kvpool.tables import Col, fitted
 
-    t = Table(title=f"{base.name}: {variable.field} ({summary['direction']}) for {', '.join(summary['targets'])}")
-    t.add_column(variable.field, justify="right")
-    for tg in targets:
-        t.add_column(tg.metric, justify="right")
-    t.add_column("meets", justify="center")
-    for row in curve:
-        t.add_row(f"{row['value']:g}", *[f"{row[tg.metric]:.4g}" for tg in targets], "yes" if row["meets_targets"] else "no")
-    Console(width=max(Console().width, 120)).print(t)
+    unit = unit_of(variable.field)
+    cols = [Col(variable.field.replace(".", ".\n") + (f"\n({unit})" if unit else ""))]
+    cols += [Col(tg.metric + (f"\n({unit_of(tg.metric)})" if unit_of(tg.metric) else "")) for tg in targets]
+    cols += [Col("meets", "left")]
+    cells = [[f"{row['value']:g}", *[f"{row[tg.metric]:.4g}" for tg in targets], "yes" if row["meets_targets"] else "no"]
+             for row in curve]
+    screen = Console()
+    screen.print(fitted(cols, cells, screen.width,
+                        title=f"{base.name}: {variable.field} ({summary['direction']}) for {', '.join(summary['targets'])}"))
     if failed:
         typer.echo(f"error: {none_line}:", err=True)
         for line in failed:
@@ -401,7 +404,31 @@ def plan(
         typer.echo(f"wrote {out / (stem + '.json')}, {out / (stem + '.png')}", err=True)
         raise typer.Exit(1)
     else:
-        Console().print(f"[bold]best {variable.field} = {res.best:g}[/] ({len(curve)} runs); wrote {out / (stem + '.json')}, {out / (stem + '.png')}")
+        Console().print(f"[bold]best {variable.field} = {with_unit(variable.field, res.best)}[/] ({len(curve)} runs); "
+                        f"wrote {out / (stem + '.json')}, {out / (stem + '.png')}", highlight=False)
+
+
+#: Units by the end of a field's or metric's name (the project names carry their units).
+_UNIT_SUFFIXES = (("_tok_s", "tok/s"), ("_tokens", "tokens"), ("_bytes", "bytes"), ("_ms", "ms"), ("_s", "s"))
+
+
+def unit_of(field: str) -> str:
+    """The unit of a scenario field or metric, from its name: ``pool.gib_per_service`` -> ``GiB``,
+    ``workload.sessions`` -> ``sessions``, ``workload.rps`` -> ``requests/s``, ``ttft_p90_s`` -> ``s``."""
+    name = field.rsplit(".", 1)[-1]
+    if name.startswith("gib_") or name.endswith("_gib"):
+        return "GiB"
+    if name == "rps":
+        return "requests/s"
+    if name in ("sessions", "servers", "synthetic_sessions"):
+        return name
+    return next((u for suffix, u in _UNIT_SUFFIXES if name.endswith(suffix)), "")
+
+
+def with_unit(field: str, value: float) -> str:
+    """``350.815 GiB``, ``96 sessions``: the value as it is searched, and its unit."""
+    unit = unit_of(field)
+    return f"{value:g} {unit}" if unit else f"{value:g}"
 
 
 def _plan_figure(curve: list[dict], targets, field: str, path: Path) -> None:
@@ -417,7 +444,7 @@ def _plan_figure(curve: list[dict], targets, field: str, path: Path) -> None:
         for c in curve:
             ax.plot(c["value"], c[tg.metric], "o", color="#55a868" if c["meets_targets"] else "#c44e52")
         ax.axhline(tg.value, color="gray", ls="--")
-        ax.set_xlabel(field)
+        ax.set_xlabel(field + (f" ({unit_of(field)})" if unit_of(field) else ""))
         ax.set_ylabel(tg.metric)
         ax.set_title(str(tg))
     fig.tight_layout()

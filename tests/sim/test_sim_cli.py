@@ -186,7 +186,7 @@ def test_plan_without_an_answer_exits_1_naming_the_target_that_failed(tmp_path):
             "--workers", "2", "--max-runs", "4", "--out", str(tmp_path)]
     r = run(*args)
     assert r.returncode == 1, r.stderr
-    assert "error: no value of pool.gib_per_service in 0..768 meets every target:" in r.stderr, r.stderr
+    assert "error: no value of pool.gib_per_service in 0..768 GiB meets every target:" in r.stderr, r.stderr
     assert "ttft_p90_s<=0.001 fails at every value tried (0..768): closest ttft_p90_s=" in r.stderr, r.stderr
     assert "reuse>=0.5 fails at 0 (reuse=0)" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = run(*args, "--json")
