@@ -25,7 +25,7 @@ import typer
 
 from kvpool.cli.common import UserError
 
-app = typer.Typer(help="Start and inspect a real Mooncake Store pool on 127.0.0.1 (master + store services).", no_args_is_help=True)
+app = typer.Typer(help="Start and inspect a real Mooncake Store pool: a master on 127.0.0.1 and store services, whose Mooncake listeners bind every interface (see pool up --help).", no_args_is_help=True, rich_markup_mode=None)
 
 GIB = 1 << 30
 
