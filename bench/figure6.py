@@ -1,8 +1,8 @@
 """Figure 6 of the seed, simulated: mi355x-1p1d at 56/72/96/112 sessions, side by side with the
 seed's published numbers, on the agentx-062126 synthetic preset and (optionally) real traces.
 
-Prints one JSON object: per workload, the per-load metrics, the seed's targets, and the shape
-checks of issue 4 (GPU share falls and pool share rises with load, reuse >= 95 % and below the
+Prints one JSON object: per workload, the per-load metrics, the seed's targets, and the checks of
+the figure's shape (GPU share falls and pool share rises with load, reuse >= 95 % and below the
 trace ceiling, throughput rises from 56 to 96 and flattens at 112, TTFT p50 at 112 well above 96,
 decode KV occupancy highest at 112). Also writes the PNGs under --out.
 

@@ -1,10 +1,10 @@
 """Figures 7 and 8 of the seed, simulated: shared vs split pool on the four MI350X servers, side by
-side with the seed's numbers, and issue 5's acceptance checks computed from the runs.
+side with the seed's numbers, and checks of the runs against them.
 
 Prints one JSON object: per figure, each arm's per-load metrics (the keys of ``kvpool sim run
 --json``), the seed's targets, and the checks. "About X %" is read as X +- 5 points; a range
 "A-B %" as A - 0.5 to B + 0.5 points (the seed's percentages are rounded); a ratio "within 15 %"
-of its target as the issue says. Also writes each figure's comparison PNG under --out.
+of its target. Also writes each figure's comparison PNG under --out.
 
     .venv/bin/python bench/four_servers.py [--figures 7,8] [--seed 7] [--out out/four-servers]
 """

@@ -1,8 +1,8 @@
 """Benchmark: load all real traces (time and peak memory) against plain json + gzip parsing.
 
 Prints one JSON object. The limit measured in the same run is ``plain_parse_s``: reading every
-file, gunzip and ``json.loads`` (nothing kept). Issue 3 asks for under 15 s and 1 GiB where the
-plain parse takes about 9 s, so ``limit_load_s`` is 15/9 of this run's plain parse (the machine is
+file, gunzip and ``json.loads`` (nothing kept). The goal is under 15 s and 1 GiB where the plain
+parse takes about 9 s, so ``limit_load_s`` is 15/9 of this run's plain parse (the machine is
 shared; an absolute number alone would measure the neighbours). Each phase runs in a fresh child process so peak
 memory (``ru_maxrss``) is per phase. Usage: ``.venv/bin/python bench/load_traces.py [TRACES_DIR]``.
 """
@@ -59,7 +59,7 @@ def main() -> None:
         "load_peak_mib": round(load["peak_mib"], 1),
         "block_store_mib": round(load["block_store_mib"], 1),
         "load_vs_plain_parse": round(load["s"] / plain["s"], 3),
-        # issue 3: under 15 s where plain parsing takes ~9 s, i.e. 15/9 of the plain parse of this run
+        # the goal: under 15 s where plain parsing takes ~9 s, i.e. 15/9 of the plain parse of this run
         "limit_load_s": round(15.0 * plain["s"] / 9.0, 2),
         "limit_peak_mib": 1024.0,
         "within_limits": load["s"] < 15.0 * plain["s"] / 9.0 and load["peak_mib"] < 1024.0,

@@ -11,7 +11,9 @@ Contract (stdlib only; shared by the CLI and the simulator's report writer):
     * ``atomic_path(final)``: a context manager giving a temporary path in ``final``'s folder (same
       suffixes, so writers that pick a format by suffix still do); on a clean exit it is renamed onto
       ``final`` in one step, on any exception (Ctrl-C included) it is removed: an interrupted or
-      failed write never leaves a partial file, and ``final`` keeps its old content.
+      failed write never leaves a partial file, and ``final`` keeps its old content. With
+      ``replace=False`` the temporary file is hard-linked to ``final`` instead, which fails with
+      ``FileExistsError`` (and leaves ``final`` alone) when something appeared there meanwhile.
     * ``refuse_existing(path, flag, force)``: a ``UserError`` when ``path`` exists and ``force`` is
       false (a file the run did not create is not overwritten unless the user says so).
 """
@@ -68,14 +70,19 @@ def refuse_existing(path: Path, flag: str, force: bool) -> None:
 
 
 @contextmanager
-def atomic_path(final: Path) -> Iterator[Path]:
-    """A temporary sibling of ``final``, renamed onto it on success and removed on failure."""
+def atomic_path(final: Path, replace: bool = True) -> Iterator[Path]:
+    """A temporary sibling of ``final``, renamed onto it on success (``replace=False``: linked to it,
+    never replacing an existing file) and removed on failure."""
     final = Path(final)
     suffixes = "".join(final.suffixes[-2:]) if final.name.endswith((".jsonl.gz", ".json.gz")) else final.suffix
     tmp = final.with_name(f".{final.name[:150]}.{os.getpid()}.tmp{suffixes}")
     try:
         yield tmp
-        os.replace(tmp, final)
+        if replace:
+            os.replace(tmp, final)
+        else:
+            os.link(tmp, final)
+            tmp.unlink()
     except BaseException:
         try:
             tmp.unlink()

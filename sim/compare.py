@@ -1,92 +1,184 @@
 """Side-by-side runs of several scenarios (arms) at the same loads, with ratios, like the seed's
-Figures 7 and 8 (shared vs split pool): system throughput, TTFT p50/p90, token-source shares."""
+Figures 7 and 8 (shared vs split pool): system and per-GPU throughput, TTFT p50/p90, token sources.
+
+Contract:
+    * ``arms`` is ``{arm name: [one result per load]}``, every arm at the same loads in the same
+      order; the first arm is the reference.
+    * Every ratio is the reference's value over another arm's, as the seed states them ("the shared
+      pool is 1.6 times faster" = shared throughput / split throughput): ``ratios(arms)`` gives, per
+      other arm and load, ``RATIO_KEYS`` of the reference over that arm (``None`` where that arm's
+      value is 0). With the shared arm first, its throughput ratio is above 1 when it is faster and
+      its TTFT ratio below 1 when it answers sooner.
+    * ``ratio_table(arms, width)``: per load, one row per arm and one ``REF / ARM`` row of ratios;
+      it fits ``width`` columns (``kvpool.tables.fitted``).
+    * ``csv_rows(arms)``: one row per (arm, load): ``arm``, ``reference``, the load, the result's
+      ``public`` keys, and ``reference_over_arm_KEY`` per ``RATIO_KEYS`` (empty on the reference's
+      own rows). ``write_csv(arms, path)`` writes them.
+    * ``figure(arms, path, title)``: system throughput, throughput per GPU, TTFT and token sources,
+      one colour per arm in every panel; the throughput ratios stand above the reference's bars.
+"""
 
 from __future__ import annotations
 
+import csv
 from collections.abc import Sequence
 from pathlib import Path
 
 from rich.table import Table
 
-from kvpool.sim.report import load_of
+from kvpool.sim.report import THROUGHPUT_NOTE, load_of, public
+from kvpool.tables import Col, fitted
 
+RATIO_KEYS = ("throughput_tok_s", "throughput_per_gpu_tok_s", "ttft_p50_s", "ttft_p90_s")
+
+#: (key, column head, format, keep rank: higher is left out first on a narrow terminal)
 _COLUMNS = (
-    ("throughput_tok_s", "system tok/s", "{:,.0f}"),
-    ("ttft_p50_s", "TTFT p50", "{:.2f}s"),
-    ("ttft_p90_s", "TTFT p90", "{:.2f}s"),
-    ("share_gpu", "GPU", "{:.1%}"),
-    ("share_pool", "pool", "{:.1%}"),
-    ("share_computed", "computed", "{:.1%}"),
-    ("reuse", "reuse", "{:.1%}"),
+    ("throughput_tok_s", "system\ntok/s", "{:,.0f}", 0),
+    ("throughput_per_gpu_tok_s", "tok/s/\nGPU", "{:,.0f}", 0),
+    ("ttft_p50_s", "TTFT\np50", "{:.2f}s", 1),
+    ("ttft_p90_s", "TTFT\np90", "{:.2f}s", 0),
+    ("share_gpu", "GPU", "{:.1%}", 5),
+    ("share_pool", "pool", "{:.1%}", 2),
+    ("share_computed", "computed", "{:.1%}", 4),
+    ("reuse", "reuse", "{:.1%}", 3),
 )
 
+#: One colour per arm, the same in every panel (matplotlib's tab10, in order).
+ARM_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
-def ratio_table(arms: dict[str, Sequence[dict]]) -> Table:
-    """One row per (load, arm); the first arm is the reference of the throughput and TTFT ratios."""
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def ratios(arms: dict[str, Sequence[dict]]) -> dict[str, list[dict]]:
+    """``{other arm: [{LOAD_KEY: load, KEY: reference / other, ...} per load]}``."""
+    names = list(arms)
+    ref = arms[names[0]]
+    out: dict[str, list[dict]] = {}
+    for n in names[1:]:
+        out[n] = [{load_of(a)[0]: load_of(a)[1], **{k: _ratio(a[k], b[k]) for k in RATIO_KEYS}}
+                  for a, b in zip(ref, arms[n])]
+    return out
+
+
+def _x(r: float | None) -> str:
+    if r is None:
+        return "-"
+    return f"{r:.2f}x" if r >= 0.1 else f"{r:.2g}x"
+
+
+def ratio_table(arms: dict[str, Sequence[dict]], width: int = 80) -> Table:
+    """Per load: each arm's row, then one ``REF / ARM`` row per other arm with the ratios."""
     names = list(arms)
     ref = names[0]
-    t = Table(title=f"{' vs '.join(names)}  (ratios: {ref} / arm)")
-    t.add_column(load_of(arms[ref][0])[0], justify="right")
-    t.add_column("arm")
-    for _, head, _ in _COLUMNS:
-        t.add_column(head, justify="right")
-    t.add_column("tput ratio", justify="right")
-    t.add_column("TTFT p90 ratio", justify="right")
+    rat = ratios(arms)
+    cols = [Col(load_of(arms[ref][0])[0]), Col("arm", "left")] + [Col(h, keep=k) for _, h, _, k in _COLUMNS]
+    rows: list[list[str] | None] = []
     for i, row0 in enumerate(arms[ref]):
-        for name in names:
-            r = arms[name][i]
-            tput = row0["throughput_tok_s"] / r["throughput_tok_s"] if r["throughput_tok_s"] else float("nan")
-            ttft = row0["ttft_p90_s"] / r["ttft_p90_s"] if r["ttft_p90_s"] else float("nan")
-            t.add_row(f"{load_of(r)[1]:g}", name, *[fmt.format(r.get(k, 0)) for k, _, fmt in _COLUMNS],
-                      f"{tput:.2f}x", f"{ttft:.2f}x")
-    return t
+        load = f"{load_of(row0)[1]:g}"
+        for n in names:
+            r = arms[n][i]
+            rows.append([load, n, *[fmt.format(r.get(k, 0)) for k, _, fmt, _ in _COLUMNS]])
+        for n in names[1:]:
+            q = rat[n][i]
+            rows.append([load, f"{ref} / {n}", *[_x(q[k]) if k in RATIO_KEYS else "" for k, _, _, _ in _COLUMNS]])
+        rows.append(None)
+    title = f"{' vs '.join(names)}: the ratio rows are {ref}'s value over the other arm's"
+    return fitted(cols, rows[:-1], width, title=title, note="every column is in the CSV")
 
 
-def figure(arms: dict[str, Sequence[dict]], path: Path) -> None:
-    """System throughput, TTFT p50/p90 and token-source shares per arm and load."""
+def csv_rows(arms: dict[str, Sequence[dict]]) -> list[dict]:
+    names = list(arms)
+    ref = names[0]
+    rat = ratios(arms)
+    out = []
+    for n in names:
+        for i, r in enumerate(arms[n]):
+            row = {"arm": n, "reference": ref, **public(r)}
+            for k in RATIO_KEYS:
+                q = rat[n][i][k] if n != ref else None
+                row[f"reference_over_arm_{k}"] = "" if q is None else q
+            out.append(row)
+    return out
+
+
+def write_csv(arms: dict[str, Sequence[dict]], path: Path) -> None:
+    rows = csv_rows(arms)
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, restval="")
+        w.writeheader()
+        w.writerows(rows)
+
+
+_SOURCES = (("share_gpu", "GPU prefix cache", 1.0, ""), ("share_pool", "KV pool (Store)", 0.55, "//"),
+            ("share_computed", "computed", 0.25, "xx"))
+
+
+def figure(arms: dict[str, Sequence[dict]], path: Path, title: str = "") -> None:
+    """System throughput and throughput per GPU (bars, the ratios above the reference's bars), TTFT
+    p50/p90 (lines) and token sources (stacked shares), one colour per arm."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.patches import Patch
 
     names = list(arms)
+    colour = {n: ARM_COLOURS[j % len(ARM_COLOURS)] for j, n in enumerate(names)}
     first = arms[names[0]]
     key = load_of(first[0])[0]
     loads = [f"{load_of(r)[1]:g}" for r in first]
     x = np.arange(len(loads))
     w = 0.8 / len(names)
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 4))
+    fig, (a1, a2, a3, a4) = plt.subplots(1, 4, figsize=(18, 4.6))
+    rat = ratios(arms)
+    for ax, metric, ylabel in ((a1, "throughput_tok_s", "system throughput (K tok/s)"),
+                               (a2, "throughput_per_gpu_tok_s", "throughput per GPU (K tok/s)")):
+        tops = np.zeros(len(loads))
+        for j, n in enumerate(names):
+            vals = np.array([r[metric] / 1e3 for r in arms[n]])
+            ax.bar(x + j * w, vals, w, color=colour[n])
+            tops = np.maximum(tops, vals)
+        for i in range(len(loads)):  # the reference over each other arm, above the reference's bar
+            text = "\n".join(_x(rat[n][i][metric]) + (f" vs {n}" if len(names) > 2 else "") for n in names[1:])
+            if text:
+                ax.text(x[i], tops[i] * 1.02, text, ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(0, max(tops.max(), 1e-9) * (1.18 + 0.06 * max(0, len(names) - 2)))
+        ax.set_ylabel(ylabel)
+    for n in names:
+        a3.plot(loads, [r["ttft_p50_s"] for r in arms[n]], "o-", color=colour[n])
+        a3.plot(loads, [r["ttft_p90_s"] for r in arms[n]], "s--", color=colour[n])
+    a3.set_ylim(bottom=0)
+    a3.set_ylabel("time to first token (s)")
+    a3.set_xlabel(key)
+    a3.legend(handles=[plt.Line2D([], [], color="gray", marker="o", ls="-", label="p50"),
+                       plt.Line2D([], [], color="gray", marker="s", ls="--", label="p90")], fontsize=8)
     for j, n in enumerate(names):
-        rows = arms[n]
-        a1.bar(x + j * w, [r["throughput_tok_s"] / 1e3 for r in rows], w, label=n)
-        a2.plot(loads, [r["ttft_p50_s"] for r in rows], "o-", label=f"{n} p50")
-        a2.plot(loads, [r["ttft_p90_s"] for r in rows], "s--", label=f"{n} p90")
-        gpu = np.array([r["share_gpu"] for r in rows]) * 100
-        pool = np.array([r["share_pool"] for r in rows]) * 100
-        comp = np.array([r["share_computed"] for r in rows]) * 100
-        a3.bar(x + j * w, gpu, w, color="#55a868", label="GPU" if j == 0 else None)
-        a3.bar(x + j * w, pool, w, bottom=gpu, color="#dd8452", label="pool" if j == 0 else None)
-        a3.bar(x + j * w, comp, w, bottom=gpu + pool, color="#c44e52", label="computed" if j == 0 else None)
-    ref = [r["throughput_tok_s"] for r in first]
-    for j, n in enumerate(names[1:], start=1):  # the throughput ratio, first arm / this arm, on its bar
-        for i, r in enumerate(arms[n]):
-            if r["throughput_tok_s"] > 0:
-                a1.text(x[i] + j * w, r["throughput_tok_s"] / 1e3, f"{ref[i] / r['throughput_tok_s']:.2f}x",
-                        ha="center", va="bottom", fontsize=7)
-    if len(names) > 1:
-        a1.set_title(f"labels: {names[0]} / arm", fontsize=8)
-    for ax in (a1, a3):
+        bottom = np.zeros(len(loads))
+        for k, _, alpha, hatch in _SOURCES:
+            vals = np.array([r[k] for r in arms[n]]) * 100
+            a4.bar(x + j * w, vals, w, bottom=bottom, color=colour[n], alpha=alpha, hatch=hatch,
+                   edgecolor=colour[n], linewidth=0.6)
+            bottom += vals
+    a4.set_ylim(0, 100)
+    a4.set_ylabel("share of prompt tokens (%)")
+    a4.legend(handles=[Patch(facecolor="gray", alpha=a, hatch=h, edgecolor="gray", label=lab) for _, lab, a, h in _SOURCES],
+              fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
+    for ax in (a1, a2, a4):
         ax.set_xticks(x + w * (len(names) - 1) / 2, loads)
+    for ax in (a1, a2, a3, a4):
         ax.set_xlabel(key)
-    a1.set_ylabel("system throughput (K tok/s)")
-    a1.legend(fontsize=7)
-    a2.set_ylabel("TTFT (s)")
-    a2.set_xlabel(key)
-    a2.legend(fontsize=7)
-    a3.set_ylabel("share of prompt tokens (%), arms left to right")
-    a3.set_ylim(0, 100)
-    a3.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
+    ratio_note = f"bar labels: {names[0]}'s throughput over {names[1]}'s" if len(names) == 2 else \
+        f"bar labels: {names[0]}'s throughput over each other arm's"
+    fig.legend(handles=[Patch(color=colour[n], label=n) for n in names], loc="upper center",
+               ncol=len(names), fontsize=9, frameon=False, bbox_to_anchor=(0.5, 0.93))
+    fig.suptitle(title or " vs ".join(names), fontsize=11)
+    fig.text(0.5, 0.005, f"{ratio_note}. {THROUGHPUT_NOTE}", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.9))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -263,17 +263,7 @@ def load_workload(path: str | Path, *, skip_bad: bool = False, progress: Progres
 
 def write_weka_jsonl(sessions, out: str | Path) -> int:
     """Write sessions (or Weka documents) as traces, one per line (``.gz``: gzip). Returns the count."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    opener = gzip.open if out.name.endswith(".gz") else open
-    n = 0
-    with opener(out, "wt") as fh:
-        for s in sessions:
-            doc = s if isinstance(s, dict) else session_to_weka(s)
-            fh.write(json.dumps(doc, separators=(",", ":")))
-            fh.write("\n")
-            n += 1
-    return n
+    return write_jsonl_rows((s if isinstance(s, dict) else session_to_weka(s) for s in sessions), out)
 
 
 def write_jsonl_rows(rows, out: str | Path) -> int:

@@ -15,7 +15,8 @@ returning a :class:`Wake`:
 ``Wake.done``: nothing is in flight and nothing more will be dispatched. Timers may move
 earlier after a later call (idle caps), so a driver must not cache ``next_due_s`` across calls:
 always sleep on the newest one. ``Dispatch.measured`` is False for warm-up, primer and cold
-requests, which metrics exclude. A SimPy driver (``kvpool.sim`` does it this way)::
+requests, which metrics exclude. A minimal SimPy driver (``kvpool.sim.driver`` does the same
+with callbacks instead of processes)::
 
     def driver(env, replay, serve):          # serve(dispatch) is a SimPy process function
         wakeup = [env.event()]

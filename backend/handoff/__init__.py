@@ -14,14 +14,21 @@ Modules:
     ``transport``  ``MooncakeTransport`` (Transfer Engine, TCP/RDMA), ``IpcTransport`` (same-host
                    GPU IPC / shared memory), ``LocalTransport`` (same process), ``make_transport``
     ``messages``   side-channel messages and the errors (``HandoffError`` and subclasses)
-    ``metrics``    ``StageReport``, ``HandoffResult``, ``request_metrics`` (simulator names)
+    ``metrics``    ``StageReport``, ``HandoffResult``; ``record_handoff`` fills a request's
+                   ``RequestRecord`` (``kvpool.workload.records``), ``handoff_breakdown``
 
 See ``docs/handoff.md``.
 """
 
 from kvpool.backend.handoff.decode import DecodeRank, StagePart
 from kvpool.backend.handoff.messages import CreditTimeout, HandoffError, PeerLost, TransferFailed
-from kvpool.backend.handoff.metrics import HandoffResult, StageReport, request_metrics
+from kvpool.backend.handoff.metrics import (
+    HandoffBreakdown,
+    HandoffResult,
+    StageReport,
+    handoff_breakdown,
+    record_handoff,
+)
 from kvpool.backend.handoff.prefill import DecodeTarget, PrefillStage
 from kvpool.backend.handoff.transport import IpcTransport, LocalTransport, MooncakeTransport, make_transport
 
@@ -29,6 +36,7 @@ __all__ = [
     "CreditTimeout",
     "DecodeRank",
     "DecodeTarget",
+    "HandoffBreakdown",
     "HandoffError",
     "HandoffResult",
     "IpcTransport",
@@ -39,6 +47,7 @@ __all__ = [
     "StagePart",
     "StageReport",
     "TransferFailed",
+    "handoff_breakdown",
     "make_transport",
-    "request_metrics",
+    "record_handoff",
 ]

@@ -33,7 +33,9 @@ Implementations:
     ``MooncakeTransport``  ``mooncake.engine.TransferEngine`` with ``P2PHANDSHAKE`` (segment name =
         host + ":" + ``get_rpc_port()``), TCP here and RDMA where the engine finds NICs;
         ``MC_FORCE_TCP`` is read by the engine itself (``force_tcp=True`` sets it before init).
-        Host memory always; GPU memory only with a CUDA/ROCm build of the engine.
+        Host memory always; GPU memory only with a CUDA/ROCm build of the engine. The engine
+        listens on every interface: outside a private network namespace the constructor refuses
+        (``PublicListenersRefused``) unless ``allow_public_listeners=True``.
     ``IpcTransport``       same host, other process: GPU tensors through CUDA/HIP IPC handles (torch's
         ``reduce_tensor``), CPU tensors through named POSIX shared memory. Copies are ``copy_`` on a
         side stream (GPU, completion by event) or synchronous (CPU).
@@ -51,6 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from kvpool.backend.pool.netns import check_listeners
 
 DONE, RUNNING, FAILED = 1, 0, -1
 _STORAGE_DEVICE = 6  # index of storage_device in torch's rebuild_cuda_tensor arguments (reduce_tensor)
@@ -394,6 +398,10 @@ class MooncakeTransport:
         hostname: address peers reach this process at (its host part names the segment).
         force_tcp: True sets ``MC_FORCE_TCP=1`` before the engine starts (the engine would pick
             RDMA on a host with NICs otherwise); None leaves the environment as it is.
+        allow_public_listeners: start the engine even outside a private network namespace, where
+            its listeners are reachable on every interface of this machine (needed between hosts).
+            False: ``PublicListenersRefused`` there (``kvpool.backend.pool.netns.check_listeners``),
+            raised before the engine starts.
     Notes:
         ``MC_TCP_BIND_ADDRESS`` defaults to ``hostname``. Writes are ``transfer_submit_write`` polled
         with ``transfer_check_status`` (a dead peer reads -1 within about 1 s, a hung one after
@@ -404,7 +412,10 @@ class MooncakeTransport:
 
     name = "mooncake"
 
-    def __init__(self, hostname: str = "127.0.0.1", force_tcp: bool | None = None) -> None:
+    def __init__(
+        self, hostname: str = "127.0.0.1", force_tcp: bool | None = None, allow_public_listeners: bool = False
+    ) -> None:
+        check_listeners(allow_public_listeners, "pass allow_public_listeners=True")
         if force_tcp:
             os.environ["MC_FORCE_TCP"] = "1"
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)

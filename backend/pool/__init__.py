@@ -11,7 +11,8 @@ Modules (each states its contract in its docstring):
     launcher       ``start_local_pool``: ``mooncake_master`` + N store-service processes
     store_service  the store-service process (``python -m kvpool.backend.pool.store_service``)
     metrics        ``read_master_metrics`` from the master's ``/metrics``
-    netns          ``netns_problem``: is this a private network namespace?
+    netns          ``netns_problem``: is this a private network namespace? ``check_listeners``: the
+                   decision to start Mooncake listeners (refused outside one unless allowed)
 
 Nothing here imports torch or mooncake at import time.
 """

@@ -6,8 +6,9 @@ Contract:
     * Every process gets ``MC_TCP_BIND_ADDRESS=127.0.0.1`` and a short ``MC_RPC_TIMEOUT_MS``;
       the master gets ``--rpc_address=127.0.0.1 --metrics_host=127.0.0.1`` and two free ports
       (from binding ``("127.0.0.1", 0)``); metadata is ``P2PHANDSHAKE`` (no metadata server).
-      Mooncake's transfer-engine listeners still bind the wildcard address: callers check
-      ``netns.netns_problem()`` first (the fixtures refuse, ``pool up`` warns).
+      Mooncake's transfer-engine listeners still bind the wildcard address, so
+      ``start_local_pool`` refuses to start outside a private network namespace
+      (``netns.check_listeners``: ``PublicListenersRefused``) unless ``allow_public_listeners=True``.
     * Each process runs in its own session with stdin closed and stdout+stderr in a log file
       under ``work_dir``; errors quote the log's tail.
     * ``start_local_pool`` returns only when the master accepts TCP connections and every service
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.backend.pool.address import PoolAddress
+from kvpool.backend.pool.netns import check_listeners
 
 LOCALHOST = "127.0.0.1"
 GIB = 1 << 30
@@ -341,12 +343,18 @@ def _wait_ready(proc: ManagedProcess, ready: Path, deadline: float, timeout_s: f
         time.sleep(0.05)
 
 
-def start_local_pool(spec: PoolSpec, work_dir: Path | str | None = None) -> LocalPool:
+def start_local_pool(
+    spec: PoolSpec, work_dir: Path | str | None = None, *, allow_public_listeners: bool = False
+) -> LocalPool:
     """Start a master and ``spec.services`` store services on 127.0.0.1; return when all are ready.
 
     ``work_dir`` holds the logs and ready files (a new temporary directory if ``None``).
-    On failure every process started is stopped and ``PoolStartError`` is raised.
+    Outside a private network namespace the store services' transfer engines would listen on every
+    interface: ``PublicListenersRefused`` is raised before anything starts, unless
+    ``allow_public_listeners`` is true. On failure every process started is stopped and
+    ``PoolStartError`` is raised.
     """
+    check_listeners(allow_public_listeners, "pass allow_public_listeners=True")
     wd = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="kvpool-pool-"))
     wd.mkdir(parents=True, exist_ok=True)
     rpc_port = free_port()

@@ -27,6 +27,9 @@ explicitly (``reference/mooncake-store.md`` sections 5-7):
       object that is smaller returns its size -> ``WRONG_SIZE``.
     * **Absent master at construction.** The master's port is probed first (``connect_timeout_s``),
       so ``PoolUnavailable`` comes at once instead of after Mooncake's ~90 s of setup retries.
+    * **Listeners.** The client's transfer engine listens on every interface (0.0.0.0 and [::]):
+      outside a private network namespace the constructor raises ``PublicListenersRefused``
+      (``netns.check_listeners``) before the engine starts, unless ``allow_public_listeners=True``.
     * The process environment gets ``MC_TCP_BIND_ADDRESS=127.0.0.1`` and ``MC_RPC_TIMEOUT_MS`` (if not
       already set) before the client starts, since the C++ client reads them at setup.
 """
@@ -45,6 +48,7 @@ from kvpool.backend.pool.address import PoolAddress
 from kvpool.backend.pool.api import BufferRef, PoolStats, Status
 from kvpool.backend.pool.buffers import BufferRegistry, check_batch
 from kvpool.backend.pool.metrics import MetricsUnavailable, read_master_metrics
+from kvpool.backend.pool.netns import check_listeners
 
 # Mooncake error codes (mooncake-store types.h) that kvpool distinguishes.
 INVALID_PARAMS = -600
@@ -106,6 +110,9 @@ class MooncakePool:
         metrics_timeout_s: bound on the ``stats`` HTTP call.
         connect_timeout_s: bound on the TCP probe of the master before ``setup`` (Mooncake's own
             setup would retry an absent master for about 90 s).
+        allow_public_listeners: start the client's transfer engine even outside a private network
+            namespace, where its listeners are reachable on every interface of this machine (needed
+            to reach a pool on another host). False: ``PublicListenersRefused`` there.
     """
 
     def __init__(
@@ -119,7 +126,9 @@ class MooncakePool:
         rdma_devices: str = "",
         metrics_timeout_s: float = 2.0,
         connect_timeout_s: float = 2.0,
+        allow_public_listeners: bool = False,
     ) -> None:
+        check_listeners(allow_public_listeners, "pass allow_public_listeners=True")
         self.address = PoolAddress.parse(address) if isinstance(address, str) else address
         self.put_retry = put_retry
         self.metrics_timeout_s = metrics_timeout_s

@@ -5,11 +5,18 @@ every client and store process, whatever ``MC_TCP_BIND_ADDRESS`` says. kvpool's 
 servers bind 127.0.0.1, so Mooncake processes run inside a network namespace whose only
 interface is ``lo``: ``unshare -n sh -c 'ip link set lo up; exec <command>'``.
 
-Contract: ``netns_problem()`` returns ``None`` when the only network interface of this process's
-namespace is ``lo`` and it is up, otherwise a one-paragraph explanation with the command that
-fixes it. Interfaces come from ``socket.if_nameindex()`` and flags from ``SIOCGIFFLAGS``, both of
-which see the calling process's namespace (``/sys/class/net`` does not: it shows the namespace
-sysfs was mounted in).
+Contract:
+    * ``netns_problem()`` returns ``None`` when the only network interface of this process's
+      namespace is ``lo`` and it is up, otherwise a one-paragraph explanation with the command that
+      fixes it. Interfaces come from ``socket.if_nameindex()`` and flags from ``SIOCGIFFLAGS``, both
+      of which see the calling process's namespace (``/sys/class/net`` does not: it shows the
+      namespace sysfs was mounted in).
+    * ``check_listeners(allow_public_listeners, how_to_allow)`` is the one decision every starter of
+      Mooncake processes makes (``kvpool pool up``, ``start_local_pool``, ``MooncakePool``,
+      ``MooncakeTransport``): inside a private namespace it returns ``None``; outside one it raises
+      ``PublicListenersRefused`` ("refusing to start: <problem> Or <how_to_allow> to start
+      anyway.") unless ``allow_public_listeners`` is true, in which case it returns the problem for
+      the caller to show as a warning.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ import struct
 IFF_UP = 0x1
 SIOCGIFFLAGS = 0x8913
 HOW_TO = "unshare -n sh -c 'ip link set lo up; exec <command>'"
+
+
+class PublicListenersRefused(RuntimeError):
+    """Mooncake would listen beyond loopback and the caller did not allow public listeners."""
 
 
 def interfaces() -> list[str]:
@@ -50,3 +61,12 @@ def netns_problem() -> str | None:
     if not interface_up("lo"):
         return f"the loopback interface is down in this network namespace; bring it up first: {HOW_TO}"
     return None
+
+
+def check_listeners(allow_public_listeners: bool, how_to_allow: str) -> str | None:
+    """Refuse (``PublicListenersRefused``) to start Mooncake listeners outside a private namespace
+    unless ``allow_public_listeners``; return the problem to warn about when allowed, else ``None``."""
+    problem = netns_problem()
+    if problem and not allow_public_listeners:
+        raise PublicListenersRefused(f"refusing to start: {problem} Or {how_to_allow} to start anyway.")
+    return problem

@@ -27,13 +27,14 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts are plain: a [...] in them is shown, not read as markup
 )
 app.add_typer(scenario_cli.app, name="scenario")
 app.add_typer(trace_cli.app, name="trace")
 app.add_typer(sim_cli.app, name="sim")
 app.add_typer(pool_cli.app, name="pool")
-app.add_typer(serve_cli.app, name="serve")
-app.add_typer(dashboard_cli.app, name="dashboard")
+app.command("serve")(serve_cli.serve)
+app.command("dashboard")(dashboard_cli.dashboard)
 
 
 def _version_callback(value: bool) -> None:
@@ -71,11 +72,9 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo(f"error: {e}", err=True)
         sys.exit(2)
     except cx.NoArgsIsHelpError as e:
-        try:
-            from typer import rich_utils
-
-            rich_utils.rich_format_error(e)
-        except ImportError:
+        if e.ctx is not None:
+            typer.echo(e.ctx.get_help())
+        else:
             e.show()
         sys.exit(e.exit_code)
     except cx.UsageError as e:

@@ -1,4 +1,4 @@
-"""``kvpool dashboard``: Start the Streamlit capacity-planning dashboard on 127.0.0.1."""
+"""``kvpool dashboard``: start the Streamlit capacity-planning dashboard on 127.0.0.1 (a command, no sub-commands)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from pathlib import Path
 import typer
 
 from kvpool.cli.common import UserError
-
-app = typer.Typer(help="Start the Streamlit capacity-planning dashboard on 127.0.0.1.")
 
 ADDRESS = "127.0.0.1"  # the dashboard binds loopback only (design.md: servers bind to 127.0.0.1)
 
@@ -36,11 +34,11 @@ def streamlit_command(port: int) -> list[str]:
     ]
 
 
-@app.callback(invoke_without_command=True)
 def dashboard(
     port: int = typer.Option(8501, "--port", help="TCP port on 127.0.0.1 to serve the dashboard on."),
 ) -> None:
-    """Start the dashboard (Scenario, Run, Compare, Plan pages) at http://127.0.0.1:PORT; Ctrl-C stops it."""
+    """Start the Streamlit capacity-planning dashboard (Scenario, Run, Compare, Plan pages) at
+    http://127.0.0.1:PORT; Ctrl-C stops it."""
     if not 1 <= port <= 65535:
         raise UserError(f"--port {port}: must be 1..65535")
     try:

@@ -5,6 +5,10 @@ service per NUMA node") through ``kvpool.backend.pool.launcher`` -- the same cod
 fixtures use --, waits until all are ready, prints the address to use, records it in a state file
 and stops everything cleanly on Ctrl-C or SIGTERM. ``kvpool pool status`` reads the master's
 metrics endpoint: capacity, use, keys, evictions.
+
+The state file: ``pool up`` refuses one that exists unless ``--force`` (or it is the record of a
+``pool up`` whose process has ended), writes it atomically once the pool is ready, and on exit
+removes it only while it is still the file this run wrote with this run's content.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import typer
 
 from kvpool.cli.common import UserError
 
-app = typer.Typer(help="Start and inspect a real Mooncake Store pool on 127.0.0.1 (master + store services).", no_args_is_help=True)
+app = typer.Typer(help="Start and inspect a real Mooncake Store pool: a master on 127.0.0.1 and store services, whose Mooncake listeners bind every interface (see pool up --help).", no_args_is_help=True, rich_markup_mode=None)
 
 GIB = 1 << 30
 
@@ -41,6 +45,81 @@ def _mem_available_bytes() -> int | None:
     return None
 
 
+STATE_KEYS = frozenset({"address", "pid", "work_dir"})
+MAX_STATE_BYTES = 64 << 10
+
+
+def _read_state(path: Path) -> dict | None:
+    """The pool record in ``path`` (a regular file, not a link, of at most 64 KiB), else ``None``."""
+    try:
+        if path.is_symlink() or not path.is_file():
+            return None
+        with path.open("rb") as f:
+            data = f.read(MAX_STATE_BYTES + 1)
+        record = json.loads(data) if len(data) <= MAX_STATE_BYTES else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or set(record) != STATE_KEYS:
+        return None
+    pid = record["pid"]
+    return record if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
+
+
+def _process_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _state_file_replaceable(state: Path, force: bool) -> bool:
+    """Whether ``pool up`` may write ``state``: ``False`` when nothing is there (create it, never
+    replacing), ``True`` to replace it (``--force``, or a record of a ``pool up`` that has ended);
+    a ``UserError`` otherwise."""
+    from kvpool.outputs import output_file
+
+    output_file(state, "--state-file")  # not a folder; its folder exists (created) and is writable
+    if not os.path.lexists(state):
+        return False
+    if force:
+        return True
+    record = _read_state(state)
+    if record is not None and not _process_runs(record["pid"]):
+        return True  # left behind by a pool up that was killed
+    why = (f"records the pool of process {record['pid']}, which is still running" if record is not None
+           else "exists and was not written by this run")
+    raise UserError(f"--state-file {state}: {why}; give another --state-file, or --force to overwrite it")
+
+
+def _write_state(state: Path, text: str, replace: bool) -> tuple[int, int]:
+    """Write ``text`` to ``state`` atomically; return the written file's (device, inode)."""
+    from kvpool.outputs import atomic_path
+
+    try:
+        with atomic_path(state, replace=replace) as tmp:
+            tmp.write_text(text)
+    except FileExistsError:
+        raise UserError(f"--state-file {state}: appeared while the pool started; give another --state-file, "
+                        "or --force to overwrite it") from None
+    except OSError as e:
+        raise UserError(f"--state-file {state}: cannot write it: {e.strerror or e}") from None
+    st = os.lstat(state)
+    return st.st_dev, st.st_ino
+
+
+def _remove_state(state: Path, text: str, written: tuple[int, int]) -> None:
+    """Remove ``state`` if it is still the file this run wrote and holds ``text``."""
+    try:
+        st = os.lstat(state)
+        if (st.st_dev, st.st_ino) == written and state.read_text() == text:
+            state.unlink()
+    except (OSError, ValueError):
+        pass
+
+
 def _fmt_bytes(n: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
@@ -58,7 +137,11 @@ def up(
     client_ttl_s: int = typer.Option(10, "--client-ttl-s", help="Seconds a dead service's keys still count as existing."),
     rpc_timeout_ms: int = typer.Option(2_000, "--rpc-timeout-ms", help="MC_RPC_TIMEOUT_MS: a hung master fails calls after this."),
     work_dir: Path = typer.Option(None, "--work-dir", help="Logs and ready files (default: a new temporary directory)."),
-    state_file: Path = typer.Option(None, "--state-file", help="Where to record the address for 'pool status' (default: in the temp dir)."),
+    state_file: Path = typer.Option(
+        None, "--state-file",
+        help="Where to record the address for 'pool status' (default: in the temp dir). An existing file is "
+             "refused unless --force; it is removed on exit if it still holds this run's record."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --state-file."),
     allow_public_listeners: bool = typer.Option(
         False, "--allow-public-listeners",
         help="Start even outside a private network namespace, where the store services' Mooncake listeners "
@@ -72,7 +155,7 @@ def up(
     network namespace whose only interface is lo (unshare -n sh -c 'ip link set lo up; exec
     kvpool pool up ...'), unless --allow-public-listeners is given."""
     from kvpool.backend.pool.launcher import PoolSpec, PoolStartError, start_local_pool
-    from kvpool.backend.pool.netns import netns_problem
+    from kvpool.backend.pool.netns import PublicListenersRefused, check_listeners
 
     if not gib_per_service > 0:
         raise UserError(f"--gib-per-service must be > 0, got {gib_per_service}")
@@ -94,22 +177,26 @@ def up(
             f"{services} services x {gib_per_service} GiB = {_fmt_bytes(spec.capacity_bytes)} exceeds the "
             f"memory available on this machine ({_fmt_bytes(avail)}); lower --services or --gib-per-service"
         )
-    problem = netns_problem()
-    if problem and not allow_public_listeners:
-        raise UserError(f"refusing to start: {problem} Or give --allow-public-listeners to start anyway.")
+    try:
+        problem = check_listeners(allow_public_listeners, "give --allow-public-listeners")
+    except PublicListenersRefused as e:
+        raise UserError(str(e)) from None
     if problem:
         typer.echo(f"warning: {problem}", err=True)
+    state = state_file or default_state_file()
+    replace = _state_file_replaceable(state, force)
 
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            pool = start_local_pool(spec, work_dir)
+            pool = start_local_pool(spec, work_dir, allow_public_listeners=allow_public_listeners)
         except PoolStartError as e:
             raise UserError(f"the pool did not start: {e}") from None
-        state = state_file or default_state_file()
+        record = json.dumps({"address": pool.address.url(), "pid": os.getpid(), "work_dir": str(pool.work_dir)})
+        written: tuple[int, int] | None = None
         try:
-            state.write_text(json.dumps({"address": pool.address.url(), "pid": os.getpid(), "work_dir": str(pool.work_dir)}))
+            written = _write_state(state, record, replace)
             typer.echo(
                 f"kvpool pool: master {pool.address.master}, {spec.services} services x "
                 f"{_fmt_bytes(spec.bytes_per_service)} = {_fmt_bytes(spec.capacity_bytes)}"
@@ -126,12 +213,8 @@ def up(
                     break
         finally:
             pool.stop()
-            if state.exists():
-                try:
-                    if json.loads(state.read_text()).get("pid") == os.getpid():
-                        state.unlink()
-                except (OSError, ValueError):
-                    pass
+            if written is not None:
+                _remove_state(state, record, written)
         if failed:
             raise UserError(f"pool process(es) exited unexpectedly: {', '.join(failed)}; logs in {pool.work_dir}")
         typer.echo("kvpool pool: stopped")
@@ -153,12 +236,12 @@ def status(
 
     if address is None:
         state = state_file or default_state_file()
-        try:
-            address = json.loads(state.read_text())["address"]
-        except (OSError, ValueError, KeyError):
+        record = _read_state(state)
+        if record is None:
             raise UserError(
                 f"no --address given and no running pool recorded in {state}; start one with 'kvpool pool up'"
-            ) from None
+            )
+        address = str(record["address"])
     try:
         addr = PoolAddress.parse(address)
     except ValueError as e:

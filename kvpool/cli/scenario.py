@@ -11,7 +11,7 @@ from rich.table import Table
 from kvpool.cli.common import SET_HELP, load_or_exit
 from kvpool.scenario import builtin_names, load_scenario, summarize, to_toml
 
-app = typer.Typer(help="List, validate and show deployment scenarios (TOML).", no_args_is_help=True)
+app = typer.Typer(help="List, validate and show deployment scenarios (TOML).", no_args_is_help=True, rich_markup_mode=None)
 
 
 @app.command("list")
@@ -56,8 +56,15 @@ def show(
     if toml_:
         typer.echo(to_toml(s))
         return
-    c = Console()
-    c.print(f"[bold]{s.name}[/bold] — {s.description}")
+    from rich.markup import escape
+
+    c = Console(highlight=False)
+    if set_:
+        # the description is text of the file as written; the tables below show the overridden values
+        c.print(f"[bold]{escape(s.name)}[/bold] with " + ", ".join(f"--set {escape(x)}" for x in set_))
+        c.print(f"  description as written, before those overrides: {escape(s.description)}")
+    else:
+        c.print(f"[bold]{escape(s.name)}[/bold] — {escape(s.description)}")
     t = Table("deployment", "", show_header=False)
     t.add_row("model", f"{s.model.name}: {s.model.layers} layers (+{s.model.mtp_layers} MTP), {s.model.record_bytes} B record")
     t.add_row("cluster", f"{s.cluster.servers} x {s.cluster.gpus_per_server} {s.gpu.name}, {s.cluster.numa_per_server} NUMA nodes each")

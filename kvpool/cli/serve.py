@@ -1,11 +1,12 @@
-"""``kvpool serve``: Production mode: drive real prefill/decode workers on GPUs with the connector and handoff."""
+"""``kvpool serve``: production mode, real prefill/decode workers on GPUs with the connector and
+handoff. A command that is not built yet: it says so (one ``error:`` line, exit 2)."""
 
 from __future__ import annotations
 
-import typer
+from kvpool.cli.common import UserError
 
-app = typer.Typer(
-    help="Production mode: drive real prefill/decode workers on GPUs with the connector and handoff. "
-    "Not built yet: this group has no commands.",
-    no_args_is_help=True,
-)
+
+def serve() -> None:
+    """Production mode: drive real prefill/decode workers on GPUs with the connector and handoff.
+    Not built yet: the command only says so."""
+    raise UserError("kvpool serve (production mode) is not built yet; the pool itself runs with kvpool pool up")

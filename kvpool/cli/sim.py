@@ -19,6 +19,7 @@ from kvpool.outputs import atomic_path, output_dir, safe_name
 app = typer.Typer(
     help="Run the simulator: single runs, sweeps over sessions or RPS, comparisons and capacity search.",
     no_args_is_help=True,
+    rich_markup_mode=None,  # help texts are plain: a [...] in them is shown, not read as markup
 )
 
 
@@ -149,9 +150,14 @@ def warn(lines: list[str]) -> None:
 
 def title_of(prov: dict) -> str:
     """``mi355x-1p1d, synthetic agentx-062126 (40 sessions), 3600 s per load, --set a=b``."""
+    return f"{prov['scenario']['name']}, {inputs_label(prov)}"
+
+
+def inputs_label(prov: dict) -> str:
+    """What a run was given besides its scenario: ``synthetic agentx-062126 (40 sessions), 3600 s per load, --set a=b``."""
     from kvpool.sim.provenance import workload_label
 
-    text = f"{prov['scenario']['name']}, {workload_label(prov['workload'])}, {prov['duration_s']:g} s per load"
+    text = f"{workload_label(prov['workload'])}, {prov['duration_s']:g} s per load"
     if prov.get("set"):
         text += ", " + " ".join(f"--set {x}" for x in prov["set"])
     return text
@@ -218,8 +224,8 @@ def run(
         typer.echo(json.dumps(doc, indent=2))
         warn(warnings)
         return
-    wide = Console(width=max(Console().width, 150))
-    wide.print(report.table(rows, title=title_of(prov)))
+    screen = Console()
+    screen.print(report.table(rows, title=title_of(prov), width=screen.width))
     console.print("wrote " + ", ".join(str(p) for p in paths))
     warn(warnings)
 
@@ -240,10 +246,12 @@ def compare(
     workers: int = typer.Option(0, "--workers", help="Parallel processes, or local Ray CPUs (0: one per core, at most one per load)."),
     executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
     address: str = typer.Option(None, "--address", help=ADDRESS_HELP),
-    out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON and PNG. " + OUT_NAMES),
-    json_: bool = typer.Option(False, "--json", help="Print the comparison's JSON document: id, provenance (one block per arm), arms (scenario name: per-load objects), run."),
+    out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSON, CSV and PNG. " + OUT_NAMES),
+    json_: bool = typer.Option(False, "--json", help="Print the comparison's JSON document: {id, provenance: {arms: {NAME: provenance}}, arms: {NAME: [results]}, ratios: {reference, over: {NAME: [per load]}}, run} (docs/metrics.md); every ratio is the first arm's value over the other arm's."),
 ) -> None:
-    """Run arms side by side at the same loads (e.g. shared vs split pool) and print the ratios."""
+    """Run arms side by side at the same loads, such as shared vs split pool, and print the ratios: the
+    first arm's value over each other arm's, as the seed states them (shared first: its throughput
+    ratio above 1 means it is faster). Writes JSON, CSV and PNG (out/compare-A-vs-B-ID.*)."""
     from kvpool.sim import compare as cmp
     from kvpool.sim import report
     from kvpool.sim.provenance import provenance, short_id
@@ -279,6 +287,7 @@ def compare(
     prov = {"arms": {s.name: provenance(s, source=src, overrides=extra, set_overrides=set_, traces=traces,
                                         load_key=load_key(s), loads=loads) for s, src in zip(arms_s, scenarios)}}
     doc = {"id": short_id(prov), "provenance": prov, "arms": {n: [report.public(r) for r in rows] for n, rows in arms.items()},
+           "ratios": {"reference": names[0], "over": cmp.ratios(arms)},
            "run": {"executor": executor, "workers": n_workers,
                    "arms": {n: [report.timing(r) for r in rows] for n, rows in arms.items()}}}
     warnings = [w for s in arms_s for w in rows_warning(s, traces, arms[s.name])]
@@ -289,14 +298,18 @@ def compare(
     refuse_other_run(out / f"{stem}.json", doc["id"])
     with atomic_path(out / f"{stem}.json") as tmp:
         tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    with atomic_path(out / f"{stem}.csv") as tmp:
+        cmp.write_csv(arms, tmp)
+    title = " vs ".join(names) + ", " + inputs_label(prov["arms"][names[0]])
     with atomic_path(out / f"{stem}.png") as tmp:
-        cmp.figure(arms, tmp)
+        cmp.figure(arms, tmp, title=title)
     if json_:
         typer.echo(json.dumps(doc, indent=2))
         warn(warnings)
         return
-    Console(width=max(Console().width, 150)).print(cmp.ratio_table(arms))
-    console.print(f"wrote {out / (stem + '.json')}, {out / (stem + '.png')}")
+    screen = Console()
+    screen.print(cmp.ratio_table(arms, width=screen.width))
+    console.print(f"wrote {out / (stem + '.json')}, {out / (stem + '.csv')}, {out / (stem + '.png')}")
     warn(warnings)
 
 
@@ -365,23 +378,25 @@ def plan(
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
     with atomic_path(out / f"{stem}.png") as tmp:
         _plan_figure(curve, targets, variable.field, tmp)
-    none_line = f"no value of {variable.field} in {variable.lo:g}..{variable.hi:g} meets every target"
+    none_line = (f"no value of {variable.field} in {variable.lo:g}..{with_unit(variable.field, variable.hi)} "
+                 "meets every target")
     if json_:
         typer.echo(json.dumps(summary, indent=2))
         if failed:
             typer.echo(f"error: {none_line}: " + "; ".join(failed), err=True)
             raise typer.Exit(1)
         return
-    from rich.table import Table
+    from kvpool.tables import Col, fitted
 
-    t = Table(title=f"{base.name}: {variable.field} ({summary['direction']}) for {', '.join(summary['targets'])}")
-    t.add_column(variable.field, justify="right")
-    for tg in targets:
-        t.add_column(tg.metric, justify="right")
-    t.add_column("meets", justify="center")
-    for row in curve:
-        t.add_row(f"{row['value']:g}", *[f"{row[tg.metric]:.4g}" for tg in targets], "yes" if row["meets_targets"] else "no")
-    Console(width=max(Console().width, 120)).print(t)
+    unit = unit_of(variable.field)
+    cols = [Col(variable.field.replace(".", ".\n") + (f"\n({unit})" if unit else ""))]
+    cols += [Col(tg.metric + (f"\n({unit_of(tg.metric)})" if unit_of(tg.metric) else "")) for tg in targets]
+    cols += [Col("meets", "left")]
+    cells = [[f"{row['value']:g}", *[f"{row[tg.metric]:.4g}" for tg in targets], "yes" if row["meets_targets"] else "no"]
+             for row in curve]
+    screen = Console()
+    screen.print(fitted(cols, cells, screen.width,
+                        title=f"{base.name}: {variable.field} ({summary['direction']}) for {', '.join(summary['targets'])}"))
     if failed:
         typer.echo(f"error: {none_line}:", err=True)
         for line in failed:
@@ -389,7 +404,31 @@ def plan(
         typer.echo(f"wrote {out / (stem + '.json')}, {out / (stem + '.png')}", err=True)
         raise typer.Exit(1)
     else:
-        Console().print(f"[bold]best {variable.field} = {res.best:g}[/] ({len(curve)} runs); wrote {out / (stem + '.json')}, {out / (stem + '.png')}")
+        Console().print(f"[bold]best {variable.field} = {with_unit(variable.field, res.best)}[/] ({len(curve)} runs); "
+                        f"wrote {out / (stem + '.json')}, {out / (stem + '.png')}", highlight=False)
+
+
+#: Units by the end of a field's or metric's name (the project names carry their units).
+_UNIT_SUFFIXES = (("_tok_s", "tok/s"), ("_tokens", "tokens"), ("_bytes", "bytes"), ("_ms", "ms"), ("_s", "s"))
+
+
+def unit_of(field: str) -> str:
+    """The unit of a scenario field or metric, from its name: ``pool.gib_per_service`` -> ``GiB``,
+    ``workload.sessions`` -> ``sessions``, ``workload.rps`` -> ``requests/s``, ``ttft_p90_s`` -> ``s``."""
+    name = field.rsplit(".", 1)[-1]
+    if name.startswith("gib_") or name.endswith("_gib"):
+        return "GiB"
+    if name == "rps":
+        return "requests/s"
+    if name in ("sessions", "servers", "synthetic_sessions"):
+        return name
+    return next((u for suffix, u in _UNIT_SUFFIXES if name.endswith(suffix)), "")
+
+
+def with_unit(field: str, value: float) -> str:
+    """``350.815 GiB``, ``96 sessions``: the value as it is searched, and its unit."""
+    unit = unit_of(field)
+    return f"{value:g} {unit}" if unit else f"{value:g}"
 
 
 def _plan_figure(curve: list[dict], targets, field: str, path: Path) -> None:
@@ -405,7 +444,7 @@ def _plan_figure(curve: list[dict], targets, field: str, path: Path) -> None:
         for c in curve:
             ax.plot(c["value"], c[tg.metric], "o", color="#55a868" if c["meets_targets"] else "#c44e52")
         ax.axhline(tg.value, color="gray", ls="--")
-        ax.set_xlabel(field)
+        ax.set_xlabel(field + (f" ({unit_of(field)})" if unit_of(field) else ""))
         ax.set_ylabel(tg.metric)
         ax.set_title(str(tg))
     fig.tight_layout()

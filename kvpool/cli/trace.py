@@ -19,7 +19,7 @@ import typer
 
 from kvpool.cli.common import UserError
 
-app = typer.Typer(help="Agent-session traces: stats, synthetic generation, conversion.", no_args_is_help=True)
+app = typer.Typer(help="Agent-session traces: stats, synthetic generation, conversion.", no_args_is_help=True, rich_markup_mode=None)
 
 
 def _load(path: Path, skip_bad: bool, quiet: bool = False):
@@ -60,13 +60,20 @@ _GROUPS = [
 ]
 
 
-def _fmt(v) -> str:
-    if isinstance(v, int):
-        return f"{v:,}"
+_SHARES = ("overlap_prev_main", "reuse_ceiling")
+
+
+def _fmt(key: str, v) -> str:
+    """A statistic as the table shows it: shares in percent, times in seconds, counts and token
+    numbers as integers when whole (a median of counts: "3", not "3.0000"), else one decimal."""
     if isinstance(v, float) and math.isnan(v):
         return "-"
-    if isinstance(v, float) and abs(v) < 10:
-        return f"{v:.4f}"
+    if key.endswith("_fraction") or key in _SHARES:
+        return f"{v:.1%}"
+    if key.endswith("_s"):
+        return f"{v:,.2f} s" if abs(v) < 100 else f"{v:,.0f} s"
+    if isinstance(v, int) or float(v).is_integer():
+        return f"{int(v):,}"
     return f"{v:,.1f}"
 
 
@@ -94,7 +101,7 @@ def stats(
         table.add_section()
         table.add_row(f"[bold]{title}[/bold]", "")
         for k in keys:
-            table.add_row(k, _fmt(st[k]))
+            table.add_row(k, _fmt(k, st[k]))
     Console().print(table)
 
 

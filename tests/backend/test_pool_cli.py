@@ -156,6 +156,35 @@ def test_fixtures_refuse_to_start_mooncake_outside_a_private_namespace(monkeypat
         require_private_netns()
 
 
+def test_mooncake_clients_and_the_launcher_refuse_public_listeners_unless_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside a private namespace ``MooncakePool`` and ``start_local_pool`` refuse before starting
+    anything; ``allow_public_listeners=True`` gets past the check (here to the absent master)."""
+    from kvpool.backend.pool import MooncakePool, PoolUnavailable
+    from kvpool.backend.pool.launcher import free_port, start_local_pool
+
+    monkeypatch.setattr(netns.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0")])
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(netns.PublicListenersRefused, match=r"refusing to start: .*\(eth0\).*allow_public_listeners=True"):
+        MooncakePool(address)
+    with pytest.raises(PoolUnavailable, match="no Mooncake master answers"):
+        MooncakePool(address, allow_public_listeners=True, connect_timeout_s=0.5)
+    with pytest.raises(netns.PublicListenersRefused, match="allow_public_listeners=True"):
+        start_local_pool(PoolSpec(services=1, bytes_per_service=64 * MIB), tmp_path / "pool")
+    assert not (tmp_path / "pool").exists()
+
+
+def test_check_listeners_decides_and_names_how_to_allow(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns, "netns_problem", lambda: None)
+    assert netns.check_listeners(False, "say so") is None
+    monkeypatch.setattr(netns, "netns_problem", lambda: "eth0 is visible.")
+    assert netns.check_listeners(True, "say so") == "eth0 is visible."
+    with pytest.raises(netns.PublicListenersRefused) as refused:
+        netns.check_listeners(False, "say so")
+    assert str(refused.value) == "refusing to start: eth0 is visible. Or say so to start anyway."
+
+
 def test_pool_address_round_trip_and_errors() -> None:
     a = PoolAddress("127.0.0.1", 5000, 5001)
     assert PoolAddress.parse(a.url()) == a and a.master == "127.0.0.1:5000"
@@ -207,6 +236,82 @@ def test_pool_up_outside_a_private_namespace_refuses_without_the_flag(tmp_path: 
     assert r.stderr.startswith("error: refusing to start: network interfaces other than lo are visible (eth0)")
     assert "--allow-public-listeners" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "pool").exists()
+
+
+def _pool_up_in_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], state: Path,
+                        *args: str) -> str:
+    """Run ``pool up`` in this process up to the point where it would start the pool (which fails
+    the test); return its one ``error:`` line."""
+    from kvpool.backend.pool import launcher
+    from kvpool.cli import main
+
+    def must_not_start(*_a: object, **_k: object) -> None:
+        raise AssertionError("pool up started a pool")
+
+    monkeypatch.setattr(netns, "netns_problem", lambda: None)
+    monkeypatch.setattr(launcher, "start_local_pool", must_not_start)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pool", "up", "--services", "1", "--gib-per-service", "0.0625", "--state-file", str(state), *args])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: --state-file ") and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_pool_up_refuses_a_state_file_it_did_not_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    precious = tmp_path / "notes.json"
+    precious.write_text("precious\n")
+    err = _pool_up_in_process(monkeypatch, capsys, precious)
+    assert "exists and was not written by this run" in err and "--force" in err
+    assert precious.read_text() == "precious\n"
+    # the record of a pool up that still runs (this process) is refused too
+    live = tmp_path / "live.json"
+    live.write_text(json.dumps({"address": "mooncake://127.0.0.1:1?metrics=2", "pid": os.getpid(), "work_dir": "w"}))
+    err = _pool_up_in_process(monkeypatch, capsys, live)
+    assert f"records the pool of process {os.getpid()}, which is still running" in err
+    (tmp_path / "dir").mkdir()
+    assert "is a directory" in _pool_up_in_process(monkeypatch, capsys, tmp_path / "dir")
+    dangling = tmp_path / "link.json"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert "was not written by this run" in _pool_up_in_process(monkeypatch, capsys, dangling)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "link.json", "live.json", "notes.json"]
+
+
+def _ended_pid() -> int:
+    """The id of a process that has exited (and been reaped)."""
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=30)
+    return p.pid
+
+
+@pytest.mark.parametrize("before", ["stale-record", "user-file-forced"])
+def test_pool_up_writes_its_state_file_and_removes_only_its_own(tmp_path: Path, before: str) -> None:
+    """A record left by a pool up that has ended is replaced; a user's file only with --force. The
+    file holds this run's record while it runs, and is removed on exit only if it still does."""
+    require_private_netns()
+    state = tmp_path / "state.json"
+    if before == "stale-record":
+        state.write_text(json.dumps({"address": "mooncake://127.0.0.1:1?metrics=2", "pid": _ended_pid(), "work_dir": "w"}))
+    else:
+        state.write_text("precious\n")
+    proc, banner = start_pool_up(tmp_path, *(["--force"] if before == "user-file-forced" else []))
+    try:
+        record = json.loads(state.read_text())
+        assert record == {"address": banner["address"], "pid": proc.pid, "work_dir": str(tmp_path / "pool")}
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["pool", "state.json"]  # no temporary left
+        if before == "stale-record":  # someone else's file now stands there: it must survive the exit
+            other = tmp_path / "other.json"
+            other.write_text(json.dumps({**record, "note": "not pool up's"}))
+            os.replace(other, state)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+    _, stderr = proc.communicate(timeout=5)
+    assert rc == 0, stderr
+    if before == "stale-record":
+        assert json.loads(state.read_text())["note"] == "not pool up's"
+    else:
+        assert not state.exists()
 
 
 def test_pool_up_help_says_where_mooncake_listens() -> None:

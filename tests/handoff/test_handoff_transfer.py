@@ -8,7 +8,8 @@ import pytest
 
 from handoff_workers import Geom, call, expected_rank_kv
 
-from kvpool.backend.handoff import HandoffResult, StageReport, request_metrics
+from kvpool.backend.handoff import HandoffResult, StageReport, handoff_breakdown, record_handoff
+from kvpool.workload.records import RequestRecord
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -30,15 +31,15 @@ def _check_request(g: Geom, decodes, reports, results, seed: int) -> None:
 
 def test_kv_bit_exact_and_exact_write_count(handoff_cluster, run_request):
     """Every decode rank holds exactly its tokens of every stage's layers; each stage sent exactly
-    the plan's writes; back-to-back requests reuse credited slots; metrics use the sim's names."""
+    the plan's writes; back-to-back requests reuse credited slots; the request's record gets the hand-off's bytes, writes and time."""
     g, decodes, prefills = handoff_cluster
     for i, seed in enumerate((0, 1)):
         reports, results = run_request(decodes, prefills, f"req-{i}", seed)
         _check_request(g, decodes, reports, results, seed)
-        m = request_metrics(reports, results)
-        assert m["handoff_bytes"] == g.stages * g.plan().total_bytes
-        assert m["handoff_writes"] == g.stages * g.plan().batched_writes
-        assert m["handoff_s"] > 0 and set(m["handoff_stage_s"]) == {0, 1}
+        rec = record_handoff(RequestRecord(f"req-{i}"), reports, results)
+        assert rec.handoff_bytes == g.stages * g.plan().total_bytes
+        assert rec.handoff_writes == g.stages * g.plan().batched_writes
+        assert rec.handoff_s > 0 and set(handoff_breakdown(reports, results).stage_s) == {0, 1}
     for conn in prefills:  # every slot came back: each stage holds all of its credits again
         assert call(conn, ("credits", "a")) == [g.slots // g.stages] * g.ranks
 

@@ -16,8 +16,9 @@ from kvpool.backend.handoff import (
     PrefillStage,
     StagePart,
     StageReport,
+    handoff_breakdown,
     make_transport,
-    request_metrics,
+    record_handoff,
 )
 from kvpool.backend.handoff import messages as m
 from kvpool.policy.layout import HandoffPlan
@@ -100,13 +101,35 @@ def test_unknown_transport_and_bad_timeouts_are_rejected():
         PrefillStage(0, LocalTransport(), staging_bytes=16, credit_timeout_s=0)
 
 
-def test_request_metrics_use_the_simulator_names():
-    reports = [StageReport("r", s, 100, 3, 0.01, 0.02, 0.0, 0.05, 2) for s in range(2)]
-    results = [HandoffResult("r", r, 100, 3, 0.1 * (r + 1), 0.01, {0: 0.05, 1: 0.1 * (r + 1)}) for r in range(2)]
-    got = request_metrics(reports, results)
-    assert got["handoff_bytes"] == 200 and got["handoff_writes"] == 6
-    assert got["handoff_s"] == pytest.approx(0.2)
-    assert got["handoff_stage_s"] == {0: 0.05, 1: pytest.approx(0.2)}
+def test_mooncake_transport_refuses_public_listeners_unless_allowed(monkeypatch):
+    """Outside a private namespace the engine is not started unless the caller allows it."""
+    from kvpool.backend.pool import netns
+
+    monkeypatch.setattr(netns.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0")])
+    engine = pytest.importorskip("mooncake.engine")
+    monkeypatch.setattr(engine, "TransferEngine", lambda: pytest.fail("the transfer engine started"))
+    with pytest.raises(netns.PublicListenersRefused, match=r"\(eth0\).*allow_public_listeners=True"):
+        make_transport("mooncake")
+
+
+def test_the_handoff_fills_the_request_record():
+    from kvpool.workload.records import RequestRecord
+
+    reports = [StageReport("r", s, 100, 3, 0.01 * (s + 1), 0.02, 0.0, 0.05, 2) for s in range(2)]
+    results = [HandoffResult("r", r, 100, 3, 0.1 * (r + 1), 0.01 * (r + 1), {0: 0.05, 1: 0.1 * (r + 1)})
+               for r in range(2)]
+    rec = RequestRecord("r", restore_bytes=7)
+    assert record_handoff(rec, reports, results) is rec
+    assert (rec.handoff_bytes, rec.handoff_writes) == (200, 6)
+    assert rec.handoff_s == pytest.approx(0.2)
+    assert rec.restore_bytes == 7 and rec.as_dict()["handoff_bytes"] == 200  # the other fields are left alone
+    parts = handoff_breakdown(reports, results)
+    assert parts.stage_s == {0: 0.05, 1: pytest.approx(0.2)}
+    assert (parts.gather_s, parts.scatter_s) == (pytest.approx(0.02), pytest.approx(0.02))
+    other = RequestRecord("q")
+    with pytest.raises(ValueError, match="request\\(s\\) r given for request 'q'"):
+        record_handoff(other, reports, results)
+    assert (other.handoff_bytes, other.handoff_writes, other.handoff_s) == (0, 0, 0.0)
 
 
 class FakeStage:

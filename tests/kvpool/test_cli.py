@@ -43,6 +43,34 @@ def test_show_json_has_the_documented_keys():
 def test_show_text_and_set():
     out = run("scenario", "show", "mi355x-1p1d", "--set", "pool.gib_per_service=384", check=True).stdout
     assert "48,672" in out and "768.00 GiB" in out and "163,840 naive writes vs 12 writes" in out
+    head = out.splitlines()[0]
+    assert head == "mi355x-1p1d with --set pool.gib_per_service=384"  # the header shows the override
+    assert "2 x 384 GiB per server" in out and "description as written, before those overrides" in out
+
+
+@pytest.mark.parametrize("command", ["dashboard", "serve"])
+def test_commands_without_sub_commands_show_none(command):
+    r = run(command, "--help")
+    assert r.returncode == 0 and r.stdout.startswith(f"Usage: kvpool {command} [OPTIONS]\n")
+    assert "COMMAND" not in r.stdout
+
+
+def test_help_texts_show_brackets_as_written():
+    out = run("sim", "compare", "--help", check=True).stdout
+    assert "arms: {NAME: [results]}" in " ".join(out.split())
+
+
+def test_serve_says_it_is_not_built():
+    r = run("serve")
+    assert r.returncode == 2 and r.stderr.startswith("error: kvpool serve (production mode) is not built yet")
+
+
+def test_units_of_plan_variables():
+    from kvpool.cli.sim import unit_of, with_unit
+
+    assert with_unit("pool.gib_per_service", 350.815) == "350.815 GiB"
+    assert [unit_of(f) for f in ("workload.sessions", "workload.rps", "workload.duration_s", "ttft_p90_s",
+                                 "throughput_per_gpu_tok_s", "reuse")] == ["sessions", "requests/s", "s", "s", "tok/s", ""]
 
 
 def test_validate_ok_and_broken_file(tmp_path):

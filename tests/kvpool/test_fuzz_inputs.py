@@ -336,3 +336,15 @@ def test_atomic_path_leaves_nothing_on_failure(tmp_path):
         tmp.write_text("partial")
         raise KeyboardInterrupt
     assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+def test_atomic_path_without_replace_never_clobbers(tmp_path):
+    from kvpool.outputs import atomic_path
+
+    target = tmp_path / "x.json"
+    with atomic_path(target, replace=False) as tmp:
+        tmp.write_text("new")
+    assert target.read_text() == "new"
+    with pytest.raises(FileExistsError), atomic_path(target, replace=False) as tmp:
+        tmp.write_text("other")
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]

@@ -149,6 +149,13 @@ def test_compare_two_arms(tmp_path):
     assert arms["no-pool"][0]["share_pool"] == 0.0 and not WALL_CLOCK & set(arms["no-pool"][0])
     assert doc["provenance"]["arms"]["no-pool"]["scenario"]["source"] == str(_no_pool(tmp_path))
     assert (tmp_path / f"compare-mi355x-1p1d-vs-no-pool-{doc['id']}.png").is_file()
+    ratio = doc["ratios"]["over"]["no-pool"][0]
+    assert doc["ratios"]["reference"] == "mi355x-1p1d" and ratio["sessions"] == 3
+    assert ratio["throughput_tok_s"] == arms["mi355x-1p1d"][0]["throughput_tok_s"] / arms["no-pool"][0]["throughput_tok_s"]
+    lines = (tmp_path / f"compare-mi355x-1p1d-vs-no-pool-{doc['id']}.csv").read_text().splitlines()
+    head = lines[0].split(",")
+    assert head[:3] == ["arm", "reference", "sessions"] and len(lines) == 3
+    assert {"throughput_tok_s", "throughput_per_gpu_tok_s", "reference_over_arm_throughput_tok_s"} <= set(head)
 
 
 def _no_pool(tmp_path: Path) -> Path:
@@ -179,7 +186,7 @@ def test_plan_without_an_answer_exits_1_naming_the_target_that_failed(tmp_path):
             "--workers", "2", "--max-runs", "4", "--out", str(tmp_path)]
     r = run(*args)
     assert r.returncode == 1, r.stderr
-    assert "error: no value of pool.gib_per_service in 0..768 meets every target:" in r.stderr, r.stderr
+    assert "error: no value of pool.gib_per_service in 0..768 GiB meets every target:" in r.stderr, r.stderr
     assert "ttft_p90_s<=0.001 fails at every value tried (0..768): closest ttft_p90_s=" in r.stderr, r.stderr
     assert "reuse>=0.5 fails at 0 (reuse=0)" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = run(*args, "--json")

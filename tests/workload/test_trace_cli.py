@@ -36,6 +36,12 @@ def test_stats_table(tmp_path, capsys):
     write(tmp_path / "a.json", spawn_join_trace())
     code, out, _ = _run(capsys, "trace", "stats", str(tmp_path / "a.json"))
     assert code == 0 and "reuse_ceiling" in out
+    st = workload_stats(load_workload(tmp_path / "a.json"))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines() if line.count("│") == 3}
+    assert rows["subagent_requests_per_group_p50"] == f"{st['subagent_requests_per_group_p50']:.1f}" == "1.5"
+    for key in ("traces", "requests", "subagent_groups", "subagent_groups_per_session_p50", "main_turns_per_session_p50"):
+        assert float(st[key]).is_integer() and rows[key] == f"{int(st[key]):,}", (key, rows[key])  # a count: "3", not "3.0000"
+    assert rows["reuse_ceiling"] == f"{st['reuse_ceiling']:.1%}"
 
 
 def test_bad_trace_is_one_error_line_and_skip_bad_reports(tmp_path, capsys):
