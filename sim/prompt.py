@@ -8,9 +8,9 @@ Contract:
       of its full blocks in its prefill's GPU cache: each prefill names the blocks it meets
       densely (one ``sim.gpuids.CacheIds`` per prefill); a main thread's prompt opens with the
       shared prefix's own ids there when the workload has one. So a cache's arrays cover only
-      the blocks it has served, not every session's ids. ``gids``: the group ids of its keyable chunks (``sim.keys``; with a
-      shared prefix they chain ids unique across scopes, ``KeySpace.block_offset``), distinct
-      (every chunk's key chains its whole prefix). ``max_gpu_id`` and ``max_gid`` bound them
+      the blocks it has served, not every session's ids. ``gids``: the group ids of its keyable
+      chunks (``sim.keys``; with a shared prefix they chain ids unique across scopes,
+      ``KeySpace.block_offset``), distinct (every chunk's key chains its whole prefix). ``max_gpu_id`` and ``max_gid`` bound them
       (the ids that cache has named so far; the key space's groups so far).
     * ``Prompt.source``/``copied``: its first ``copied`` block ids are those of the play's
       request ``source`` (``-1, 0``: none known), the latest of a thread of the same play when it
@@ -24,8 +24,9 @@ Contract:
 Implementation: a thread's block ids and GPU cache ids live in buffers with room to grow
 (``_Ids``, its GPU cache ids in one cache's names): a prompt that extends the list at a buffer's
 tip (its thread's last prompt, typically, on the same prefill) writes only its new ids past it,
-and its lists are views of the same buffers. Ids are only ever written past a tip, so every
-earlier prompt's lists keep their ids.
+and its lists are views of the same buffers; a new buffer copies the ids it keeps, and their
+cache ids when they are of the same cache (else it names them again). Ids are only ever written
+past a tip, so every earlier prompt's lists keep their ids.
 """
 
 from __future__ import annotations
