@@ -5,8 +5,9 @@ instances, 28N AgentX sessions, 900 simulated seconds. Each point runs in a fres
 peak RSS is its own. The goal it is measured against: the simulator's cost per request does not
 grow with the cluster (>= 1,500 requests per CPU second at N = 32, 896 sessions) and peak memory
 stays <= 2 GiB, linear in the work. Prints one JSON object: per point the requests, CPU seconds,
-requests per CPU second, peak RSS, and the ratio of each point's requests per CPU second to the
-smallest point's (1.0: no growth in cost per request).
+requests per CPU second, SimPy events (per request, and CPU per event: what the requests asked
+of the simulator, and what each cost), peak RSS, and the ratio of each point's requests per CPU
+second to the smallest point's (1.0: no growth in cost per request).
 
     .venv/bin/python bench/sim_scale.py [--servers 4,8,16,32] [--duration 900] [--scenario mi350x-6p2d-shared]
 """
@@ -43,10 +44,12 @@ def run_one(scenario: str, servers: int, duration_s: float) -> dict:
     sessions = 28 * servers
     workload = workload_for(s)
     c = time.process_time()
-    records = Simulation(s, make_replay(s, workload, sessions)).run()
+    sim = Simulation(s, make_replay(s, workload, sessions))
+    records = sim.run()
     cpu_s = time.process_time() - c
     return {
         "servers": servers, "sessions": sessions, "requests": len(records), "cpu_s": cpu_s,
+        "events": next(sim.env._eid),  # SimPy numbers every scheduled event (the work the requests made)
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
@@ -74,6 +77,8 @@ def main() -> None:
                              env={**os.environ, "PYTHONHASHSEED": "0"})
         p = json.loads(out.stdout.strip().splitlines()[-1])
         p["requests_per_cpu_s"] = p["requests"] / p["cpu_s"] if p["cpu_s"] > 0 else 0.0
+        p["events_per_request"] = p["events"] / p["requests"] if p["requests"] else 0.0
+        p["cpu_us_per_event"] = 1e6 * p["cpu_s"] / p["events"] if p["events"] else 0.0
         points.append(p)
     base = points[0]["requests_per_cpu_s"] if points else 0.0
     for p in points:

@@ -7,7 +7,8 @@ Contract:
       the cluster allows, never on their own group's decode server (the seed's placement).
     * Every GPU has a NIC (``FairLink`` at ``gpu.nic_gb_s`` with the NIC's message rate). Store
       services share the NICs of their server (the seed: "the Store has no NICs of its own"), so
-      a remote restore also loads the remote server's NIC of the same rail.
+      a restore from a shared multi-server pool also loads the other servers' NICs of the same
+      rail (modelled as one link per rail: ``sim.steps.nics``).
 """
 
 from __future__ import annotations
@@ -74,15 +75,10 @@ class Network:
     def __init__(self, env: simpy.Environment, s: Scenario) -> None:
         g = s.gpu
         n = s.cluster.servers * s.cluster.gpus_per_server
-        self.gpus_per_server = s.cluster.gpus_per_server
         self.nic = [
             FairLink(env, g.nic_gb_s * 1e9, latency_s=g.nic_latency_us * 1e-6, writes_per_s=g.nic_writes_per_s, name=f"nic{i}")
             for i in range(n)
         ]
-
-    def rail_nic(self, server: int, rail: int) -> FairLink:
-        """The NIC of ``server`` on ``rail`` (GPU index within the server modulo the rail count)."""
-        return self.nic[server * self.gpus_per_server + rail % self.gpus_per_server]
 
     def bytes_moved(self) -> int:
         return sum(link.bytes_moved for link in self.nic)

@@ -2,7 +2,9 @@
 
 Contract:
     * Entries are the workload's blocks (64 tokens for Weka traces, a multiple of the 16-token
-      page), named by global integer block ids (``sim.keys`` interns per-session ids).
+      page), named by non-negative integer ids. The cache's memory is by the largest id it has
+      seen (an array by id), so its caller numbers them densely per cache: each prefill's cache
+      names only the blocks its prompts touched (``sim.gpuids``, through ``sim.prompt``).
     * ``hit_blocks(ids, now)``: the longest run of leading blocks held; those blocks count as used now.
     * ``insert(ids, now)``: after a prefill, the prompt's full blocks are held. When the cache
       exceeds its capacity, least recently used blocks go first, and among blocks used at the same
@@ -26,7 +28,8 @@ holds the last use, 0 for a block not held (never inserted or evicted; every mom
 at time 0 counting at the smallest positive float). Eviction consumes the log from its oldest end, so a pass
 costs what it evicts plus the stale entries it reads, not a scan of the whole cache. Within one
 moment, a block's depth is its position in its entry; a block logged twice at one moment counts
-once, at its deepest (``first_occurrences`` after ordering by depth).
+once, at its deepest (``first_occurrences`` after ordering by depth, in a ``Scratch`` that the
+caches of one world share: its contents are never kept between calls).
 """
 
 from __future__ import annotations
@@ -65,6 +68,22 @@ def first_occurrences(ids: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     return scratch[ids] == at
 
 
+class Scratch:
+    """An int32 array by id whose contents no caller keeps (``first_occurrences``' marks), grown
+    on demand: one serves every cache of a world."""
+
+    __slots__ = ("marks",)
+
+    def __init__(self) -> None:
+        self.marks = np.zeros(0, dtype=np.int32)
+
+    def at_least(self, size: int) -> np.ndarray:
+        """The array, ``size`` ids long at least."""
+        if self.marks.size < size:
+            self.marks = np.zeros(size, dtype=np.int32)
+        return self.marks
+
+
 class LogEntry:
     """One logged use: its moment, its blocks in use order, their depths (``None``: 0..n-1) and
     whether a later use of a superset made every block of it stale (``dead``)."""
@@ -79,7 +98,8 @@ class LogEntry:
 
 
 class GPUPrefixCache:
-    def __init__(self, capacity_tokens: int | None, *, evict_fraction: float = 0.05, initial: int = 1 << 16) -> None:
+    def __init__(self, capacity_tokens: int | None, *, evict_fraction: float = 0.05, initial: int = 1 << 16,
+                 scratch: Scratch | None = None) -> None:
         if capacity_tokens is not None and capacity_tokens < 0:
             raise ValueError(f"capacity_tokens must be >= 0, got {capacity_tokens}")
         self.capacity_tokens = capacity_tokens
@@ -89,7 +109,7 @@ class GPUPrefixCache:
         self.blocks = 0
         self.evicted_blocks = 0
         self._log: deque[LogEntry] = deque()  # only kept when the capacity is bounded
-        self._first = np.zeros(0, dtype=np.int32)  # scratch, by block id (see _oldest_moment)
+        self._scratch = scratch or Scratch()  # by block id (see _oldest_moment)
         self._bounded = capacity_tokens is not None
         # the latest moment eviction has taken blocks from: a block last used later is held
         # (eviction takes moments oldest first, and only blocks whose last use is that moment)
@@ -262,9 +282,7 @@ class GPUPrefixCache:
         ids, depth = ids[live], depth[live]
         order = np.argsort(-depth, kind="stable")
         ids, depth = ids[order], depth[order]
-        if self._first.size < self._last.size:  # a block logged twice at one moment counts once
-            self._first = np.zeros(self._last.size, dtype=np.int32)
-        first = first_occurrences(ids, self._first)
+        first = first_occurrences(ids, self._scratch.at_least(self._last.size))  # a block logged twice counts once
         if _ALL(first):
             return ids, depth, t
         return ids[first], depth[first], t

@@ -1,10 +1,12 @@
-"""Names for what the simulator caches: global block ids (GPU cache) and chunk group ids (pool).
+"""Names for what the simulator caches: block ids unique across scopes and chunk group ids (pool).
 
 Contract:
-    * Block ids of a play whose hash scope is local (Weka traces: small per-session ints) are
-      shifted into a dense range of their own per scope, so different sessions and different
-      plays of one session never share GPU cache entries; global-scope ids (scope ``""``,
-      Mooncake traces) share one range.
+    * ``IdRanges`` shifts block ids of a play whose hash scope is local (Weka traces: small
+      per-session ints) into a dense range of their own per scope, in the order scopes are first
+      met, so different sessions and different plays of one session never share an id;
+      global-scope ids (scope ``""``, Mooncake traces) share one range of ``GLOBAL_SCOPE_IDS``.
+      The key space's (``KeySpace.block_offset``) names blocks for chunk chains across scopes
+      (a shared prefix, below); each GPU cache names its blocks itself (``sim.gpuids``).
     * Chunk group ids are a numbering of the policy core's chunk keys, made without hashing:
       two chunks get the same group id exactly when ``policy.chunks.digests_from_blocks`` under
       ``chain_seed(namespace, chain scope)`` gives them the same digest (BLAKE2b-128 collisions
@@ -52,7 +54,7 @@ from kvpool.policy.chunks import block_pieces
 _PIECE_BYTES = 16  # one block piece in a chain payload (policy.chunks)
 
 _NONE = -(1 << 62)  # no parent in the arrays (roots are small negative ids)
-_GLOBAL_RESERVE = 1 << 24  # block ids reserved for global-scope (Mooncake) ids
+GLOBAL_SCOPE_IDS = 1 << 24  # block ids reserved for global-scope (Mooncake) ids
 #: The scope of the block ids of the prefix every session shares (no trace scope starts with NUL).
 SHARED_PREFIX_SCOPE = "\0shared-prefix"
 
@@ -75,12 +77,36 @@ class _ThreadKeys:
     tip: int = 0
 
 
+class IdRanges:
+    """Dense ranges of block ids, one per scope, allocated in first-met order from 0: a local
+    scope's range holds its ids ``0 .. max_id`` (``max_id`` as first given), the global scope's
+    ``GLOBAL_SCOPE_IDS`` ids. ``size``: the ids allocated so far."""
+
+    __slots__ = ("_ranges", "size")
+
+    def __init__(self) -> None:
+        self._ranges: dict[str, tuple[int, int]] = {}  # scope -> (offset, size)
+        self.size = 0
+
+    def offset(self, scope: str, max_id: int) -> int:
+        """Where ``scope``'s block ids start; ``max_id`` bounds every id the scope will use (an
+        error when it exceeds what the scope has reserved)."""
+        got = self._ranges.get(scope)
+        if got is None:
+            size = GLOBAL_SCOPE_IDS if not scope else max_id + 1
+            got = self._ranges[scope] = (self.size, size)
+            self.size += size
+        off, size = got
+        if max_id >= size:
+            raise ValueError(f"block id {max_id} beyond the {size} ids reserved for scope {scope!r}")
+        return off
+
+
 class KeySpace:
     def __init__(self, namespace: str, chunk_tokens: int) -> None:
         self.namespace = namespace  # every seed's: equal scopes give equal seeds (a root each)
         self.chunk_tokens = chunk_tokens
-        self._scope_offsets: dict[str, tuple[int, int]] = {}
-        self._next_block = 0
+        self._blocks = IdRanges()  # block ids unique across scopes (chains under chain scope "")
         self._roots: dict[tuple[str, int], int] = {}  # (scope, block tokens) -> a negative parent id
         self._gid: dict[bytes, int] = {}  # _name(parent id, payload) -> group id, of chunks not below
         self._groups = 0
@@ -96,17 +122,8 @@ class KeySpace:
         return self._groups
 
     def block_offset(self, scope: str, max_id: int) -> int:
-        """Where ``scope``'s block ids start in the dense global range; ``max_id`` bounds every
-        id the scope will use (an error when it exceeds what the scope has reserved)."""
-        got = self._scope_offsets.get(scope)
-        if got is None:
-            size = _GLOBAL_RESERVE if not scope else max_id + 1
-            got = self._scope_offsets[scope] = (self._next_block, size)
-            self._next_block += size
-        off, size = got
-        if max_id >= size:
-            raise ValueError(f"block id {max_id} beyond the {size} ids reserved for scope {scope!r}")
-        return off
+        """Where ``scope``'s block ids start among ids unique across every scope (``IdRanges``)."""
+        return self._blocks.offset(scope, max_id)
 
     def chunk_gids(self, scope: str, thread: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int,
                    *, chain_scope: str | None = None) -> np.ndarray:

@@ -98,7 +98,7 @@ class Lifecycle:
     # 3. lookup --------------------------------------------------------------------------
     def lookup(self, r: Request) -> None:
         r.play = self.prompts.play(r.d)
-        r.prompt = self.prompts.build(r.d)
+        r.prompt = self.prompts.build(r.d, r.prefill.index)
         self.lookup_step(r)
         if r.hits.pool_tokens:
             self.restore_step(r, lambda: self.compute(r))  # 4. restore

@@ -4,7 +4,8 @@ Contract:
     * ``World(s, cost=, unbounded=)`` builds everything a request meets on its way
       (``sim.lifecycle``): the SimPy environment, the cost model, the key space, the prefill and
       decode instances (each prefill with its GPU prefix cache), the pool (``None`` without one),
-      the network (``sim.cluster.Network``) and the SSD links, one router per decode group and
+      the network (``sim.cluster.Network``), the SSD links, in a shared multi-server pool one link
+      per rail for the other servers' NICs (``pool_rails``, ``sim.steps.nics``), one router per decode group and
       the admission gate (``None`` when disabled). It holds no request state and decides nothing.
     * ``unbounded``: infinite GPU caches and pool (the trace-ceiling check).
     * Ranks: prefill rank ``r = stage * tp + t`` holds stage ``r // tp``'s layers (the MLA latent
@@ -27,7 +28,7 @@ from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacit
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import AnalyticalCost, CostModel
-from kvpool.sim.gpucache import GPUPrefixCache
+from kvpool.sim.gpucache import GPUPrefixCache, Scratch
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
 from kvpool.sim.links import FairLink
@@ -64,10 +65,11 @@ class World:
         self.pool = _pool(s, self.rank_bytes, unbounded)
         self._pool_capacity = max(1, self.pool.capacity_bytes) if self.pool is not None else 1
         cache_tokens = None if unbounded else prefill_kv_capacity_tokens(s)
+        scratch = Scratch()  # one for every GPU cache
         self.prefills = [
             PrefillInstance(env, i, pl.server, pl.gpus, pp=s.prefill.pp, tp=tp,
                             max_batched_tokens=s.prefill.max_batched_tokens, cost=self.cost,
-                            cache=GPUPrefixCache(cache_tokens), load_workers=s.cost.load_workers_per_stage)
+                            cache=GPUPrefixCache(cache_tokens, scratch=scratch), load_workers=s.cost.load_workers_per_stage)
             for i, pl in enumerate(self.layout.prefill)
         ]
         self.decodes = [
@@ -88,21 +90,25 @@ class World:
         ssd = s.pool.ssd
         self.ssd_links = [FairLink(env, ssd.read_gb_s_per_server * 1e9, name=f"ssd{i}") for i in range(s.cluster.servers)]
         self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus
-        #: per prefill, per rank: its own NIC and the remote NICs that carry a share of its pool traffic
-        self.rank_nics = [self._nics_of(p) for p in self.prefills]
+        #: per rail, in a shared multi-server pool: one link standing for the other servers' NICs
+        #: of that rail, which carry their part of every pool transfer (sim.steps.nics); else none
+        self.pool_rails = self._pool_rails()
+        #: per prefill, per rank: its own NIC and its rail's link for the other servers' part (or None)
+        self.rank_nics = [[self._nics_of(p, rank) for rank in range(p.ranks)] for p in self.prefills]
 
-    def _nics_of(self, p: PrefillInstance) -> list[tuple[FairLink, list[FairLink]]]:
-        """Per rank of ``p``: its own NIC and, in a shared multi-server pool, the NICs of the other
-        servers on its rail (in server order), which carry their share of its pool traffic."""
-        out = []
-        servers = self.s.cluster.servers
-        shared = self.pool is not None and self.pool.mode == "shared" and servers > 1
-        for rank in range(p.ranks):
-            gpu = p.rank_gpu(rank)
-            rail = gpu % self.s.cluster.gpus_per_server
-            remotes = [self.net.rail_nic(srv, rail) for srv in range(servers) if srv != p.server] if shared else []
-            out.append((self.net.nic[gpu], remotes))
-        return out
+    def _pool_rails(self) -> list[FairLink]:
+        c, g = self.s.cluster, self.s.gpu
+        if self.pool is None or self.pool.mode != "shared" or c.servers < 2:
+            return []
+        others = c.servers - 1  # a rail's NICs on the other servers, as one link of their rate
+        return [FairLink(self.env, others * g.nic_gb_s * 1e9, latency_s=g.nic_latency_us * 1e-6,
+                         writes_per_s=others * g.nic_writes_per_s, name=f"pool-rail{rail}")
+                for rail in range(c.gpus_per_server)]
+
+    def _nics_of(self, p: PrefillInstance, rank: int) -> tuple[FairLink, FairLink | None]:
+        gpu = p.rank_gpu(rank)
+        rail = self.pool_rails[gpu % self.s.cluster.gpus_per_server] if self.pool_rails else None
+        return self.net.nic[gpu], rail
 
     def _decode_occupancy(self, now: float, _frac: float) -> None:
         cap = self._decode_capacity_tokens

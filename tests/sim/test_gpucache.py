@@ -163,3 +163,26 @@ def test_moment_zero_is_a_moment_before_every_later_one():
     c.insert(np.array([5]), 1.0, 64)
     assert set(np.flatnonzero(c.held).tolist()) == {1, 3, 4, 5}
     assert c.blocks == 4 and c.evicted_blocks == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans(), st.lists(st.integers(0, 60), min_size=1, max_size=16)),
+                max_size=60))
+def test_caches_sharing_one_scratch_decide_as_alone(ops):
+    """Two caches whose scratch is one (left dirty by the other, grown by the larger ids) hold,
+    hit and evict exactly what each does with its own; moments of several entries, repeated ids."""
+    from kvpool.sim.gpucache import Scratch
+
+    shared = Scratch()
+    together = [GPUPrefixCache(12 * 64, scratch=shared), GPUPrefixCache(12 * 64, scratch=shared)]
+    alone = [GPUPrefixCache(12 * 64), GPUPrefixCache(12 * 64)]
+    for i, (which, is_hit, p) in enumerate(ops):
+        now = float(i // 4)  # several calls per moment
+        ids = np.array(p) + (1000 if which else 0)  # the second cache's ids run larger
+        for c in (together[which], alone[which]):
+            if is_hit:
+                c.hit_blocks(ids, now)
+            else:
+                c.insert(ids, now, 64)
+        assert np.array_equal(together[which].held, alone[which].held)
+        assert together[which].evicted_blocks == alone[which].evicted_blocks
