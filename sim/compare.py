@@ -137,38 +137,10 @@ def figure(arms: dict[str, Sequence[dict]], path: Path, title: str = "") -> None
     w = 0.8 / len(names)
     fig, (a1, a2, a3, a4) = plt.subplots(1, 4, figsize=(18, 4.6))
     rat = ratios(arms)
-    for ax, metric, ylabel in ((a1, "throughput_tok_s", "system throughput (K tok/s)"),
-                               (a2, "throughput_per_gpu_tok_s", "throughput per GPU (K tok/s)")):
-        tops = np.zeros(len(loads))
-        for j, n in enumerate(names):
-            vals = np.array([r[metric] / 1e3 for r in arms[n]])
-            ax.bar(x + j * w, vals, w, color=colour[n])
-            tops = np.maximum(tops, vals)
-        for i in range(len(loads)):  # the reference over each other arm, above the reference's bar
-            text = "\n".join(_x(rat[n][i][metric]) + (f" vs {n}" if len(names) > 2 else "") for n in names[1:])
-            if text:
-                ax.text(x[i], tops[i] * 1.02, text, ha="center", va="bottom", fontsize=8)
-        ax.set_ylim(0, max(tops.max(), 1e-9) * (1.18 + 0.06 * max(0, len(names) - 2)))
-        ax.set_ylabel(ylabel)
-    for n in names:
-        a3.plot(loads, [r["ttft_p50_s"] for r in arms[n]], "o-", color=colour[n])
-        a3.plot(loads, [r["ttft_p90_s"] for r in arms[n]], "s--", color=colour[n])
-    a3.set_ylim(bottom=0)
-    a3.set_ylabel("time to first token (s)")
-    a3.set_xlabel(key)
-    a3.legend(handles=[plt.Line2D([], [], color="gray", marker="o", ls="-", label="p50"),
-                       plt.Line2D([], [], color="gray", marker="s", ls="--", label="p90")], fontsize=8)
-    for j, n in enumerate(names):
-        bottom = np.zeros(len(loads))
-        for k, _, alpha, hatch in _SOURCES:
-            vals = np.array([r[k] for r in arms[n]]) * 100
-            a4.bar(x + j * w, vals, w, bottom=bottom, color=colour[n], alpha=alpha, hatch=hatch,
-                   edgecolor=colour[n], linewidth=0.6)
-            bottom += vals
-    a4.set_ylim(0, 100)
-    a4.set_ylabel("share of prompt tokens (%)")
-    a4.legend(handles=[Patch(facecolor="gray", alpha=a, hatch=h, edgecolor="gray", label=lab) for _, lab, a, h in _SOURCES],
-              fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
+    _throughput_panel(a1, arms, rat, colour, x, w, "throughput_tok_s", "system throughput (K tok/s)")
+    _throughput_panel(a2, arms, rat, colour, x, w, "throughput_per_gpu_tok_s", "throughput per GPU (K tok/s)")
+    _ttft_panel(a3, arms, colour, loads, plt)
+    _sources_panel(a4, arms, colour, x, w, Patch)
     for ax in (a1, a2, a4):
         ax.set_xticks(x + w * (len(names) - 1) / 2, loads)
     for ax in (a1, a2, a3, a4):
@@ -182,3 +154,49 @@ def figure(arms: dict[str, Sequence[dict]], path: Path, title: str = "") -> None
     fig.tight_layout(rect=(0, 0.05, 1, 0.9))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _throughput_panel(ax, arms, rat, colour, x, w, metric: str, ylabel: str) -> None:
+    """One bar per arm and load; above the reference's bars, its value over each other arm's."""
+    import numpy as np
+
+    names = list(arms)
+    tops = np.zeros(len(x))
+    for j, n in enumerate(names):
+        vals = np.array([r[metric] / 1e3 for r in arms[n]])
+        ax.bar(x + j * w, vals, w, color=colour[n])
+        tops = np.maximum(tops, vals)
+    for i in range(len(x)):
+        text = "\n".join(_x(rat[n][i][metric]) + (f" vs {n}" if len(names) > 2 else "") for n in names[1:])
+        if text:
+            ax.text(x[i], tops[i] * 1.02, text, ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, max(tops.max(), 1e-9) * (1.18 + 0.06 * max(0, len(names) - 2)))
+    ax.set_ylabel(ylabel)
+
+
+def _ttft_panel(ax, arms, colour, loads, plt) -> None:
+    """TTFT p50 (solid) and p90 (dashed) per arm, from 0."""
+    for n in arms:
+        ax.plot(loads, [r["ttft_p50_s"] for r in arms[n]], "o-", color=colour[n])
+        ax.plot(loads, [r["ttft_p90_s"] for r in arms[n]], "s--", color=colour[n])
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("time to first token (s)")
+    ax.legend(handles=[plt.Line2D([], [], color="gray", marker="o", ls="-", label="p50"),
+                       plt.Line2D([], [], color="gray", marker="s", ls="--", label="p90")], fontsize=8)
+
+
+def _sources_panel(ax, arms, colour, x, w, Patch) -> None:
+    """Each arm's token sources as stacked shares (one shade and hatch per source)."""
+    import numpy as np
+
+    for j, n in enumerate(arms):
+        bottom = np.zeros(len(x))
+        for k, _, alpha, hatch in _SOURCES:
+            vals = np.array([r[k] for r in arms[n]]) * 100
+            ax.bar(x + j * w, vals, w, bottom=bottom, color=colour[n], alpha=alpha, hatch=hatch,
+                   edgecolor=colour[n], linewidth=0.6)
+            bottom += vals
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("share of prompt tokens (%)")
+    ax.legend(handles=[Patch(facecolor="gray", alpha=a, hatch=h, edgecolor="gray", label=lab) for _, lab, a, h in _SOURCES],
+              fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
