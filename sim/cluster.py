@@ -1,10 +1,9 @@
 """Placement of instances on servers and NUMA nodes, and the links between them.
 
 Contract:
-    * Servers -> NUMA nodes -> GPUs; each instance takes whole NUMA nodes (4 GPUs of one node in
-      the seed). Decode instance ``g`` goes to server ``g mod servers``; prefill instances fill the
-      remaining NUMA nodes server by server, assigned round-robin to the decode groups and, where
-      the cluster allows, never on their own group's decode server (the seed's placement).
+    * ``place(s)``: the instances on servers and NUMA nodes (``policy.placement``: each instance
+      takes whole NUMA nodes, 4 GPUs of one node in the seed; decode instance ``g`` on server
+      ``g mod servers``, prefill instances off their group's decode server where the cluster allows).
     * Every GPU has a NIC (``FairLink`` at ``gpu.nic_gb_s`` with the NIC's message rate). Store
       services share the NICs of their server (the seed: "the Store has no NICs of its own"), so
       a restore from a shared multi-server pool also loads the other servers' NICs of the same
@@ -13,60 +12,19 @@ Contract:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import simpy
 
+from kvpool.policy.placement import Layout
+from kvpool.policy.placement import place as place_instances
 from kvpool.scenario.model import Scenario
 from kvpool.sim.links import FairLink
 
 
-@dataclass
-class Placement:
-    server: int
-    numa: int
-    gpus: list[int]  # global GPU indices
-    group: int = 0
-
-
-@dataclass
-class Layout:
-    prefill: list[Placement] = field(default_factory=list)
-    decode: list[Placement] = field(default_factory=list)
-
-
 def place(s: Scenario) -> Layout:
+    """The scenario's instances on its servers and NUMA nodes (``policy.placement.place``)."""
     c = s.cluster
-    per_numa = c.gpus_per_server // c.numa_per_server
-    slots = [(srv, n) for srv in range(c.servers) for n in range(c.numa_per_server)]
-    free = list(slots)
-
-    def take(gpus: int, prefer: list[tuple[int, int]]) -> Placement:
-        need = max(1, -(-gpus // per_numa))
-        for i, (srv, n) in enumerate(prefer):
-            run = [(srv, n + k) for k in range(need)]
-            if all(r in free for r in run):
-                for r in run:
-                    free.remove(r)
-                ids = [srv * c.gpus_per_server + (n + k) * per_numa + j for k in range(need) for j in range(per_numa)]
-                return Placement(srv, n, ids[:gpus])
-        raise ValueError("the cluster has too few free NUMA nodes for the instances (check cluster and instance sizes)")
-
-    lay = Layout()
-    for g in range(s.decode.instances):
-        srv = g % c.servers
-        pl = take(s.decode.gpus, [x for x in free if x[0] == srv] + free)
-        pl.group = g
-        lay.decode.append(pl)
-    groups = max(1, s.decode.instances)
-    for i in range(s.prefill.instances):
-        g = i % groups
-        dec_server = lay.decode[g].server if lay.decode else -1
-        prefer = [x for x in free if x[0] != dec_server] + [x for x in free if x[0] == dec_server]
-        pl = take(s.prefill.gpus, prefer)
-        pl.group = g
-        lay.prefill.append(pl)
-    return lay
+    return place_instances(c.servers, c.gpus_per_server, c.numa_per_server,
+                           s.decode.instances, s.decode.gpus, s.prefill.instances, s.prefill.gpus)
 
 
 class Network:

@@ -32,6 +32,9 @@ from kvpool.sim.events import call_later, fire, scheduler
 
 _INF = float("inf")
 _EPS_S = 1e-9  # completions this close are due now (float rounding; keeps every wait > 0)
+# ... or this close relative to the clock: past ~1e7 s a float clock no longer resolves 1e-9 s, and a
+# wake-up ``now + wait`` that rounds to ``now`` would repeat forever (4 ulps of the clock)
+_REL_EPS = 4 * 2.0**-52
 
 
 class Join:
@@ -156,7 +159,7 @@ class FairLink:
                 self.busy_s += dt
         self._last = now
         virtual = self._virtual
-        due = virtual + _EPS_S * bps / n
+        due = virtual + max(_EPS_S, now * _REL_EPS) * bps / n
         first = None  # the completed transfers: the first, then any others (rare)
         more = None
         while active and active[0][0] <= due:  # none when an arrival made this wake-up early

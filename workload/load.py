@@ -85,11 +85,20 @@ def _json(text: bytes, file: str, line: int | None = None) -> Any:
         return json.loads(text)
     except RecursionError:
         raise TraceError("JSON nested too deeply", file=file, request=None if line is None else f"line {line}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        where = f"line {line}" if line is not None else None
-        detail = f"line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) and line is None else ""
-        msg = f"invalid JSON ({e.msg if isinstance(e, json.JSONDecodeError) else e}{', ' + detail if detail else ''})"
-        raise TraceError(msg, file=file, request=where) from None
+    except ValueError as e:
+        if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+            raise _invalid(e, file, line) from None
+        # Python refuses to convert an integer of thousands of digits: no field allows one
+        raise TraceError("invalid JSON (a number of more than 4300 digits)", file=file,
+                         request=None if line is None else f"line {line}") from None
+
+
+def _invalid(e: ValueError, file: str, line: int | None) -> TraceError:
+    """The TraceError of JSON that does not parse, naming where."""
+    where = f"line {line}" if line is not None else None
+    detail = f"line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) and line is None else ""
+    msg = f"invalid JSON ({e.msg if isinstance(e, json.JSONDecodeError) else e}{', ' + detail if detail else ''})"
+    return TraceError(msg, file=file, request=where)
 
 
 _I64_MAX = 2**63 - 1
@@ -178,7 +187,7 @@ def _weka_doc(data: bytes, file: str, line: int | None = None) -> tuple[Any, lis
     if fast is not None:
         try:
             return json.loads(fast[0]), fast[1]
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, too many digits
             pass
     return _json(data, file, line), None
 

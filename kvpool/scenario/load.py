@@ -7,7 +7,6 @@ and what is allowed, on one line per problem; the CLI prints it without a traceb
 from __future__ import annotations
 
 import copy
-import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from importlib import resources
@@ -32,20 +31,44 @@ def builtin_names() -> list[str]:
 
 MAX_SCENARIO_BYTES = 1 << 20   # a scenario file is a few KiB
 MAX_OVERRIDE_CHARS = 4096      # one --set value
-MAX_INT_DIGITS = 24            # wider than every bound of the model (and than 64 bits)
-_LONG_INT = re.compile(r"(?<![\w.])[+-]?\d[\d_]{%d,}" % MAX_INT_DIGITS)
+MAX_INT_BITS = 64              # wider than every bound of the model
+_WIDE_INT = "an integer wider than 64 bits; every field's bound is smaller (docs/scenario.md)"
+
+
+def _wide_int_at(value: Any, path: str = "") -> str | None:
+    """The path of the first integer in a parsed TOML value wider than ``MAX_INT_BITS`` (in any
+    notation: decimal, hex, octal, binary), else ``None``. Such an integer is refused before anything
+    prints it (its decimal form may exceed Python's conversion limit)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return path if value.bit_length() > MAX_INT_BITS else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        where = _wide_int_at(v, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k))
+        if where is not None:
+            return where
+    return None
+
+
+def _integer_limit(e: ValueError) -> bool:
+    """Whether ``e`` is Python's refusal to convert an integer of too many digits."""
+    return "integer string conversion" in str(e)
 
 
 def _read_toml(text: str, source: str) -> dict:
-    if _LONG_INT.search(text):
-        raise ScenarioError(f"{source}: an integer of more than {MAX_INT_DIGITS} digits; every field's bound is "
-                            "smaller (docs/scenario.md)")
     try:
-        return tomllib.loads(text)
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{source}: not valid TOML: {e}") from None
-    except (ValueError, RecursionError) as e:
+    except ValueError as e:
+        if _integer_limit(e):
+            raise ScenarioError(f"{source}: {_WIDE_INT}") from None
         raise ScenarioError(f"{source}: not a usable TOML document: {type(e).__name__}: {str(e)[:200]}") from None
+    except RecursionError:
+        raise ScenarioError(f"{source}: not a usable TOML document: nested too deeply") from None
+    where = _wide_int_at(raw)
+    if where is not None:
+        raise ScenarioError(f"{source}: {where}: {_WIDE_INT}")
+    return raw
 
 
 def read_raw(name_or_path: str | Path) -> tuple[dict, str]:
@@ -138,8 +161,8 @@ def _short(value: Any) -> str:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``section.field=value`` -> (path, value). The value is read as TOML, else as a string.
 
-    A value longer than ``MAX_OVERRIDE_CHARS`` or with an integer of more than ``MAX_INT_DIGITS``
-    digits is refused before it is parsed."""
+    A value longer than ``MAX_OVERRIDE_CHARS`` is refused before it is parsed, one holding an integer
+    wider than ``MAX_INT_BITS`` (in any notation) once it is."""
     if "=" not in text:
         raise ScenarioError(f"--set {_short(text)}: expected section.field=value")
     key, _, val = text.partition("=")
@@ -149,13 +172,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     val = val.strip()
     if len(val) > MAX_OVERRIDE_CHARS:
         raise ScenarioError(f"--set {key.strip()}: value of {len(val)} characters; at most {MAX_OVERRIDE_CHARS}")
-    if _LONG_INT.search(val):
-        raise ScenarioError(f"--set {key.strip()}: an integer of more than {MAX_INT_DIGITS} digits; every field's "
-                            "bound is smaller (docs/scenario.md)")
     try:
         value = tomllib.loads(f"v = {val}")["v"]
-    except (tomllib.TOMLDecodeError, ValueError, RecursionError):
+    except ValueError as e:  # TOMLDecodeError included
+        if _integer_limit(e):
+            raise ScenarioError(f"--set {key.strip()}: {_WIDE_INT}") from None
         value = val
+    except RecursionError:
+        value = val
+    if _wide_int_at(value) is not None:
+        raise ScenarioError(f"--set {key.strip()}: {_WIDE_INT}")
     return path, value
 
 

@@ -12,12 +12,15 @@ from typing import Annotated, Literal
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from kvpool.policy.kvspec import ExtraRecord, KVSpec, every_kth_layer
+from kvpool.policy.placement import place
 from kvpool.workload.presets import PRESETS
 
 
 # Strict scalar types: no bool taken as a number, no string coerced to a number or a bool, no
 # non-finite float. Each numeric field also has an upper bound that a real deployment cannot reach,
-# so a typo is an error rather than a run that never ends or exhausts memory.
+# so a typo is an error rather than a run that never ends or exhausts memory; each rate the cost
+# model divides by (bandwidths, FLOP/s, efficiencies) a lower one far below any real device, so a
+# step never takes an infinite or astronomically long time.
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict(), AllowInfNan(False)]
 Bool = Annotated[bool, Strict()]
@@ -89,10 +92,10 @@ class GPUConfig(_Section):
 
     name: Label = Field(description="GPU model")
     hbm_gb: Float = Field(gt=0, le=10_000, description="HBM per GPU, GB (1e9 B)")
-    hbm_tb_s: Float = Field(gt=0, le=1_000, description="HBM bandwidth, TB/s")
-    dense_tflops: Float = Field(gt=0, le=1_000_000, description="dense peak of the compute dtype, TFLOP/s")
-    nic_gb_s: Float = Field(gt=0, le=10_000, description="effective large-write bandwidth of the GPU's NIC, GB/s")
-    nic_writes_per_s: Float = Field(gt=0, le=1e10, description="small-write message rate of one NIC, writes/s")
+    hbm_tb_s: Float = Field(ge=0.01, le=1_000, description="HBM bandwidth, TB/s")
+    dense_tflops: Float = Field(ge=0.01, le=1_000_000, description="dense peak of the compute dtype, TFLOP/s")
+    nic_gb_s: Float = Field(ge=0.001, le=10_000, description="effective large-write bandwidth of the GPU's NIC, GB/s")
+    nic_writes_per_s: Float = Field(ge=1, le=1e10, description="small-write message rate of one NIC, writes/s")
     nic_latency_us: Float = Field(default=5.0, ge=0, le=1_000_000, description="one-way NIC latency, microseconds")
 
 
@@ -142,7 +145,7 @@ class SSDConfig(_Section):
 
     enabled: Bool = Field(default=False, description="add the SSD tier")
     gib_per_server: Float = Field(default=0.0, ge=0, le=1_048_576, description="SSD capacity per server, GiB")
-    read_gb_s_per_server: Float = Field(default=12.0, gt=0, le=10_000, description="SSD read bandwidth per server, GB/s")
+    read_gb_s_per_server: Float = Field(default=12.0, ge=0.001, le=10_000, description="SSD read bandwidth per server, GB/s")
 
 
 class PoolConfig(_Section):
@@ -244,7 +247,7 @@ class WorkloadConfig(_Section):
 class CostConfig(_Section):
     """Parameters of the analytical cost model (``kvpool.sim.cost``); sources in docs/cost-model.md."""
 
-    prefill_mfu: Float = Field(default=0.15, gt=0, le=1, description="achieved fraction of dense peak in prefill")
+    prefill_mfu: Float = Field(default=0.15, ge=0.001, le=1, description="achieved fraction of dense peak in prefill")
     attention_flops_per_token: Float = Field(
         default=2.2e10, ge=0, le=1e15, description="context-independent attention FLOPs per prefilled token (sparse MLA, top-2048)"
     )
@@ -260,10 +263,10 @@ class CostConfig(_Section):
     decode_kv_read_bytes_per_token: Float = Field(
         default=2800.0, ge=0, le=1e7, description="KV bytes a decode step reads per context token (DSA indexer keys)"
     )
-    hbm_efficiency: Float = Field(default=0.5, gt=0, le=1, description="achieved fraction of HBM bandwidth")
-    unpack_gb_s: Float = Field(default=1000.0, gt=0, le=100_000, description="GPU pack/gather/scatter copy rate, GB/s")
+    hbm_efficiency: Float = Field(default=0.5, ge=0.001, le=1, description="achieved fraction of HBM bandwidth")
+    unpack_gb_s: Float = Field(default=1000.0, ge=0.001, le=100_000, description="GPU pack/gather/scatter copy rate, GB/s")
     pool_load_gb_s: Float = Field(
-        default=10.0, gt=0, le=100_000, description="one load worker's pool read + unpack rate, GB/s (after the NIC transfer)"
+        default=10.0, ge=0.001, le=100_000, description="one load worker's pool read + unpack rate, GB/s (after the NIC transfer)"
     )
     load_workers_per_stage: Int = Field(default=1, gt=0, le=1024, description="concurrent pool loads per prefill stage")
     frontend_overhead_s: Float = Field(
@@ -311,6 +314,9 @@ class Scenario(_Section):
                 f"prefill ({p.instances} x {p.gpus} GPUs) and decode ({self.decode.instances} x "
                 f"{self.decode.gpus} GPUs) need {gpus_needed} GPUs; the cluster has {gpus_have}"
             )
+        c = self.cluster
+        place(c.servers, c.gpus_per_server, c.numa_per_server,
+              self.decode.instances, self.decode.gpus, p.instances, p.gpus)  # PlacementError: a ValueError
         if self.decode.tp % self.decode.dcp:
             raise ValueError(f"decode.dcp ({self.decode.dcp}) must divide decode.tp ({self.decode.tp})")
         if self.handoff.max_write_bytes < m.record_bytes:

@@ -15,6 +15,7 @@ import io
 import json
 import math
 import os
+import re
 import time
 import typing
 from pathlib import Path
@@ -348,3 +349,76 @@ def test_atomic_path_without_replace_never_clobbers(tmp_path):
     with pytest.raises(FileExistsError), atomic_path(target, replace=False) as tmp:
         tmp.write_text("other")
     assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+# -- wide integers, slow hardware, NUMA placement ---------------------------------------------------
+
+@pytest.mark.parametrize("literal", ["0x" + "F" * 4000, "0o" + "7" * 30, "0b" + "1" * 65, "9" * 5000, "[1, 0x" + "F" * 20 + "]"])
+def test_an_integer_wider_than_64_bits_in_any_notation_is_one_error(tmp_path, literal):
+    assert_clean(cli("scenario", "show", "mi355x-1p1d", "--set", f"pool.parts={literal}", "--json"), ("--set pool.parts",))
+    code, toml, _, _ = cli("scenario", "show", "mi355x-1p1d", "--toml")
+    f = tmp_path / "wide.toml"
+    f.write_text(re.sub(r"(?m)^seed = .*$", f"seed = {literal}", toml))
+    r = cli("scenario", "validate", str(f))
+    assert_clean(r, (str(f),))
+    assert r[0] == 2 and "wider than 64 bits" in r[2]
+
+
+def test_digits_inside_a_string_are_not_an_integer(tmp_path):
+    r = cli("scenario", "show", "mi355x-1p1d", "--set", 'description="build 1234567890123456789012345678"', "--json")
+    assert r[0] == 0 and "1234567890123456789012345678" in _strict_json(r[1])["scenario"]["description"]
+
+
+@pytest.mark.parametrize("name, text", [
+    ("t.json", '{"id": "t", "block_size": 16, "requests": [{"t": 0, "type": "n", "in": 64, "out": %s, "hash_ids": [1, 2, 3, 4]}]}'),
+    ("t.jsonl", '{"id": "t", "block_size": 16, "requests": [{"t": 0, "type": "n", "in": 64, "out": 8, "hash_ids": [1, %s]}]}\n'),
+    ("m.jsonl", '{"timestamp": %s, "input_length": 1024, "output_length": 16, "hash_ids": [1, 2]}\n'),
+])
+def test_a_trace_number_of_thousands_of_digits_is_an_error_naming_the_file(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text % ("9" * 5000))
+    r = cli("trace", "stats", str(p), "--json")
+    assert_clean(r, (str(p),))
+    assert r[0] == 2 and "more than 4300 digits" in r[2]
+
+
+@pytest.mark.parametrize("field, below", [("gpu.dense_tflops", "1e-6"), ("gpu.hbm_tb_s", "5e-324"), ("gpu.nic_gb_s", "1e-12"),
+                                          ("gpu.nic_writes_per_s", "1e-6"), ("cost.prefill_mfu", "1e-300"),
+                                          ("cost.hbm_efficiency", "1e-300"), ("cost.unpack_gb_s", "1e-12")])
+def test_a_rate_below_any_real_device_is_refused(field, below):
+    r = cli("scenario", "show", "mi355x-1p1d", "--set", f"{field}={below}", "--json")
+    assert_clean(r, (field,))
+    assert r[0] == 2 and "greater than or equal to" in r[2]
+
+
+def test_the_slowest_allowed_hardware_runs_within_the_bound_and_writes_finite_json(tmp_path):
+    slow = ["gpu.dense_tflops=0.01", "gpu.hbm_tb_s=0.01", "gpu.nic_gb_s=0.001", "gpu.nic_writes_per_s=1",
+            "cost.prefill_mfu=0.001", "cost.hbm_efficiency=0.001", "cost.unpack_gb_s=0.001", "cost.pool_load_gb_s=0.001"]
+    for one in [[x] for x in slow] + [slow]:
+        r = cli("sim", "run", "mi355x-1p1d", "--sessions", "1", "--duration", "20", "--set", "workload.synthetic_sessions=2",
+                *[a for x in one for a in ("--set", x)], "--out", str(tmp_path), "--json")
+        assert_clean(r, ())
+        assert r[0] == 0, (one, r[2])
+        assert all(math.isfinite(v) for v in _numbers(_strict_json(r[1])) if isinstance(v, float)), one
+
+
+def test_a_link_at_a_large_clock_completes_its_transfers():
+    """Past ~1e7 s a float clock no longer resolves 1e-9 s; a transfer there still completes."""
+    import simpy
+
+    from kvpool.sim.links import FairLink
+
+    env = simpy.Environment(initial_time=1.5e13)
+    link = FairLink(env, 1e9, latency_s=5e-6, writes_per_s=1e6, name="nic")
+    done = [link.transfer(4096), link.transfer(1 << 20, writes=3)]
+    t0 = time.monotonic()
+    env.run(until=env.now + 10)
+    assert all(ev.processed for ev in done) and time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("numa, needle", [("1", "do not fit the NUMA nodes"), ("16", "exceeds cluster.gpus_per_server")])
+def test_numa_nodes_that_cannot_hold_the_instances_are_one_error(tmp_path, numa, needle):
+    r = cli("sim", "run", "mi355x-1p1d", "--sessions", "1", "--duration", "20", "--set", "workload.synthetic_sessions=2",
+            "--set", f"cluster.numa_per_server={numa}", "--out", str(tmp_path), "--json")
+    assert_clean(r, ("cluster.numa_per_server",))
+    assert r[0] == 2 and needle in r[2] and not list(tmp_path.iterdir())
