@@ -65,9 +65,34 @@ def synthetic_to_build(s: Scenario, traces: str | None = None) -> bool:
     return not _synthetic_path(s.workload.preset, s.workload.synthetic_sessions, s.seed, s.workload.context_scale).is_file()
 
 
-@lru_cache(maxsize=4)
-def _synthetic(preset: str, sessions: int, seed: int, context_scale: float = 1.0) -> Workload:
-    """A synthetic workload, generated once and kept in the user's cache directory (``cache_dir``)."""
+def build_synthetic(s: Scenario, on_session: Callable[[int], None] | None = None) -> Workload:
+    """``s``'s synthetic workload (``workload_for`` without a trace set), with ``on_session(k)``
+    called as each session is made when it is generated here rather than read from the cache."""
+    w = s.workload
+    return _synthetic(w.preset, w.synthetic_sessions, s.seed, w.context_scale, on_session)
+
+
+_SYNTHETIC_KEPT = 4  # synthetic workloads kept in memory per process
+_synthetic_kept: dict[tuple[str, int, int, float], Workload] = {}
+
+
+def _synthetic(preset: str, sessions: int, seed: int, context_scale: float = 1.0,
+               on_session: Callable[[int], None] | None = None) -> Workload:
+    """A synthetic workload: kept in memory (the last few) and in the user's cache directory
+    (``cache_dir``), generated once (``on_session``: progress, when it is generated here)."""
+    key = (preset, sessions, seed, context_scale)
+    got = _synthetic_kept.get(key)
+    if got is None:
+        got = _load_or_generate(preset, sessions, seed, context_scale, on_session)
+        if len(_synthetic_kept) >= _SYNTHETIC_KEPT:
+            del _synthetic_kept[next(iter(_synthetic_kept))]
+        _synthetic_kept[key] = got
+    return got
+
+
+def _load_or_generate(preset: str, sessions: int, seed: int, context_scale: float,
+                      on_session: Callable[[int], None] | None) -> Workload:
+    """The synthetic workload from the cache directory, or generated and written there."""
     import pickle
 
     from kvpool.workload import synth
@@ -80,7 +105,7 @@ def _synthetic(preset: str, sessions: int, seed: int, context_scale: float = 1.0
                 return pickle.load(f)
         except (OSError, pickle.UnpicklingError, EOFError, AttributeError):
             pass  # unreadable cache entry: generate again
-    w = synth.synthetic_workload(preset, sessions, seed, context_scale=context_scale)
+    w = synth.synthetic_workload(preset, sessions, seed, context_scale=context_scale, on_session=on_session)
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -38,6 +38,8 @@ The session model (docs/traces.md, "Synthetic sessions"):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import gzip
 import json
 from dataclasses import asdict, dataclass, field, replace
@@ -362,11 +364,18 @@ def write_weka_dir(docs, out: str | Path) -> int:
     return n
 
 
-def synthetic_workload(preset: str, sessions: int, seed: int, *, context_scale: float = 1.0) -> Workload:
+def synthetic_workload(preset: str, sessions: int, seed: int, *, context_scale: float = 1.0,
+                       on_session: Callable[[int], None] | None = None) -> Workload:
     """A :class:`Workload` of ``sessions`` synthetic sessions, in memory (no file);
-    ``context_scale``: see ``SynthParams.with_context_scale``."""
+    ``context_scale``: see ``SynthParams.with_context_scale``; ``on_session(k)`` after session ``k``
+    is made (progress)."""
     p = preset_params(preset).with_context_scale(context_scale)
-    return Workload(tuple(session_from_weka(generate_session(p, seed=seed, index=k), source=f"synth:{preset}") for k in range(sessions)))
+    out = []
+    for k in range(sessions):
+        out.append(session_from_weka(generate_session(p, seed=seed, index=k), source=f"synth:{preset}"))
+        if on_session is not None:
+            on_session(k)
+    return Workload(tuple(out))
 
 
 # -- light statistics (for fitting) -----------------------------------------------------------

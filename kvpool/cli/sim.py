@@ -104,7 +104,7 @@ def executor_runner(executor: str, address: str | None, workers: int, console: C
 def prepare_workload(s, traces: str | None, console: Console) -> None:
     """Generate a scenario's synthetic workload here, once, before its runs (saying so), so that it is
     cached for every worker and for the next command."""
-    from kvpool.sim.run import cache_dir, synthetic_to_build, workload_for
+    from kvpool.sim.run import build_synthetic, cache_dir, synthetic_to_build
 
     if not synthetic_to_build(s, traces):
         return
@@ -112,9 +112,11 @@ def prepare_workload(s, traces: str | None, console: Console) -> None:
     home = str(Path.home())
     if where.startswith(home + os.sep):
         where = "~" + where[len(home):]
-    console.print(f"building the {s.workload.preset} workload ({s.workload.synthetic_sessions} sessions), "
-                  f"cached under {where} for next time")
-    workload_for(s, traces)
+    sessions = s.workload.synthetic_sessions
+    console.print(f"building the {s.workload.preset} workload ({sessions} sessions), cached under {where} for next time")
+    with _progress(console, disable=False) as progress:
+        task = progress.add_task("building sessions", total=sessions)
+        build_synthetic(s, on_session=lambda _k: progress.advance(task))
 
 
 def degenerate(rows: list[dict], prefix: str = "") -> list[str]:

@@ -212,3 +212,19 @@ def test_usage_errors_are_one_error_line_with_status_2():
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith(needle), (args, r.stderr)
         assert lines[0].endswith(f"(see kvpool {args[0]}{' ' + args[1] if args[1] != 'nope' else ''} --help)"), lines
+
+
+def test_building_a_synthetic_workload_reports_each_session_once(tmp_path, monkeypatch):
+    """The first run's workload build advances its progress once per session; a second build of
+    the same workload comes from memory or the cache and reports nothing."""
+    from kvpool.scenario import load_scenario
+    from kvpool.sim import run as run_mod
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(run_mod, "_synthetic_kept", {})
+    s = load_scenario("mi355x-1p1d", ["workload.synthetic_sessions=7", "seed=12345"])
+    seen: list[int] = []
+    w = run_mod.build_synthetic(s, on_session=seen.append)
+    assert seen == list(range(7)) and len(w.sessions) == 7
+    assert run_mod.build_synthetic(s, on_session=seen.append) is w and seen == list(range(7))
+    assert run_mod.workload_for(s) is w
