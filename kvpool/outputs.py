@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,13 +70,24 @@ def refuse_existing(path: Path, flag: str, force: bool) -> None:
         raise UserError(f"{flag} {path}: exists; give --force to overwrite it, or another name")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(final: Path, replace: bool = True) -> Iterator[Path]:
     """A temporary sibling of ``final``, renamed onto it on success (``replace=False``: linked to it,
     never replacing an existing file) and removed on failure."""
     final = Path(final)
     suffixes = "".join(final.suffixes[-2:]) if final.name.endswith((".jsonl.gz", ".json.gz")) else final.suffix
-    tmp = final.with_name(f".{final.name[:150]}.{os.getpid()}.tmp{suffixes}")
+    # created here, exclusively, under an unpredictable name: nothing planted beforehand is followed
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{final.name[:150]}.", suffix=f".tmp{suffixes}", dir=final.parent)
+    os.fchmod(fd, 0o666 & ~_umask())  # the mode a plain open() would give, not mkstemp's 0600
+    os.close(fd)
+    tmp = Path(name)
     try:
         yield tmp
         if replace:

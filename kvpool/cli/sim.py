@@ -58,8 +58,10 @@ def check_load(s, load: float, flag: str) -> None:
 
 def refuse_other_run(path: Path, run_id: str) -> None:
     """A result file of this name that holds another run's document (another ``id``) is not replaced."""
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return
+    if path.is_symlink() or not path.is_file():
+        raise UserError(f"--out: {path} exists and is not a regular file; move it away or give another --out")
     try:
         other = json.loads(path.read_text(encoding="utf-8")).get("id")
     except (OSError, ValueError, AttributeError):
