@@ -35,7 +35,7 @@ def test_group_is_evicted_whole_and_capacity_holds(order):
 
 
 def test_lru_prefix_written_at_one_moment_loses_its_tail():
-    """The issue's case: 10 objects of room, a 10-chunk prefix in one put, then one more chunk."""
+    """10 objects of room, a 10-chunk prefix in one put, then one more chunk."""
     pool = GroupedPool(100, "lru", high_watermark=0.9, evict_ratio=0.05)
     assert put_chunks(pool, range(10), 0.0).outcomes == (STORED,) * 10
     res = put_chunks(pool, [10], 1.0)
