@@ -206,7 +206,7 @@ def test_grouped_pool_and_group_table_decide_alike_with_pins(setup, ops):
             table.t.used_bytes, table.t.evicted_groups, table.t.evict_passes)
 
 
-# -- the named case: a prefix in one put, then one more chunk ---------------------------------------------------------------
+# -- the named case: a prefix in one put, then one more chunk --------------------------------------
 
 @pytest.mark.parametrize("world", ["embedded", "table"])
 def test_lru_keeps_the_head_of_a_prefix_written_at_one_moment(world):
