@@ -57,6 +57,7 @@ METRICS = (
     "kvpool:prefill_kv_blocks (gauge)",
     "kvpool:prefill_waiting_requests, kvpool:prefill_running_requests (gauges)",
     "kvpool:prefill_steps_done, kvpool:prefill_step_tokens_done (gauges: chunked-prefill steps, their tokens)",
+    "kvpool:prefill_step_requests, kvpool:prefill_step_tokens (histograms: requests and tokens per step)",
     "kvpool_connector_* (backend.connector_metrics)",
 )
 
@@ -97,7 +98,15 @@ class EngineMetrics:
         Gauge("kvpool:prefill_running_requests", "Requests admitted", registry=r).set_function(lambda: sched.running)
         Gauge("kvpool:prefill_steps_done", "Chunked-prefill steps done", registry=r).set_function(lambda: sched.steps_done)
         Gauge("kvpool:prefill_step_tokens_done", "Tokens computed in steps", registry=r).set_function(lambda: sched.step_tokens_done)
+        self.step_requests = Histogram("kvpool:prefill_step_requests", "Requests with a chunk in a prefill step",
+                                       buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.step_tokens = Histogram("kvpool:prefill_step_tokens", "Tokens computed in a prefill step",
+                                     buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
         self.connector = ConnectorMetrics(r)
+
+    def observe_step(self, requests: int, tokens: int) -> None:
+        self.step_requests.observe(requests)
+        self.step_tokens.observe(tokens)
 
     def observe(self, rec, outcome) -> None:
         ok = outcome.status == 200
@@ -262,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     sched = build_scheduler(plan, worker, ready)
     metrics = EngineMetrics(sched)
     sched.on_finish = metrics.observe
+    sched.on_step = metrics.observe_step
     thread = threading.Thread(target=sched.run, name="prefill-scheduler", daemon=True)
     thread.start()
     if not sched.started.wait(60.0) or sched.broken:

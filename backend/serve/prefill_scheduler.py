@@ -209,6 +209,7 @@ class PrefillScheduler:
         self.names = list(stage_names)
         self.decode_ready = decode_ready
         self.on_finish = on_finish
+        self.on_step: Callable[[int, int], None] = lambda requests, tokens: None
         self.ctx = zmq.Context.instance()
         self.inbox: queue.Queue = queue.Queue()
         self.waker = link.Waker(self.ctx)
@@ -416,6 +417,7 @@ class PrefillScheduler:
             return
         self.steps.remove(step)
         self.steps_done += 1
+        self.on_step(len(step.items), sum(b - a for _, a, b, _ in step.items))
         first = header.get("first_tokens") or {}
         for req, a, b, last in step.items:
             self.step_tokens_done += b - a
