@@ -128,16 +128,18 @@ class _Call:
 class _FanOutOracle:
     """``exists`` for the connector scheduler: each stage answers for its own keys, in parallel."""
 
-    def __init__(self, client: link.StageClient, stages: int) -> None:
+    def __init__(self, client: link.StageClient, stages: int, dead: Callable[[], bool]) -> None:
         self.client = client
         self.stages = stages
+        self.dead = dead
 
     def exists(self, keys: Sequence[str]) -> list[bool] | None:
         per: list[list[int]] = [[] for _ in range(self.stages)]
         for i, k in enumerate(keys):
             per[_stage_of_key(k, self.stages)].append(i)
         asked = [s for s in range(self.stages) if per[s]]
-        replies = self.client.call_all(asked, "exists", [{"keys": [keys[i] for i in per[s]]} for s in asked], EXISTS_WAIT_S)
+        replies = self.client.call_all(asked, "exists", [{"keys": [keys[i] for i in per[s]]} for s in asked],
+                                       EXISTS_WAIT_S, self.dead)
         out = [False] * len(keys)
         for s, rep in zip(asked, replies):
             present = rep.get("present") if rep and rep.get("ok") else None
@@ -249,7 +251,7 @@ class PrefillScheduler:
     # -- the scheduler thread ----------------------------------------------------------------
     def run(self) -> None:
         self.client = link.StageClient(self.ctx, self.endpoints)
-        self.connector = ConnectorScheduler(_FanOutOracle(self.client, self.pp), self.naming, self.spec, self.sched_config)
+        self.connector = ConnectorScheduler(_FanOutOracle(self.client, self.pp, self._check_liveness), self.naming, self.spec, self.sched_config)
         poller = zmq.Poller()
         self.client.register(poller)
         poller.register(self.waker.socket, zmq.POLLIN)
@@ -303,7 +305,9 @@ class PrefillScheduler:
 
     # -- admission, lookup, load ---------------------------------------------------------------
     def _admit(self) -> None:
-        while self.queued:
+        if self.queued and self._check_liveness():
+            return
+        while self.queued and not self.broken:
             req = self.queued[0]
             try:
                 alloc = self.blocks.allocate(req.tokens)
@@ -323,6 +327,8 @@ class PrefillScheduler:
         gpu = alloc.hit_pages * self.s.page_tokens
         req.digests = self.connector.digests_for(req.tokens)
         look = self.connector.lookup(req.rid, req.digests, req.n, gpu)
+        if self.broken:   # a stage died during the lookup: the request was answered
+            return
         rec = req.record
         rec.in_tokens, rec.session, rec.lookup_answered = req.n, req.session, look.answered
         rec.prefill, rec.decode = self.s.instance, req.decode
@@ -555,11 +561,13 @@ class PrefillScheduler:
                 self._break(f"prefill stage {self.names[call.stage]} did not answer {call.kind} within {call.bound_s:g} s")
                 return
 
-    def _check_liveness(self) -> None:
+    def _check_liveness(self) -> bool:
+        """Break the engine if a stage's process is gone; returns whether it is broken."""
         for name, pid in zip(self.names, self.pids):
             if pid and not _alive(pid):
                 self._break(f"prefill stage {name} (pid {pid}) exited")
-                return
+                break
+        return bool(self.broken)
 
     def _break(self, reason: str) -> None:
         if not self.broken:

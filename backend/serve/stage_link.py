@@ -26,7 +26,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -46,6 +46,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_DIMS = 4
+GIVE_UP_EVERY_S = 0.1
 
 
 class LinkError(ValueError):
@@ -258,8 +259,10 @@ class StageClient:
         """Send and wait up to ``timeout_s`` for the reply's header; ``None`` on timeout."""
         return self.call_all([stage], cmd, [body], timeout_s)[0]
 
-    def call_all(self, stages: Sequence[int], cmd: str, bodies: Sequence[dict | None], timeout_s: float) -> list[dict | None]:
-        """One command to several stages at once; each reply header, or ``None`` if it did not come in time."""
+    def call_all(self, stages: Sequence[int], cmd: str, bodies: Sequence[dict | None], timeout_s: float,
+                 give_up: Callable[[], bool] = lambda: False) -> list[dict | None]:
+        """One command to several stages at once; each reply header, or ``None`` if it did not come in
+        time (``timeout_s``, or as soon as ``give_up()``, asked every ``GIVE_UP_EVERY_S``, is true)."""
         want = {self.send(s, cmd, b): i for i, (s, b) in enumerate(zip(stages, bodies))}
         got: list[dict | None] = [None] * len(want)
         poller = zmq.Poller()
@@ -275,9 +278,9 @@ class StageClient:
                 else:
                     got[i] = item[1]
             left = deadline - time.monotonic()
-            if not want or left <= 0:
+            if not want or left <= 0 or give_up():
                 break
-            poller.poll(max(1, int(left * 1000)))
+            poller.poll(max(1, int(min(left, GIVE_UP_EVERY_S) * 1000)))
         self._kept = kept + self._kept
         return got
 
