@@ -276,7 +276,7 @@ class PrefillScheduler:
                 if not self.broken:
                     self._admit()
                     self._schedule_step()
-                poller.poll(int(LIVENESS_EVERY_S * 1000))
+                poller.poll(0 if self.client.has_kept else int(LIVENESS_EVERY_S * 1000))
                 self.waker.drain()
         finally:
             self._fail_all("the prefill engine is stopping", 503)

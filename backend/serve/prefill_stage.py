@@ -139,9 +139,10 @@ class StageServer:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.waker = link.Waker(self.ctx)
         self.replies: queue.Queue = queue.Queue()
-        self.compute_exec = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}-compute")
-        self.handoff_exec = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}-handoff")
-        self.pool_exec = ThreadPoolExecutor(2, thread_name_prefix=f"stage{self.stage}-pool")
+        init = (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None  # per-thread device
+        self.compute_exec = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}-compute", initializer=init)
+        self.handoff_exec = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}-handoff", initializer=init)
+        self.pool_exec = ThreadPoolExecutor(2, thread_name_prefix=f"stage{self.stage}-pool", initializer=init)
         self.stopping = threading.Event()
 
     # -- socket thread -----------------------------------------------------------------------

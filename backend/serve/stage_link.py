@@ -239,6 +239,11 @@ class StageClient:
         for s in self.sockets:
             poller.register(s, zmq.POLLIN)
 
+    @property
+    def has_kept(self) -> bool:
+        """Replies already read (by ``call``) and not yet returned by ``poll``: poll again without waiting."""
+        return bool(self._kept)
+
     def poll(self) -> list[tuple[int, dict, list[torch.Tensor]]]:
         """``(stage, header, tensors)`` of every reply that has arrived (without waiting)."""
         out, self._kept = self._kept, []
