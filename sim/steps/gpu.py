@@ -8,8 +8,9 @@ Contract:
       of ``r.gpu_use``), and the insert becomes the thread's latest (``ThreadMemory.insert``).
 
 What the cache is told changes no result, only the work: the prompt's ``Blocks`` bring their
-bound and lead (``sim.prompt``), the use its own entry, and an insert of the thread made since
-the prompt was built, on this prefill, comes as ``earlier`` (the cache compares it).
+bound and lead (``sim.prompt``), the use its own entry, and the thread's latest insert on this
+prefill, when it is not the lead (an insert made since the prompt was built, or one that did not
+lead it), comes as ``earlier`` (the cache compares it).
 """
 
 from __future__ import annotations
@@ -29,6 +30,6 @@ def insert(r: Request, now: float) -> None:
     latest = mem.insert
     earlier = None
     if latest is not None and latest.prefill == p.index and latest.entry is not prompt.cache.lead:
-        earlier = latest.entry  # not the lead: a later insert, or one that did not lead the prompt
+        earlier = latest.entry
     entry = p.cache.insert(r.gpu_use, now, r.d.session.block_tokens, earlier)
     mem.insert = Insert(p.index, entry, prompt.request)
