@@ -23,8 +23,9 @@ Contract:
       ``prefill_end_s`` are moved onto the client's clock by the server's own ``arrival_s``.
       ``usage.completion_tokens``, when given, is the record's ``out_tokens``.
     * Failures: a non-2xx answer (its JSON ``error`` or text), an event with ``error``, a stream that
-      ends before ``[DONE]``, a connection error, or no answer within ``request_timeout_s`` (the
-      whole request) makes the outcome's ``error`` say so; the replay is told the request finished
+      breaks off or ends before ``[DONE]``, a connection error, or no answer within
+      ``request_timeout_s`` (the whole request) makes the outcome's ``error`` say so, and its
+      ``end_s`` stays 0 (so ``summarize`` leaves it out); the replay is told the request finished
       and goes on. A non-2xx answer whose record has ``rejected`` set is a rejection (the
       simulator's ``rejected``), not an error.
     * It stops when the replay is done, when ``stop`` is set (Ctrl-C), or at ``window_end_s`` (the
@@ -233,13 +234,16 @@ class _Client:
             raise
         except asyncio.TimeoutError:
             out.error = f"timed out after {self.request_timeout_s:g} s"
-        except aiohttp.ClientError as e:  # connection refused or reset, a broken stream
+        except aiohttp.ClientPayloadError as e:  # the stream broke off
+            out.error = f"stream broken: {_short(str(e)) or type(e).__name__}"
+        except aiohttp.ClientError as e:  # connection refused or reset
             out.error = f"connection error: {_short(str(e)) or type(e).__name__}"
         except ValueError as e:  # bad JSON in an event, an over-long line
             out.error = f"bad answer: {_short(str(e))}"
+        except Exception as e:  # anything else still ends this request only, never the replay
+            out.error = f"client error: {type(e).__name__}: {_short(str(e))}"
         if out.error:
             out.record.end_s = 0.0
-            out.record.first_token_s = 0.0 if out.record.first_token_s < out.record.arrival_s else out.record.first_token_s
             self.errors += 1
         self.tasks.pop(d.key, None)
         self.done += 1

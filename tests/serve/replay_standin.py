@@ -1,12 +1,14 @@
 """A small OpenAI-compatible stand-in for the router, for the replay client's tests.
 
 ``StandIn`` answers ``POST /v1/completions`` (token-id prompts, ``stream: true``) with
-``max_tokens`` server-sent events after ``delay_s``, then a final event carrying ``usage`` and a
+the ``max_tokens`` tokens as server-sent events (``tokens_per_event`` a
+event) after ``delay_s``, then a final event carrying ``usage`` and a
 ``kvpool`` record, then ``data: [DONE]``. Its record's token sources come from a prefix cache of
 whole ``page_tokens`` pages keyed by the prompt's token prefix (``gpu_tokens`` the cached
 prefix, ``computed_tokens`` the rest), so equal token prefixes show up as GPU hits. ``fault(n)``
 picks what the n-th request (from 0) gets: ``None`` (a normal answer), ``"http500"``, ``"break"``
-(the stream closes before ``[DONE]``), ``"hang"`` (no answer for ``hang_s``) or ``"reject"`` (a
+(the connection closes mid-stream), ``"nodone"`` (the stream ends cleanly without
+``[DONE]``), ``"event_error"`` (an event with ``error``), ``"hang"`` (no answer for ``hang_s``) or ``"reject"`` (a
 429 whose record has ``rejected`` set). Every request body and its headers are kept in
 ``requests``. ``serving(standin)`` runs it on 127.0.0.1, port 0, in a thread of its own and
 yields its URL.
@@ -28,8 +30,10 @@ EOS = 256
 
 class StandIn:
     def __init__(self, *, delay_s: float = 0.01, vocab: int = 512, page_tokens: int = 16,
-                 fault: Callable[[int], str | None] = lambda n: None, hang_s: float = 30.0):
+                 fault: Callable[[int], str | None] = lambda n: None, hang_s: float = 30.0,
+                 tokens_per_event: int = 64):
         self.delay_s, self.vocab, self.page_tokens, self.fault, self.hang_s = delay_s, vocab, page_tokens, fault, hang_s
+        self.tokens_per_event = tokens_per_event
         self.requests: list[tuple[dict, dict]] = []
         self.pages: set[bytes] = set()
         self.problems: list[str] = []  # malformed requests (a test asserts there are none)
@@ -37,9 +41,12 @@ class StandIn:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/health", lambda _r: web.json_response({"status": "ok"}))
+        app.router.add_get("/health", self.health)
         app.router.add_post("/v1/completions", self.completions)
         return app
+
+    async def health(self, _request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "standin", "object": "model"}]})
@@ -71,9 +78,15 @@ class StandIn:
         return None
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._completions(request)
+        except ConnectionResetError:  # the client gave up (a test's timeout)
+            return web.Response(status=499)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         n = len(self.requests)
-        self.requests.append((body, dict(request.headers)))
+        self.requests.append((body, {k.lower(): v for k, v in request.headers.items()}))
         problem = self._check(body)
         if problem:
             self.problems.append(problem)
@@ -91,11 +104,17 @@ class StandIn:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         out = body["max_tokens"]
-        for i in range(out):
-            chunk = {"object": "text_completion", "choices": [{"index": 0, "text": "a", "finish_reason": None}]}
+        for i in range(0, out, self.tokens_per_event):
+            text = "a" * min(self.tokens_per_event, out - i)
+            chunk = {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": None}]}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            if fault == "break" and i == 0:
+            if fault == "break":
                 request.transport.close()
+                return resp
+            if fault in ("nodone", "event_error"):
+                if fault == "event_error":
+                    await resp.write(b'data: {"error": "decode rank 1 lost its hand-off"}\n\n')
+                await resp.write_eof()
                 return resp
         cached = self._cached_tokens(prompt)
         record = {"key": request.headers.get("x-request-id", ""), "arrival_s": 100.0, "prefill": 0, "decode": 0,
