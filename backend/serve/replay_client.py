@@ -16,7 +16,8 @@ Contract:
       the session id for global ids: a router may keep a session on one instance).
       The answer is read as server-sent events (``data: JSON`` lines, ending ``data: [DONE]``).
       ``arrival_s`` is when the request was sent, ``first_token_s`` when the first data event came,
-      ``end_s`` when ``[DONE]`` came, all on the client's clock.
+      ``end_s`` when ``[DONE]`` came, all on the client's clock (so a server sends its first event
+      with the first token, not before).
     * The server's record: the last ``"kvpool": {"record": {...}}`` of any event (or of an error
       answer's JSON) gives ``SERVER_FIELDS`` (token sources, restore and hand-off figures, the
       instances, ``rejected``); fields of the wrong type are ignored. Its ``prefill_start_s`` /
@@ -140,7 +141,8 @@ def merge_server_record(rec: RequestRecord, server: object) -> None:
         elif name == "rejected":
             ok = isinstance(v, str)
         else:  # restore_stage_s
-            ok = isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+            ok = isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                                             for x in v)
             v = [float(x) for x in v] if ok else v
         if ok:
             setattr(rec, name, v)

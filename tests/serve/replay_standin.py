@@ -151,6 +151,10 @@ def serving(standin: StandIn) -> Iterator[str]:
         started.set()
         loop.run_forever()
         loop.run_until_complete(holder["runner"].cleanup())
+        pending = asyncio.all_tasks(loop)
+        for t in pending:
+            t.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.close()
 
     thread = threading.Thread(target=main, daemon=True)

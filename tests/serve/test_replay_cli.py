@@ -65,7 +65,7 @@ def test_an_agentx_replay_writes_records_and_the_simulators_summary(tmp_path, ca
 def test_a_production_replay_prints_its_table(tmp_path, capsys):
     with serving(StandIn(delay_s=0.002)) as url:
         code, out, err = _kvpool(["replay", "cpu-tiny", "--url", url, "--traces", str(TRACES), "--rps", "20",
-                                  "--duration", "1", *FAST, "--out", str(tmp_path)], capsys)
+                                  "--duration", "1", "--set", "workload.lanes=4", *FAST, "--out", str(tmp_path)], capsys)
     assert code == 0, err
     lines, doc = _outputs(tmp_path)
     assert doc["results"][0]["rps"] == 20.0 and "sessions" not in doc["results"][0]

@@ -101,10 +101,14 @@ def test_records_take_the_clients_clock_and_the_servers_sources(replayed):
 def test_merge_keeps_well_typed_server_fields_only():
     rec = RequestRecord(5, arrival_s=2.0, in_tokens=10)
     merge_server_record(rec, {"gpu_tokens": 7, "pool_tokens": True, "computed_tokens": "3", "restore_stage_s": [0.1, 1],
+                              "restore_bytes": 2.5, "handoff_bytes": 10**3, "save_bytes": None,
                               "restore_spread_s": float("nan"), "in_tokens": 99, "end_s": 50.0, "key": "x",
                               "rejected": "gate", "arrival_s": 1.0, "prefill_end_s": 1.5})
     assert (rec.gpu_tokens, rec.pool_tokens, rec.computed_tokens) == (7, 0, 0)
     assert rec.restore_stage_s == [0.1, 1.0] and rec.restore_spread_s == 0.0
+    assert (rec.restore_bytes, rec.handoff_bytes, rec.save_bytes) == (0, 1000, 0)
+    merge_server_record(rec, {"restore_stage_s": [0.2, float("inf")]})
+    assert rec.restore_stage_s == [0.1, 1.0]
     assert (rec.key, rec.in_tokens, rec.end_s, rec.rejected) == (5, 10, 0.0, "gate")
     assert rec.prefill_end_s == pytest.approx(2.5)
 
