@@ -114,9 +114,9 @@ def test_ctrl_c_stops_and_writes_what_it_has(tmp_path):
                                 env={**os.environ, "COLUMNS": "100"})
         try:
             deadline = time.monotonic() + 60
-            while len(standin.requests) < 8 and time.monotonic() < deadline and proc.poll() is None:
+            while len(standin.requests) < 10 and time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.05)
-            assert len(standin.requests) >= 8
+            assert len(standin.requests) >= 10
             proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=20)
         finally:
@@ -128,4 +128,4 @@ def test_ctrl_c_stops_and_writes_what_it_has(tmp_path):
     lines, doc = _outputs(tmp_path)
     assert doc["run"]["interrupted"] is True and doc["run"]["cancelled"] >= 1
     assert sum(1 for line in lines if line["error"] == "cancelled: interrupted") == doc["run"]["cancelled"]
-    assert sum(1 for line in lines if not line["error"]) >= 5
+    assert sum(1 for line in lines if not line["error"]) >= 3
