@@ -66,11 +66,6 @@ def timing(row: dict) -> dict:
     return {key: value, **{k: row[k] for k in WALL_CLOCK_KEYS if k in row}}
 
 
-def run_info(rows: Sequence[dict], *, executor: str = "local", workers: int = 1) -> dict:
-    """The ``run`` block: how this execution went (never part of the comparison of two results)."""
-    return {"executor": executor, "workers": workers, "loads": [timing(r) for r in rows]}
-
-
 #: A result below these is not a measurement: too few requests finished inside the window, or the
 #: median request waited for its first token longer than a quarter of the window.
 MIN_REQUESTS = 10
