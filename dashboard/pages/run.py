@@ -26,6 +26,9 @@ def _charts(rows: list[dict]) -> None:
     c1, c2 = st.columns(2)
     c1.altair_chart(charts.throughput(summary, key), width="stretch")
     c2.altair_chart(charts.token_sources(summary, key), width="stretch")
+    from kvpool.sim.report import THROUGHPUT_NOTE
+
+    st.caption(THROUGHPUT_NOTE)
     c1, c2 = st.columns(2)
     c1.altair_chart(charts.ttft(summary, key), width="stretch")
     restore = results.restore_frame(rows)
