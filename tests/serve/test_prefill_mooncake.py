@@ -171,3 +171,23 @@ def test_a_pool_address_that_does_not_answer_is_one_clear_error(tmp_path):
         start_serve_pool(sc, tmp_path, "http://x:1")
     with pytest.raises(ServePoolError, match="pool.services_per_server"):
         pool_spec(make_plan(tmp_path, [*OVERRIDES, "pool.services_per_server=0"]).scenario_model())
+
+
+def test_a_stage_without_a_reachable_pool_exits_with_one_error_line(tmp_path):
+    import subprocess
+    import sys
+
+    from kvpool.backend.pool.launcher import free_port
+
+    require_private_netns()
+    sc = make_plan(tmp_path, OVERRIDES).scenario_model()
+    dead = f"mooncake://127.0.0.1:{free_port()}"
+    for address, reason in (("", "the plan names no pool_address"),
+                            (dead, f"pool_address {dead}: no Mooncake master answers at 127.0.0.1:")):
+        plan = build_plan(sc, tmp_path, router_port=0, pool_address=address)
+        plan.write()
+        out = subprocess.run([sys.executable, "-m", "kvpool.backend.serve.prefill_stage", "--plan", str(plan.path),
+                              "--name", "prefill0-stage0"], capture_output=True, text=True, timeout=60)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 1 and len(lines) == 1, out.stderr
+        assert lines[0].startswith("error: serve.pool is mooncake") and reason in lines[0], lines[0]
