@@ -5,8 +5,9 @@ to decode ranks in this process.
 A prompt evicted from the GPU prefix cache is restored from the pool and the landed KV equals a
 single-process ``RefModel.prefill`` bit for bit. Then the pool's processes are killed under the
 running deployment: after the store service dies, a restore of its chunks fails and the request
-recomputes (the lookup still finds the keys: the master lists them until its client TTL); after the
-master dies, the lookup gets no answer and the request computes. Every answer comes within a stated
+recomputes (the lookup still finds the keys: the master lists them until its client TTL); a
+request in flight when the master dies ends with exact KV or a 5xx naming the cause; after the
+master died, the lookup gets no answer and the request computes. Every answer comes within a stated
 bound and its KV is still exact; afterwards no process is left. The fault test runs after the
 restore test (file order): it kills the pool both share.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -135,7 +137,25 @@ def test_killed_store_service_then_master_make_requests_recompute(served):
     assert sources(body) == (0, 0, 200) and took_s < DEAD_SERVICE_BOUND_S
     assert_matches_reference(decode, ref, "kill-b", tokens, body)
 
+    # the master dies while a request is in flight: it ends exact or with a 5xx naming the cause
+    inflight = prompt(400, 7)
+    decode.expect("kill-inflight", len(inflight))
+    answer: list = []
+    t0 = time.monotonic()
+    thread = threading.Thread(target=lambda: answer.append(dep.post(
+        "/prefill", {"request_id": "kill-inflight", "token_ids": inflight, "decode_instance": 0})))
+    thread.start()
+    time.sleep(0.01)
     pool.local.kill_master(signal.SIGKILL)
+    thread.join(DEAD_MASTER_BOUND_S)
+    assert answer and time.monotonic() - t0 < DEAD_MASTER_BOUND_S, "no answer within the bound"
+    status, body = answer[0]
+    if status == 200:
+        assert decode.wait("kill-inflight") == ["ready"] * decode.ranks_n
+        assert_matches_reference(decode, ref, "kill-inflight", inflight, body)
+    else:
+        assert 500 <= status < 600 and body["error"], body
+
     fresh = prompt(200, 6)
     body, took_s = prefill(dep, decode, "kill-c", fresh)
     rec = body["record"]
