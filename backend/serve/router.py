@@ -169,7 +169,7 @@ def parse_completion(body: object, *, model: str, vocab: int) -> Completion:
             raise _bad("prompt", "expected a non-empty string or list of token ids")
         ids = tuple(tok.encode(prompt))
     elif isinstance(prompt, list) and prompt:
-        if any(isinstance(t, (list, str)) for t in prompt):
+        if isinstance(prompt[0], (list, str)):
             raise _bad("prompt", "one prompt per request: a string or one list of token ids")
         for i, t in enumerate(prompt):
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
