@@ -48,7 +48,6 @@ from aiohttp import web
 
 from kvpool.backend.serve import tokens as tok
 from kvpool.backend.serve.metrics import CONTENT_TYPE, RouterMetrics
-from kvpool.backend.serve.model_config import EOS_TOKEN
 from kvpool.backend.serve.protocol import (
     AbortRequest,
     ExpectRequest,
@@ -229,6 +228,8 @@ class Router:
         self.healthy_children = healthy_children
         self.in_flight = 0
         self.draining = False
+        self._cut = False  # cut_in_flight was called
+        self._tasks: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
         self._idle.set()
         self._held: dict[str, tuple[int, int]] = {}  # request id -> (decode, tokens), admitted
@@ -311,9 +312,17 @@ class Router:
         rid = f"cmpl-{self._ids}"
         self.in_flight += 1
         self._idle.clear()
+        task = asyncio.current_task()
+        self._tasks.add(task)
         try:
             return await self._serve(request, rid, c, arrival_s)
+        except asyncio.CancelledError:
+            if not self._cut:
+                raise
+            task.uncancel()  # cut_in_flight's: answer, as a waiting request's cut ends here
+            return self._fail(self._cut_error())
         finally:
+            self._tasks.discard(task)
             if rid in self._held:
                 self._release(rid)
             self.in_flight -= 1
@@ -468,9 +477,9 @@ class Router:
         rec.first_token_s = self.now_s()
         _merge(rec, result.record, sent_s, overwrite=True)
         first = result.first_token
-        if c.max_tokens == 1 or (first == EOS_TOKEN and not c.ignore_eos):
+        if c.max_tokens == 1 or (first == tok.EOS_TOKEN and not c.ignore_eos):
             await self._abort(d, rid)  # nothing to generate: decode frees the pages it set aside
-            yield [first], "length" if c.max_tokens == 1 and (first != EOS_TOKEN or c.ignore_eos) else "stop"
+            yield [first], "length" if c.max_tokens == 1 and (first != tok.EOS_TOKEN or c.ignore_eos) else "stop"
             return
         yield [first], ""
         async for event in self._generate(dname, durl, GenerateRequest(rid, first, c.max_tokens, result.descriptor,
@@ -534,20 +543,19 @@ class Router:
                         resp = await self._open_stream(request)
                     piece = text.feed(ids) + (text.flush() if finish else "")
                     await _send(resp, self._chunk(rid, piece, ids, finish or None))
-        except ApiError as e:
-            await self._abort(decode, rid)
-            if resp is None:
-                return self._fail(e)
-            self.metrics.requests.labels(outcome=e.outcome).inc()
-            try:
-                await _send(resp, e.body())
-                await resp.write_eof()
-            except (ConnectionError, RuntimeError):
-                pass
-            return resp
-        except (ConnectionError, asyncio.CancelledError):
+        except asyncio.CancelledError:
             await gen.aclose()
-            await asyncio.shield(self._abort(decode, rid))
+            if not self._cut:
+                await asyncio.shield(self._abort(decode, rid))
+                self.metrics.requests.labels(outcome="cancelled").inc()
+                raise
+            asyncio.current_task().uncancel()
+            return await self._failed(self._cut_error(), resp, decode, rid)
+        except ApiError as e:
+            return await self._failed(e, resp, decode, rid)
+        except ConnectionError:
+            await gen.aclose()
+            await self._abort(decode, rid)
             self.metrics.requests.labels(outcome="cancelled").inc()
             raise
         rec.end_s = self.now_s()
@@ -570,6 +578,29 @@ class Router:
         return web.json_response({**self._head(rid, "text_completion"), "choices": [{
             "index": 0, "text": tok.decode(out), "token_ids": out, "logprobs": None, "finish_reason": finish}],
             "usage": usage, "kvpool": extension})
+
+    async def _failed(self, e: ApiError, resp: web.StreamResponse | None, decode: int, rid: str) -> web.StreamResponse:
+        """Abort on decode, then answer ``e``: an error response, or an error chunk ending a begun stream."""
+        await self._abort(decode, rid)
+        if resp is None:
+            return self._fail(e)
+        self.metrics.requests.labels(outcome=e.outcome).inc()
+        try:
+            await _send(resp, e.body())
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return resp
+
+    def _cut_error(self) -> ApiError:
+        return ApiError(503, f"the server stopped: the request did not finish within serve.drain_s = "
+                             f"{self.scenario.serve.drain_s:g} s of the stop", "unavailable", outcome="error")
+
+    def cut_in_flight(self) -> None:
+        """End every in-flight request now (after the drain): each answers 503 ``unavailable``."""
+        self._cut = True
+        for t in list(self._tasks):
+            t.cancel()
 
     def _head(self, rid: str, obj: str) -> dict:
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model}

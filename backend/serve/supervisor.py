@@ -53,6 +53,8 @@ READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0
 #: How often the supervisor looks for exited children, s.
 WATCH_INTERVAL_S = 0.1
+#: Longest the requests cut after the drain have to send their 503 answers, s.
+CUT_WAIT_S = 2.0
 #: Lines of a failed child's log shown in its report.
 LOG_TAIL_LINES = 20
 #: Shutdown bound of the router's HTTP server after the drain (connections still open then are closed), s.
@@ -265,7 +267,9 @@ class Supervisor:
             drained = await self.router.drain(self.scenario.serve.drain_s)
             if not drained:
                 self._say(self.err, f"kvpool serve: {self.router.in_flight} request(s) still running after "
-                                    f"serve.drain_s = {self.scenario.serve.drain_s:g} s; stopping anyway")
+                                    f"serve.drain_s = {self.scenario.serve.drain_s:g} s; answering them 503")
+                self.router.cut_in_flight()
+                await self.router.drain(CUT_WAIT_S)
             return 1 if self._failure is not None else 0
         finally:
             if runner is not None:

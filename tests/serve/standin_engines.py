@@ -12,7 +12,7 @@ a prompt's whole 16-token pages that an earlier prompt began with as GPU tokens,
 Behaviour knobs (``Behaviour``; for processes: the JSON in ``STANDIN_BEHAVIOUR``, by worker name
 or ``"*"``): ``token_delay_s`` between decode lines, ``prefill_delay_s``, ``prefill_error`` (an
 HTTP 500 with that reason), ``eos_after`` (decode emits ``EOS_TOKEN`` after that many tokens),
-``ignore_sigterm``.
+``ignore_sigterm``, ``exit_at_start`` (exit with that status before listening).
 
 Run as a process: ``python standin_engines.py --plan PLAN --name NAME`` (the argv shape of
 ``plan.Worker.argv``); it writes its ready file once it listens.
@@ -32,6 +32,7 @@ from pathlib import Path
 from aiohttp import web
 
 from kvpool.backend.serve.plan import ServePlan, write_ready
+from kvpool.backend.serve.tokens import EOS_TOKEN
 from kvpool.backend.serve.protocol import (
     AbortRequest,
     ExpectRequest,
@@ -43,7 +44,6 @@ from kvpool.backend.serve.protocol import (
     TokenEvent,
 )
 
-EOS_TOKEN = 256  # backend.serve.model_config.EOS_TOKEN, without importing torch here
 PAGE_TOKENS = 16
 
 
@@ -65,6 +65,7 @@ class Behaviour:
     prefill_error: str = ""
     eos_after: int = 0
     ignore_sigterm: bool = False
+    exit_at_start: int = -1
 
 
 async def _metrics(_request: web.Request) -> web.Response:
@@ -203,6 +204,9 @@ async def _main(plan_path: str, name: str) -> None:
     b = Behaviour(**{**knobs.get("*", {}), **knobs.get(name, {})})
     if b.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if b.exit_at_start >= 0:
+        print(f"{name}: exiting with status {b.exit_at_start} as told", flush=True)
+        raise SystemExit(b.exit_at_start)
     ready = plan.ready_path(name)
     if w.role == "prefill_stage":
         sock = socket.socket()

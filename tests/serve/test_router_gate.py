@@ -91,3 +91,24 @@ def test_without_a_gate_requests_go_to_the_decode_with_most_room():
             assert status == 400 and r["error"]["type"] == "reject_output_too_long"
 
     asyncio.run(body())
+
+
+def test_cut_after_the_drain_answers_running_and_waiting_requests_503():
+    async def body():
+        async with routed([*SMALL_GATE, "gate.max_wait_s=30", "serve.drain_s=0.2"], decode=SLOW) as s:
+            a = asyncio.create_task(s.complete(prompt=[1] * 60, max_tokens=20))
+            await _until(lambda: s.router.gate.reserved == [80])
+            b = asyncio.create_task(s.complete(prompt=[2] * 60, max_tokens=20))
+            await _until(lambda: s.router.gate.waiting == 1)
+            assert not await s.router.drain(0.2)
+            status, r = await s.complete(prompt=[3], max_tokens=1)
+            assert status == 503 and "shutting down" in r["error"]["message"]
+            s.router.cut_in_flight()
+            for task in (a, b):
+                status, r = await task
+                assert status == 503 and r["error"]["type"] == "unavailable"
+                assert "serve.drain_s = 0.2 s" in r["error"]["message"]
+            assert s.router.in_flight == 0 and s.router.gate.reserved == [0] and s.router.gate.waiting == 0
+            assert s.decodes[0].aborted  # the running one was aborted on decode
+
+    asyncio.run(body())
