@@ -12,6 +12,7 @@ a prompt's whole 16-token pages that an earlier prompt began with as GPU tokens,
 Behaviour knobs (``Behaviour``; for processes: the JSON in ``STANDIN_BEHAVIOUR``, by worker name
 or ``"*"``): ``token_delay_s`` between decode lines, ``prefill_delay_s``, ``prefill_error`` (an
 HTTP 500 with that reason), ``eos_after`` (decode emits ``EOS_TOKEN`` after that many tokens),
+``error_after`` (decode's stream ends with an error event after that many tokens),
 ``ignore_sigterm``, ``exit_at_start`` (exit with that status before listening).
 
 Run as a process: ``python standin_engines.py --plan PLAN --name NAME`` (the argv shape of
@@ -66,6 +67,7 @@ class Behaviour:
     eos_after: int = 0
     ignore_sigterm: bool = False
     exit_at_start: int = -1
+    error_after: int = 0
 
 
 async def _metrics(_request: web.Request) -> web.Response:
@@ -130,6 +132,9 @@ class DecodeStandIn:
                     return resp  # aborted
                 t = EOS_TOKEN if b.eos_after and sent >= b.eos_after and not req.ignore_eos else next_token(t)
                 sent += 1
+                if b.error_after and sent > b.error_after:
+                    await resp.write((json.dumps(TokenEvent(done=True, error="rank 1 lost its hand-off").to_json()) + "\n").encode())
+                    return resp
                 await resp.write((json.dumps(TokenEvent(tokens=(t,)).to_json()) + "\n").encode())
                 if t == EOS_TOKEN and not req.ignore_eos:
                     reason = "stop"

@@ -197,3 +197,19 @@ def test_power_of_two_spreads_concurrent_requests_over_prefills():
             assert [len(p.requests) for p in s.prefills] == [3, 3]
 
     asyncio.run(body())
+
+
+def test_a_decode_error_mid_stream_ends_the_stream_with_an_error_chunk():
+    async def body():
+        async with routed(decode=Behaviour(error_after=3)) as s:
+            status, events, _ = await s.stream(prompt=[1, 2], max_tokens=10)
+            assert status == 200  # the stream had begun
+            assert "[DONE]" not in events
+            assert [len(e["choices"][0]["token_ids"]) for e in events[:-1]] == [1, 1, 1]
+            err = events[-1]["error"]
+            assert err["type"] == "engine_error" and err["message"] == "decode0: POST /generate: rank 1 lost its hand-off"
+            status, r = await s.complete(prompt=[1, 2], max_tokens=10)
+            assert status == 502 and "rank 1 lost its hand-off" in r["error"]["message"]
+            assert len(s.decodes[0].aborted) == 2 and s.router.gate.reserved == [0]
+
+    asyncio.run(body())

@@ -96,11 +96,19 @@ def test_a_child_ignoring_sigterm_is_killed(tmp_path):
 
 
 def test_a_child_killed_while_serving_is_reported_and_everything_stops(tmp_path):
-    s = start(tmp_path)
+    s = start(tmp_path, behaviour={"decode0": {"token_delay_s": 0.2}})
     try:
         s.wait_ready()
         pids = dict(s.workers)
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=post(s.url, {"prompt": [5], "max_tokens": 20})))
+        t.start()
+        time.sleep(0.6)  # generating: 20 tokens take 3.8 s
         os.kill(pids["decode0"], signal.SIGKILL)
+        t.join(30)
+        status, body = result["r"]
+        assert status == 502 and body["error"]["type"] == "engine_error"
+        assert body["error"]["message"].startswith("decode0: POST /generate")
         assert s.wait() == 1
         _, err = s.output()
         assert f"error: decode0 (pid {pids['decode0']}) exited with signal SIGKILL while serving" in err
