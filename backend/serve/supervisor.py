@@ -240,10 +240,10 @@ class Supervisor:
 
     async def main(self, port: int) -> int:
         """Start, serve until a signal or a child's exit, stop (see the contract); the exit status."""
+        sock = bind_port(port)
         loop = asyncio.get_running_loop()
         for s in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(s, self._on_signal, s)
-        sock = bind_port(port)
         runner: web.AppRunner | None = None
         try:
             try:
