@@ -66,6 +66,9 @@ from kvpool.workload.records import RequestRecord
 ABORT_TIMEOUT_S = 5.0
 #: Longest one engine's /health may take before the router counts it unhealthy, s.
 HEALTH_TIMEOUT_S = 2.0
+#: How the router's aiohttp runner is built: a client that goes away cancels its request's handler, so
+#: a request waiting at the gate leaves the queue and a running one is aborted on decode at once.
+RUNNER_OPTIONS = {"handler_cancellation": True}
 #: Fields a completion request may carry.
 FIELDS = frozenset({"model", "prompt", "max_tokens", "ignore_eos", "stream", "stream_options", "user",
                     "kvpool_session", "stop"})
@@ -336,6 +339,10 @@ class Router:
     async def _serve(self, request: web.Request, rid: str, c: Completion, arrival_s: float) -> web.StreamResponse:
         try:
             decode = await self._admit(rid, c)
+        except asyncio.CancelledError:
+            if not self._cut:
+                self.metrics.requests.labels(outcome="cancelled").inc()
+            raise
         except ApiError as e:
             if e.outcome == "rejected":
                 self.metrics.gate_rejected.labels(reason=e.type).inc()

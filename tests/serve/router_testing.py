@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from aiohttp.test_utils import TestClient, TestServer
 from standin_engines import Behaviour, DecodeStandIn, PrefillStandIn, serve_app
 
-from kvpool.backend.serve.router import Engines, Router
+from kvpool.backend.serve.router import RUNNER_OPTIONS, Engines, Router
 from kvpool.scenario import load_scenario
 
 MODEL = "refmodel-tiny"  # model.name of cpu-tiny
@@ -68,7 +68,7 @@ async def routed(overrides: list[str] | None = None, decode: Behaviour | None = 
         runners.append(runner)
         purls.append((f"prefill{p.instance}", url))
     router = Router(s, Engines(prefill=tuple(purls), decode=tuple(durls)))
-    client = TestClient(TestServer(router.app, host="127.0.0.1"))
+    client = TestClient(TestServer(router.app, host="127.0.0.1", **RUNNER_OPTIONS))
     await client.start_server()
     try:
         yield Setup(client, router, decodes, prefills, runners)

@@ -112,3 +112,22 @@ def test_cut_after_the_drain_answers_running_and_waiting_requests_503():
             assert s.decodes[0].aborted  # the running one was aborted on decode
 
     asyncio.run(body())
+
+
+def test_a_client_leaving_while_it_waits_leaves_the_queue_and_one_leaving_mid_run_is_aborted():
+    async def body():
+        async with routed([*SMALL_GATE, "gate.max_wait_s=30"], decode=SLOW) as s:
+            a = asyncio.create_task(s.complete(prompt=[1] * 60, max_tokens=20))
+            await _until(lambda: s.router.gate.reserved == [80])
+            b = asyncio.create_task(s.complete(prompt=[2] * 60, max_tokens=20))
+            await _until(lambda: s.router.gate.waiting == 1)
+            b.cancel()  # its connection closes
+            await _until(lambda: s.router.gate.waiting == 0)
+            assert s.router.in_flight == 1 and len(s.prefills[0].requests) == 1
+            a.cancel()
+            await _until(lambda: s.router.in_flight == 0)
+            assert s.router.gate.reserved == [0] and len(s.decodes[0].aborted) == 1
+            m = await (await s.client.get("/metrics")).text()
+            assert metric(m, 'kvpool:requests_total{outcome="cancelled"}') == 2
+
+    asyncio.run(body())
