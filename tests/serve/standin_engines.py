@@ -13,7 +13,7 @@ Behaviour knobs (``Behaviour``; for processes: the JSON in ``STANDIN_BEHAVIOUR``
 or ``"*"``): ``token_delay_s`` between decode lines, ``prefill_delay_s``, ``prefill_error`` (an
 HTTP 500 with that reason), ``eos_after`` (decode emits ``EOS_TOKEN`` after that many tokens),
 ``error_after`` (decode's stream ends with an error event after that many tokens),
-``ignore_sigterm``, ``exit_at_start`` (exit with that status before listening).
+``ignore_sigterm``, ``start_delay_s`` (before listening), ``exit_at_start`` (exit with that status before listening).
 
 Run as a process: ``python standin_engines.py --plan PLAN --name NAME`` (the argv shape of
 ``plan.Worker.argv``); it writes its ready file once it listens.
@@ -68,6 +68,7 @@ class Behaviour:
     ignore_sigterm: bool = False
     exit_at_start: int = -1
     error_after: int = 0
+    start_delay_s: float = 0.0
 
 
 async def _metrics(_request: web.Request) -> web.Response:
@@ -212,6 +213,7 @@ async def _main(plan_path: str, name: str) -> None:
     if b.exit_at_start >= 0:
         print(f"{name}: exiting with status {b.exit_at_start} as told", flush=True)
         raise SystemExit(b.exit_at_start)
+    await asyncio.sleep(b.start_delay_s)
     ready = plan.ready_path(name)
     if w.role == "prefill_stage":
         sock = socket.socket()

@@ -131,3 +131,19 @@ def test_a_child_failing_at_start_is_reported_and_nothing_is_left(tmp_path):
         assert all((tmp_path / f"{n}.ready.json").exists() for n in ("decode0", "prefill0-stage0", "prefill0-stage1"))
     finally:
         s.stop()
+
+
+def test_sigterm_during_the_start_stops_what_was_started(tmp_path):
+    s = start(tmp_path, behaviour={"prefill0": {"start_delay_s": 30.0}})
+    try:
+        end = time.monotonic() + 60
+        while not (tmp_path / "prefill0.log").exists() or not processes_of(tmp_path):
+            assert time.monotonic() < end and s.proc.poll() is None
+            time.sleep(0.05)
+        started = processes_of(tmp_path)
+        s.signal(signal.SIGTERM)
+        assert s.wait() == 0
+        assert "stopped by a signal before every process was ready" in s.output()[1]
+        assert not any(alive(p) for p in started) and processes_of(tmp_path) == []
+    finally:
+        s.stop()
