@@ -18,7 +18,8 @@ Contract:
       its log's tail, and the supervisor shuts down (``on_worker_exit="shutdown"``, the only
       policy: a restarted engine's peers would have to reconnect to it).
     * Stop (SIGTERM, SIGINT, or a child's exit): new requests get 503, in-flight ones have
-      ``serve.drain_s`` to finish; then every child gets SIGTERM (to its process group, by its pid)
+      ``serve.drain_s`` to finish (a second signal ends them at once, as the drain's end does:
+      503); then every child gets SIGTERM (to its process group, by its pid)
       and, after ``stop_timeout_s``, SIGKILL; every child is reaped before ``main`` returns, on
       every path (a failed start included).
 """
@@ -235,6 +236,9 @@ class Supervisor:
                 pass
 
     def _on_signal(self, signum: int) -> None:
+        if self._stop.is_set() and self.router is not None and self.router.draining:
+            self._say(self.err, "kvpool serve: a second signal: ending the in-flight requests now (503)")
+            self.router.cut_in_flight()  # a second signal does not wait for the drain
         self._signal = signal.Signals(signum).name
         self._stop.set()
 

@@ -147,3 +147,25 @@ def test_sigterm_during_the_start_stops_what_was_started(tmp_path):
         assert not any(alive(p) for p in started) and processes_of(tmp_path) == []
     finally:
         s.stop()
+
+
+def test_a_second_signal_ends_the_drain_at_once(tmp_path):
+    s = start(tmp_path, ["serve.drain_s=60"], behaviour={"decode0": {"token_delay_s": 1.0}})
+    try:
+        s.wait_ready()
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=post(s.url, {"prompt": [5], "max_tokens": 30})))
+        t.start()
+        time.sleep(0.4)
+        t0 = time.monotonic()
+        s.signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert s.proc.poll() is None  # draining: the request has 60 s
+        s.signal(signal.SIGINT)
+        assert s.wait() == 0
+        assert time.monotonic() - t0 < 10.0
+        t.join(10)
+        assert result["r"][0] == 503 and result["r"][1]["error"]["type"] == "unavailable"
+        assert "a second signal" in s.output()[1] and processes_of(tmp_path) == []
+    finally:
+        s.stop()
