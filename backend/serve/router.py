@@ -24,7 +24,8 @@ A completion (``protocol`` holds the engine messages):
        ``serve.request_timeout_s`` after admission (504 when it passes);
     5. the gate's reservation goes back however the request ends. On a failure after /expect the
        router sends decode /abort (bounded by ``ABORT_TIMEOUT_S``) and answers 502 (504 for a
-       deadline) with a reason naming the engine and the cause; after a stream has begun, the
+       deadline; an engine's own 413, 503 or 504 keeps its status) with a reason naming the engine
+       and the cause; after a stream has begun, the
        stream ends with an ``{"error": ...}`` chunk instead of ``[DONE]``.
 
 Answers: ``choices[0].text`` and ``choices[0].token_ids``, ``usage`` with
@@ -95,12 +96,18 @@ class ApiError(Exception):
         return web.json_response(self.body(), status=self.status)
 
 
-class EngineError(ApiError):
-    """An engine failed (502) or the request's deadline passed (504); the message names the engine."""
+#: Engine answers the router passes on with their own status (the prompt does not fit the prefill KV,
+#: the engine is out of room or stopping, its deadline passed); any other failure is a 502.
+PASSED_ON = frozenset({413, 503, 504})
 
-    def __init__(self, engine: str, cause: str, timeout: bool = False) -> None:
-        super().__init__(504 if timeout else 502, f"{engine}: {cause}", "timeout" if timeout else "engine_error",
-                         None, "error")
+
+class EngineError(ApiError):
+    """An engine failed (502, or its own 413/503/504) or the request's deadline passed (504); the
+    message names the engine and the cause."""
+
+    def __init__(self, engine: str, cause: str, timeout: bool = False, status: int = 502) -> None:
+        status = 504 if timeout else status
+        super().__init__(status, f"{engine}: {cause}", "timeout" if status == 504 else "engine_error", None, "error")
         self.engine = engine
 
 
@@ -445,7 +452,8 @@ class Router:
         except aiohttp.ClientError as e:
             raise EngineError(engine, f"POST {path} failed: {type(e).__name__}: {e}") from None
         if r.status != 200:
-            raise EngineError(engine, f"POST {path} answered HTTP {r.status}: {_reason(text)}")
+            raise EngineError(engine, f"POST {path} answered HTTP {r.status}: {_reason(text)}",
+                              status=r.status if r.status in PASSED_ON else 502)
         try:
             return json.loads(text)
         except ValueError:
@@ -503,7 +511,8 @@ class Router:
             async with asyncio.timeout_at(deadline):
                 async with self._session().post(f"{url}{path}", json=req.to_json()) as r:
                     if r.status != 200:
-                        raise EngineError(engine, f"POST {path} answered HTTP {r.status}: {_reason(await r.text())}")
+                        raise EngineError(engine, f"POST {path} answered HTTP {r.status}: {_reason(await r.text())}",
+                                          status=r.status if r.status in PASSED_ON else 502)
                     while True:
                         line = await r.content.readline()
                         if not line:

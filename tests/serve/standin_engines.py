@@ -11,7 +11,7 @@ a prompt's whole 16-token pages that an earlier prompt began with as GPU tokens,
 
 Behaviour knobs (``Behaviour``; for processes: the JSON in ``STANDIN_BEHAVIOUR``, by worker name
 or ``"*"``): ``token_delay_s`` between decode lines, ``prefill_delay_s``, ``prefill_error`` (an
-HTTP 500 with that reason), ``eos_after`` (decode emits ``EOS_TOKEN`` after that many tokens),
+HTTP ``prefill_status``, default 500, with that reason), ``eos_after`` (decode emits ``EOS_TOKEN`` after that many tokens),
 ``error_after`` (decode's stream ends with an error event after that many tokens),
 ``ignore_sigterm``, ``start_delay_s`` (before listening), ``exit_at_start`` (exit with that status before listening).
 
@@ -69,6 +69,7 @@ class Behaviour:
     exit_at_start: int = -1
     error_after: int = 0
     start_delay_s: float = 0.0
+    prefill_status: int = 500
 
 
 async def _metrics(_request: web.Request) -> web.Response:
@@ -176,7 +177,7 @@ class PrefillStandIn:
         b = self.behaviour
         await asyncio.sleep(b.prefill_delay_s)
         if b.prefill_error:
-            return web.json_response({"error": b.prefill_error}, status=500)
+            return web.json_response({"error": b.prefill_error}, status=b.prefill_status)
         ids = req.token_ids
         n = len(ids)
         gpu = 0

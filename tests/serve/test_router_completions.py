@@ -213,3 +213,16 @@ def test_a_decode_error_mid_stream_ends_the_stream_with_an_error_chunk():
             assert len(s.decodes[0].aborted) == 2 and s.router.gate.reserved == [0]
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("engine_status,status", [(413, 413), (503, 503), (504, 504), (409, 502), (400, 502)])
+def test_an_engines_413_503_504_keep_their_status_others_are_502(engine_status, status):
+    async def body():
+        async with routed(prefill=Behaviour(prefill_error="why", prefill_status=engine_status)) as s:
+            got, r = await s.complete(prompt=[1, 2, 3], max_tokens=4)
+            assert got == status
+            assert r["error"]["message"] == f"prefill0: POST /prefill answered HTTP {engine_status}: why"
+            assert r["error"]["type"] == ("timeout" if status == 504 else "engine_error")
+            assert s.router.gate.reserved == [0] and s.decodes[0].aborted
+
+    asyncio.run(body())
