@@ -13,7 +13,9 @@ Contract:
       (``StartError``: its name, its exit status and the last ``LOG_TAIL_LINES`` lines of its
       log). Then every engine's ``GET /health`` must answer ``ok`` within the same bound.
     * Serve: the router (``backend.serve.router``) in this process's asyncio loop on
-      127.0.0.1:PORT; ``run_dir/router.ready.json`` holds its URL, its pid and every child's pid.
+      127.0.0.1:PORT; ``run_dir/router.ready.json`` holds its URL, its pid, every child's pid and
+      the pids of the Mooncake pool it started (``pool``). A pool process that dies is reported
+      once and serving goes on: prefill computes what the pool cannot load.
       A child that exits while serving is reported on stderr by name with its exit status and
       its log's tail, and the supervisor shuts down (``on_worker_exit="shutdown"``, the only
       policy: a restarted engine's peers would have to reconnect to it).
@@ -39,7 +41,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import aiohttp
 from aiohttp import web
@@ -47,6 +49,9 @@ from aiohttp import web
 from kvpool.backend.serve.plan import ROLES, ServePlan, Worker, build_plan, write_ready
 from kvpool.backend.serve.router import RUNNER_OPTIONS, Engines, Router
 from kvpool.scenario.model import Scenario
+
+if TYPE_CHECKING:
+    from kvpool.backend.serve.pool_setup import ServePool
 
 #: Longest the start may take: every ready file and every engine's first healthy answer, s.
 READY_TIMEOUT_S = 300.0
@@ -135,8 +140,11 @@ def bind_port(port: int) -> socket.socket:
 
 class Supervisor:
     def __init__(self, plan: ServePlan, *, argv_for: ArgvFor | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
-                 stop_timeout_s: float = STOP_TIMEOUT_S, out: IO[str] | None = None, err: IO[str] | None = None) -> None:
+                 stop_timeout_s: float = STOP_TIMEOUT_S, out: IO[str] | None = None, err: IO[str] | None = None,
+                 pool: ServePool | None = None) -> None:
         self.plan = plan
+        self.pool = pool  # a Mooncake pool it started or joined: its deaths are reported, not fatal
+        self._pool_dead: set[str] = set()
         self.scenario: Scenario = plan.scenario_model()
         self.argv_for: ArgvFor = argv_for or (lambda w, p: w.argv(p))
         self.ready_timeout_s, self.stop_timeout_s = ready_timeout_s, stop_timeout_s
@@ -223,8 +231,19 @@ class Supervisor:
         dead = [f"{c.name} exited ({_exit_text(c.proc.returncode)})" for c in self.children if c.proc.poll() is not None]
         return "; ".join(dead) or None
 
+    def _report_pool(self) -> None:
+        """A pool process that died is said once: prefill then recomputes what it cannot load."""
+        if self.pool is None:
+            return
+        for name in self.pool.dead():
+            if name not in self._pool_dead:
+                self._pool_dead.add(name)
+                self._say(self.err, f"kvpool serve: pool process {name} exited; prefill computes what the pool "
+                                    f"cannot load")
+
     async def _watch(self) -> None:
         while not self._stop.is_set():
+            self._report_pool()
             for c in self.children:
                 if c.proc.poll() is not None:
                     self._failure = c.report(self.plan.log_path(c.name), "while serving")
@@ -285,7 +304,8 @@ class Supervisor:
 
     def _announce(self, url: str) -> None:
         pids = {c.name: c.proc.pid for c in self.children}
-        write_ready(Path(self.plan.run_dir) / "router.ready.json", {"url": url, "workers": pids})
+        pool_pids = self.pool.pids() if self.pool is not None else []
+        write_ready(Path(self.plan.run_dir) / "router.ready.json", {"url": url, "workers": pids, "pool": pool_pids})
         lines = [f"kvpool serve: {self.scenario.name} on {url} (run dir {self.plan.run_dir})",
                  f"  {'router':<18} {'router':<15} pid {os.getpid():<8} {'':<16} {url}"]
         for c in self.children:
@@ -322,10 +342,25 @@ class Supervisor:
 
 
 def run(scenario: Scenario, *, port: int, run_dir: str | Path, devices: tuple[str, ...] | None = None,
-        argv_for: ArgvFor | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
+        pool_address: str | None = None, argv_for: ArgvFor | None = None, ready_timeout_s: float = READY_TIMEOUT_S,
         stop_timeout_s: float = STOP_TIMEOUT_S) -> int:
-    """Plan, start, serve and stop (see the module contract); raises ``StartError`` when the start fails."""
-    plan = build_plan(scenario, run_dir, port, devices)
-    plan.write()
-    sup = Supervisor(plan, argv_for=argv_for, ready_timeout_s=ready_timeout_s, stop_timeout_s=stop_timeout_s)
-    return asyncio.run(sup.main(port))
+    """Plan, start, serve and stop (see the module contract); raises ``StartError`` when the start fails.
+
+    With ``serve.pool = "mooncake"`` the pool comes first: ``pool_setup.start_serve_pool`` joins
+    ``pool_address`` or starts a local Mooncake pool (stopped after every child, on every path),
+    and the plan carries its address. ``ServePoolError`` when it cannot.
+    """
+    pool = None
+    if scenario.serve.pool == "mooncake":
+        from kvpool.backend.serve.pool_setup import start_serve_pool
+
+        pool = start_serve_pool(scenario, run_dir, pool_address)
+    try:
+        plan = build_plan(scenario, run_dir, port, devices, pool_address=pool.address if pool is not None else "")
+        plan.write()
+        sup = Supervisor(plan, argv_for=argv_for, ready_timeout_s=ready_timeout_s, stop_timeout_s=stop_timeout_s,
+                         pool=pool)
+        return asyncio.run(sup.main(port))
+    finally:
+        if pool is not None:
+            pool.stop()

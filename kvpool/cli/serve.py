@@ -43,6 +43,8 @@ def serve(
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     devices: str = typer.Option(None, "--devices", help="Torch devices the workers take in order, e.g. cpu or cuda:0,cuda:1 (default: serve.devices)."),
     run_dir: Path = typer.Option(None, "--run-dir", help="Directory for the plan, ready files and logs (default: a new one under out/serve/)."),
+    pool: str = typer.Option(None, "--pool", help="embedded (an in-process pool per prefill stage) or mooncake (starts a Mooncake master and store services; default: serve.pool)."),
+    pool_address: str = typer.Option(None, "--pool-address", help="Join the Mooncake pool at this address (mooncake://HOST:PORT, from kvpool pool up) instead of starting one; implies --pool mooncake."),
     on_worker_exit: str = typer.Option("shutdown", "--on-worker-exit", help="What a worker's exit while serving does: shutdown (stop everything, exit status 1)."),
 ) -> None:
     """Serve SCENARIO: start its prefill and decode engines and an OpenAI-compatible router on
@@ -56,6 +58,12 @@ def serve(
         raise UserError("--on-worker-exit restart: not supported yet (a restarted engine's peers would have to "
                         "reconnect to it); use shutdown")
     devs = parse_devices(devices)
+    if pool is not None and pool not in ("embedded", "mooncake"):
+        raise UserError(f"--pool {pool}: allowed: embedded, mooncake")
+    if pool_address is not None and pool == "embedded":
+        raise UserError("--pool-address joins a Mooncake pool: it cannot go with --pool embedded")
+    if pool_address is not None or pool is not None:
+        set_ = [*set_, f'serve.pool="{"mooncake" if pool_address is not None else pool}"']
     s = load_or_exit(scenario, set_)
     from kvpool.backend.serve.model_config import ServeConfigError, ref_config
 
@@ -63,14 +71,15 @@ def serve(
         ref_config(s)
     except ServeConfigError as e:
         raise UserError(f"{scenario}: the reference model cannot serve it: {e}") from None
+    from kvpool.backend.serve.pool_setup import ServePoolError
     from kvpool.backend.serve.supervisor import PortError, StartError, run
 
     if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir}: not a directory")
     where = run_dir if run_dir is not None else fresh_run_dir(s.name)
     try:
-        status = run(s, port=port, run_dir=where, devices=devs)
-    except PortError as e:
+        status = run(s, port=port, run_dir=where, devices=devs, pool_address=pool_address)
+    except (PortError, ServePoolError) as e:
         raise UserError(str(e)) from None
     except StartError as e:
         lines = str(e).splitlines()
