@@ -10,6 +10,9 @@ Contract:
       (``Worker.argv``). It binds its listeners on 127.0.0.1 with port 0 and, once it serves, writes
       its ready file (``write_ready``): ``{"pid", "url" or "endpoint", ...}``. Whoever needs it
       waits for that file (``wait_ready``, bounded), so no port is chosen before it is bound.
+    * ``ServePlan.pool_address``: where the Mooncake pool answers (``mooncake://HOST:RPC?metrics=M``,
+      ``backend.pool.address``) when ``serve.pool = "mooncake"``; empty for the embedded pool. The
+      supervisor starts or joins the pool (``backend.serve.pool_setup``) before it builds the plan.
     * ``ServePlan.to_json`` / ``from_json`` round-trip; ``write`` / ``read`` use ``run_dir/plan.json``.
 """
 
@@ -49,6 +52,7 @@ class ServePlan:
     run_dir: str
     router_port: int
     workers: tuple[Worker, ...]
+    pool_address: str = ""
 
     def scenario_model(self) -> Scenario:
         return Scenario.model_validate(self.scenario)
@@ -81,7 +85,7 @@ class ServePlan:
     @classmethod
     def from_json(cls, d: dict) -> ServePlan:
         workers = tuple(Worker(w["name"], w["role"], w["instance"], w["stage"], tuple(w["devices"])) for w in d["workers"])
-        return cls(d["scenario"], d["run_dir"], d["router_port"], workers)
+        return cls(d["scenario"], d["run_dir"], d["router_port"], workers, d.get("pool_address", ""))
 
     def write(self) -> Path:
         Path(self.run_dir).mkdir(parents=True, exist_ok=True)
@@ -95,8 +99,9 @@ class ServePlan:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
-def build_plan(scenario: Scenario, run_dir: str | Path, router_port: int, devices: tuple[str, ...] | None = None) -> ServePlan:
-    """The processes of ``scenario`` (see the module docstring)."""
+def build_plan(scenario: Scenario, run_dir: str | Path, router_port: int, devices: tuple[str, ...] | None = None,
+               *, pool_address: str = "") -> ServePlan:
+    """The processes of ``scenario`` (see the module docstring); ``pool_address`` is the Mooncake pool's."""
     devs = tuple(devices) if devices else tuple(scenario.serve.devices)
     taken = 0
 
@@ -114,7 +119,7 @@ def build_plan(scenario: Scenario, run_dir: str | Path, router_port: int, device
         workers.append(Worker(f"prefill{i}", "prefill_engine", i, -1, ()))
     for j in range(d.instances):
         workers.append(Worker(f"decode{j}", "decode_engine", j, -1, take(d.tp)))
-    return ServePlan(scenario.model_dump(mode="json"), str(run_dir), router_port, tuple(workers))
+    return ServePlan(scenario.model_dump(mode="json"), str(run_dir), router_port, tuple(workers), pool_address)
 
 
 def write_ready(path: Path, info: dict) -> None:

@@ -8,8 +8,8 @@ Started as ``python -m kvpool.backend.serve.prefill_stage --plan PLAN --name NAM
       builds the same model) and runs ``stage_forward`` over its layers;
     * its own pool client: ``EmbeddedPool`` of ``cluster.servers * pool.services_per_server *
       pool.gib_per_service / prefill.pp`` GiB for this stage's keys (``serve.pool = "embedded"``),
-      or a ``MooncakePool`` client (``serve.pool = "mooncake"``; the address from the environment
-      variable ``KVPOOL_POOL_ADDRESS``, ``mooncake://HOST:PORT?metrics=M``);
+      or a ``MooncakePool`` client (``serve.pool = "mooncake"``; the address is the plan's
+      ``pool_address``, ``mooncake://HOST:PORT?metrics=M``);
     * the connector's worker side (``ConnectorWorker``: pool reads into registered buffers and
       unpack, pack and pool writes with group ids);
     * the hand-off sender (``backend.handoff.PrefillStage`` over ``make_transport("ipc")``),
@@ -74,14 +74,18 @@ def pool_capacity_bytes(scenario) -> int:
     return int(scenario.cluster.servers * p.services_per_server * p.gib_per_service * GIB / scenario.prefill.pp)
 
 
-def make_pool(scenario):
+def make_pool(scenario, pool_address: str = ""):
+    """This stage's pool client: the embedded pool, or a client of the Mooncake pool at ``pool_address``."""
     if scenario.serve.pool == "mooncake":
-        from kvpool.backend.pool.mooncake import MooncakePool
+        from kvpool.backend.pool.mooncake import MooncakePool, PoolUnavailable
+        from kvpool.backend.pool.netns import PublicListenersRefused
 
-        address = os.environ.get("KVPOOL_POOL_ADDRESS", "")
-        if not address:
-            raise SystemExit("error: serve.pool is mooncake but KVPOOL_POOL_ADDRESS names no pool address")
-        return MooncakePool(address)
+        if not pool_address:
+            raise SystemExit("error: serve.pool is mooncake but the plan names no pool_address")
+        try:
+            return MooncakePool(pool_address)
+        except (ValueError, PoolUnavailable, PublicListenersRefused) as e:
+            raise SystemExit(f"error: serve.pool is mooncake, pool_address {pool_address}: {e}") from None
     from kvpool.backend.pool.embedded import EmbeddedPool
 
     cap = pool_capacity_bytes(scenario)
@@ -120,7 +124,7 @@ class StageServer:
         c = self.config
         self.caches = [torch.zeros(self.num_blocks, c.page_tokens, c.record_elems, dtype=c.cache_dtype, device=self.device)
                        for _ in self.model.stage_layer_ids(self.stage)]
-        self.pool = make_pool(sc)
+        self.pool = make_pool(sc, plan.pool_address)
         chunk = sc.pool.chunk_tokens
         slot = slot_bytes_for(self.spec.chunk_object_bytes(self.stage, chunk))
         chunks_room = max(4, self.num_blocks * c.page_tokens // chunk)
