@@ -8,7 +8,7 @@ size by the rule ``kvpool replay`` applies (``workload.token_scale``: a 512-toke
 
 AIPerf is found at ``$KVPOOL_AIPERF`` (its ``aiperf`` executable), then ``.aiperf-venv/bin/aiperf``
 in the checkout (``python3 -m venv .aiperf-venv && .aiperf-venv/bin/pip install aiperf==0.13.0``:
-its own environment, as its pins differ from kvpool's), then ``aiperf`` on ``PATH``; the tests are
+its own environment, as its pins differ from kvpool's), then beside this Python, then on ``PATH``; the tests are
 skipped, saying so, when none is there. It runs offline: the tokenizer is
 ``backend/serve/tokenizer`` as a Hugging Face cache entry (``byte_tokenizer.write_hf_cache``) under
 the test's folder, ``HF_HUB_OFFLINE=1``, no dataset cache outside the test's folder.
@@ -59,7 +59,8 @@ SERVE_STOP_S = 30.0
 
 def _find_aiperf() -> tuple[Path | None, str]:
     """The ``aiperf`` executable and its package version, or ``(None, why not)``."""
-    candidates = [os.environ.get("KVPOOL_AIPERF"), ROOT / ".aiperf-venv" / "bin" / "aiperf", shutil.which("aiperf")]
+    candidates = [os.environ.get("KVPOOL_AIPERF"), ROOT / ".aiperf-venv" / "bin" / "aiperf",
+                  Path(sys.executable).parent / "aiperf", shutil.which("aiperf")]
     for c in candidates:
         if c and Path(c).is_file():
             exe = Path(c)
