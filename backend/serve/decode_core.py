@@ -20,7 +20,8 @@ Contract:
       carries the tokens after ``first_token`` (at most ``max_tokens - 1``): one ``TokenEvent`` per
       step, the last one ``done`` with ``finish_reason`` ``length`` or ``stop`` (EOS, unless
       ``ignore_eos``) and the decode side's record fields.
-    * Bounds: a hand-off not complete ``HANDOFF_WAIT_S`` after ``/generate`` fails (its stream ends
+    * Bounds: a hand-off not complete ``handoff_wait_s`` (``min(HANDOFF_WAIT_CAP_S,
+      serve.request_timeout_s)``) after ``/generate`` fails (its stream ends
       with an error naming the rank still pending; every stage is told FAIL); a failed hand-off ends
       its stream with the rank's reason at once; an expected request without ``/generate`` for
       ``serve.request_timeout_s`` is dropped. Every end frees the request's pages at once.
@@ -50,7 +51,7 @@ from kvpool.backend.serve.model_config import EOS_TOKEN, ref_config
 from kvpool.backend.serve.protocol import ExpectRequest, GenerateRequest, TokenEvent
 from kvpool.scenario.model import Scenario
 
-HANDOFF_WAIT_S = 30.0
+HANDOFF_WAIT_CAP_S = 30.0
 POLL_S = 0.002
 IDLE_POLL_S = 0.02
 STOP_JOIN_S = 10.0
@@ -110,6 +111,7 @@ class DecodeCore:
         ]
         self.rank_endpoints = [[dr.endpoint for dr in ranks] for ranks in self.ranks]
         self.request_timeout_s = s.request_timeout_s
+        self.handoff_wait_s = min(HANDOFF_WAIT_CAP_S, s.request_timeout_s)
         self.reqs: dict[str, _Req] = {}
         self.waiting: list[_Req] = []
         self.running: list[_Req] = []
@@ -289,11 +291,11 @@ class DecodeCore:
                     self.metrics.handoff_s.observe(rq.handoff_s)
                     break
             if rq.state == WAITING and not rq.handoff_done and not rq.handoff_error \
-                    and now - rq.t_generate > HANDOFF_WAIT_S:
+                    and now - rq.t_generate > self.handoff_wait_s:
                 pending = [r for i in rq.live_sets for r, dr in enumerate(self.ranks[i])
                            if dr.status(rq.request_id) == "pending"]
                 self._forget_ranks(rq, rq.live_sets)
-                self._handoff_failed(rq, f"hand-off not complete within {HANDOFF_WAIT_S:g} s of /generate "
+                self._handoff_failed(rq, f"hand-off not complete within {self.handoff_wait_s:g} s of /generate "
                                          f"(decode rank(s) {sorted(set(pending))} still waiting for prefill)")
 
     def _handoff_failed(self, rq: _Req, reason: str) -> None:

@@ -28,8 +28,9 @@ instance ``i``'s stages connect to ``rank_endpoints_by_prefill[i]`` (``rank_endp
 0's), with ``PrefillStage(stage=s)`` and ``handoff_plan.stage_plan``.
 
 Bounds: a handler waits at most ``COMMAND_WAIT_S`` for the engine thread to take a command (503
-after), a stream at most ``serve.request_timeout_s`` between two lines (then it ends with an error
-and the request is aborted); the hand-off bounds are ``decode_core``'s. SIGTERM or SIGINT: every
+after), a stream at most ``serve.request_timeout_s`` + the hand-off bound between two lines (a
+backstop past the engine's own bounds: the stream then ends with an error and the request is
+aborted); the hand-off bounds are ``decode_core``'s. SIGTERM or SIGINT: every
 open stream ends with an error line ``decode engine stopping``, the ranks close, the process exits 0.
 A client that disconnects mid-stream aborts its request (pages freed).
 """
@@ -120,7 +121,7 @@ class DecodeServer:
         self.streams.add(out)
         try:
             await resp.prepare(request)
-            timeout_s = self.core.request_timeout_s
+            timeout_s = self.core.request_timeout_s + self.core.handoff_wait_s   # past the engine's own bounds
             while True:
                 try:
                     ev = await asyncio.wait_for(out.get(), timeout_s)
