@@ -314,6 +314,7 @@ class DecodeCore:
                 continue
             if rq.handoff_done and len(self.running) < self.max_seqs:
                 rq.state = RUNNING
+                rq.t_last = time.monotonic()
                 self.running.append(rq)
             else:
                 keep.append(rq)
@@ -335,6 +336,7 @@ class DecodeCore:
         self.metrics.steps.inc()
         self.metrics.step_s.observe(now - t0)
         self.metrics.generation_tokens.inc(len(batch))
+        self.metrics.batch_seqs.observe(len(batch))
         for rq, tok in zip(list(batch), nxt):
             rq.tokens += 1
             rq.last = tok

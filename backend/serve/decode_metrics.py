@@ -38,6 +38,8 @@ class DecodeMetrics:
         self.steps = Counter("kvpool:decode_steps", "decode steps run", registry=r)
         self.step_s = Histogram("kvpool:decode_step_seconds", "one decode step of the whole batch",
                                 buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.batch_seqs = Histogram("kvpool:decode_batch_sequences", "sequences in one decode step",
+                                    buckets=tuple(float(1 << k) for k in range(17)), registry=r)
         self.finished = Counter("kvpool:request_success", "requests finished, by reason", ["finished_reason"], registry=r)
 
     def render(self) -> bytes:
