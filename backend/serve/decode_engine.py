@@ -132,7 +132,10 @@ class DecodeServer:
                 if ev.done:
                     break
             await resp.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
+            print(f"decode{self.instance}: request {req.request_id!r}: the client left mid-stream; aborted", flush=True)
+            await self._abort_quietly(req.request_id)
+        except asyncio.CancelledError:
             await self._abort_quietly(req.request_id)
             raise
         finally:

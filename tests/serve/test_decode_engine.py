@@ -8,10 +8,12 @@ Everything runs on 127.0.0.1; every wait is bounded; no process outlives the tes
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -117,6 +119,7 @@ def engine(tmp_path_factory):
                 proc.kill()
                 proc.wait(5)
         log.close()
+        print(f"--- {w.name}'s log (tail) ---\n{plan.log_path(w.name).read_text()[-4000:]}")   # shown on failure
 
 
 def send_all(engine, rid: str, prompt: list[int]) -> int:
@@ -243,6 +246,34 @@ def test_a_failed_handoff_ends_the_stream_with_the_ranks_reason(engine):
     assert len(lines) == 1 and "hand-off failed on decode rank" in lines[0]["error"]
     assert "not in the plan" in lines[0]["error"]
     assert json.loads(get(url + "/health")[1])["detail"]["kv_usage"] == 0.0
+
+
+def finished(metrics: str, reason: str) -> float:
+    m = re.search(rf'^kvpool:request_success_total{{finished_reason="{reason}"}} (\S+)$', metrics, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request(engine):
+    url = engine["url"]
+    before = get(url + "/metrics")[1].decode()
+    prompt = prompts(2)[1]
+    assert post(url + "/expect", {"request_id": "leaver", "prompt_tokens": len(prompt), "max_tokens": 1000})[0] == 200
+    first = send_all(engine, "leaver", prompt)
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request("POST", "/generate", json.dumps({"request_id": "leaver", "first_token": first, "max_tokens": 1000,
+                                                 "descriptor": {}}))
+    resp = conn.getresponse()
+    assert json.loads(resp.readline())["tokens"]
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    deadline = time.monotonic() + 10
+    while json.loads(get(url + "/health")[1])["detail"]["kv_usage"] != 0.0:
+        assert time.monotonic() < deadline, "the pages of a disconnected stream were not freed"
+        time.sleep(0.05)
+    after = get(url + "/metrics")[1].decode()
+    assert finished(after, "error") == finished(before, "error") + 1
+    assert finished(after, "length") == finished(before, "length")
 
 
 def test_abort_ends_an_open_stream_and_frees_its_pages(engine):
