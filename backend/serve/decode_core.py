@@ -323,7 +323,7 @@ class DecodeCore:
 
     def _step(self) -> None:
         batch = self.running
-        seqs = [DecodeSeq(rq.last, rq.prompt_tokens + rq.tokens - 1, rq.tables) for rq in batch]
+        seqs = [DecodeSeq(rq.last, rq.prompt_tokens + rq.tokens - 1, rq.tables, rq.pages) for rq in batch]
         t0 = time.monotonic()
         try:
             nxt, _ = self.step_model.step(seqs)

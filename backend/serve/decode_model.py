@@ -43,6 +43,14 @@ from kvpool.policy.layout import rank_token_count
 ROW_BLOCK = 16
 
 
+def _read_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """The records of ``pages`` of ``cache`` in order, ``[pages * page_tokens, record]``; gathered as
+    bytes (indexing is defined for uint8 on every device, not for every float8 type)."""
+    rec = cache.shape[-1]
+    raw = cache.view(torch.uint8)[pages]
+    return raw.reshape(-1, raw.shape[-1]).view(cache.dtype).reshape(-1, rec)
+
+
 def rank_pages(tokens: int, rank: int, dcp: int, page_tokens: int) -> int:
     """Pages rank ``rank`` needs to hold its share of a sequence's first ``tokens`` tokens."""
     return -(-rank_token_count(tokens, rank, dcp) // page_tokens)
@@ -74,11 +82,14 @@ class DecodeSeq:
         position: its absolute position (the prompt's tokens are ``0 .. prompt - 1``).
         tables: per DCP rank, the sequence's block table on that rank (int64, on the rank's device),
             long enough for local index ``position // dcp``.
+        pages: the same tables as host lists (optional: the record write then reads its block id
+            from ``tables``, a device synchronization on a GPU).
     """
 
     token: int
     position: int
     tables: list[torch.Tensor]
+    pages: list[list[int]] | None = None
 
 
 class DecodeModel:
@@ -170,7 +181,8 @@ class DecodeModel:
         t = s.position
         owner, local = t % R, t // R
         cache = self.kv.rank_caches[owner][li]
-        cache[s.tables[owner][local // P], local % P] = rec.to(cache.device)
+        blk = s.pages[owner][local // P] if s.pages is not None else int(s.tables[owner][local // P])
+        cache[blk, local % P] = rec.to(cache.device)       # plain indexing: a copy, for every dtype
         parts = []
         for r in range(R):
             n_r = rank_token_count(t + 1, r, R)
@@ -178,7 +190,7 @@ class DecodeModel:
                 continue
             cache = self.kv.rank_caches[r][li]
             dev = cache.device
-            keys = cache[s.tables[r][: -(-n_r // P)]].reshape(-1, c.record_elems)[:n_r].float()
+            keys = _read_pages(cache, s.tables[r][: -(-n_r // P)])[:n_r].float()
             ck, kr = keys[:, :KV_LORA_RANK], keys[:, KV_LORA_RANK:]
             scores = (qlat.to(dev) @ ck.T + qr.to(dev) @ kr.T) * self.scale          # [H, n_r]
             mx = scores.max(dim=-1, keepdim=True).values

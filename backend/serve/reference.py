@@ -64,8 +64,9 @@ def place_dcp(config: RefConfig, caches: list[list[torch.Tensor]], table: torch.
         local = mine // R
         dst_blk, dst_slot = rank_tables[r].cpu()[local // P], local % P
         src_blk, src_slot = table[mine // P], mine % P
-        for li, src in enumerate(layer_caches):
-            kv.rank_caches[r][li][dst_blk, dst_slot] = src[src_blk, src_slot].to(kv.devices[r])
+        for li, src in enumerate(layer_caches):   # as bytes: indexing is defined for uint8 everywhere
+            dst = kv.rank_caches[r][li].view(torch.uint8)
+            dst[dst_blk, dst_slot] = src.view(torch.uint8)[src_blk, src_slot].to(kv.devices[r])
 
 
 def reference_generate(config: RefConfig, prompt_ids: Sequence[int], n_tokens: int, dcp: int) -> list[int]:
@@ -89,7 +90,7 @@ def _generate(config: RefConfig, prompt: list[int], n_tokens: int, dcp: int) -> 
     step = DecodeModel(model, kv, ["cpu"])
     out = [int(logits.argmax(dim=-1))]
     while len(out) < n_tokens:
-        nxt, _ = step.step([DecodeSeq(out[-1], n + len(out) - 1, rank_tables)])
+        nxt, _ = step.step([DecodeSeq(out[-1], n + len(out) - 1, rank_tables, [t.tolist() for t in rank_tables])])
         out.append(nxt[0])
     return out
 

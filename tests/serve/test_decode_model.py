@@ -15,6 +15,7 @@ from kvpool.scenario.load import load_scenario
 pytestmark = pytest.mark.timeout(120)
 
 CFG = ref_config(load_scenario("cpu-tiny"))
+FP8 = ref_config(load_scenario("cpu-tiny", ["serve.cache_dtype=float8_e4m3fn", "model.record_bytes=576"]))
 
 
 @pytest.fixture(autouse=True)
@@ -108,16 +109,16 @@ def test_the_tokens_do_not_depend_on_tp():
     assert all(torch.equal(a, b) for i in range(3) for a, b in zip(one[1][i], two[1][i]))
 
 
-@pytest.mark.parametrize("dcp", [1, 2, 3])
-def test_reference_generate_equals_a_full_recompute(dcp):
+@pytest.mark.parametrize("dcp,cfg", [(1, CFG), (2, CFG), (3, CFG), (2, FP8)], ids=["1", "2", "3", "2-fp8"])
+def test_reference_generate_equals_a_full_recompute(dcp, cfg):
     """The DCP merge is exact: every token equals the argmax of a full prefill of the sequence so
     far, and the logits agree to rounding (the generated tokens' records are rounded to bfloat16
     from hidden states that differ in the last float32 bits, so a record may differ by one bfloat16
     step; a wrong merge moves logits by tenths)."""
     for p in prompts(2, seed=5) + [[65]]:
-        ref = reference_generate(CFG, p, 8, dcp)
-        rec, rec_logits = recompute_generate(CFG, p, 8)
+        ref = reference_generate(cfg, p, 8, dcp)
+        rec, rec_logits = recompute_generate(cfg, p, 8)
         assert ref == rec
-        _, lg = Batch(CFG, [p], dcp, 8).run([0], 7)
+        _, lg = Batch(cfg, [p], dcp, 8).run([0], 7)
         for a, b in zip(lg[0], rec_logits[1:]):
             assert torch.allclose(a, b, rtol=0, atol=2e-3), (a - b).abs().max()
