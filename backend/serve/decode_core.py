@@ -21,10 +21,11 @@ Contract:
       step, the last one ``done`` with ``finish_reason`` ``length`` or ``stop`` (EOS, unless
       ``ignore_eos``) and the decode side's record fields.
     * Bounds: a hand-off not complete ``handoff_wait_s`` (``min(HANDOFF_WAIT_CAP_S,
-      serve.request_timeout_s)``) after ``/generate`` fails (its stream ends
-      with an error naming the rank still pending; every stage is told FAIL); a failed hand-off ends
-      its stream with the rank's reason at once; an expected request without ``/generate`` for
-      ``serve.request_timeout_s`` is dropped. Every end frees the request's pages at once.
+      serve.request_timeout_s)``) after ``/generate`` fails: its stream ends with an error naming
+      the ranks still pending, and every stage is told FAIL. A failed hand-off ends its stream with
+      the rank's reason at once (or, before ``/generate``, the ``/generate`` that follows). An
+      expected request without ``/generate`` for ``serve.request_timeout_s`` is dropped. Every end
+      frees the request's pages at once.
     * Idle: the engine thread polls the side channels every ``POLL_S`` while requests are pending
       and every ``IDLE_POLL_S`` with none.
 """

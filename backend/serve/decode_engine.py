@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = ServePlan.read(args.plan)
         plan.worker(args.name)
     except (OSError, ValueError, KeyError) as exc:
-        print(f"error: --plan {args.plan} --name {args.name}: {exc}", file=sys.stderr)
+        reason = exc.args[0] if isinstance(exc, KeyError) else exc
+        print(f"error: --plan {args.plan} --name {args.name}: {reason}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(serve(plan, args.name))
