@@ -211,6 +211,30 @@ def test_a_bad_body_is_a_400_with_a_json_error(engine, route, body, field):
     assert status == 400 and field in answer["error"]
 
 
+@pytest.mark.parametrize("first,max_tokens,ignore_eos,reason", [
+    (256, 5, False, "stop"),       # the first token is EOS
+    (65, 1, False, "length"),      # the first token was the only one asked for
+])
+def test_a_generation_that_ends_at_its_first_token_streams_one_done_line(engine, first, max_tokens, ignore_eos, reason):
+    url = engine["url"]
+    assert post(url + "/expect", {"request_id": "short", "prompt_tokens": 9, "max_tokens": 5})[0] == 200
+    lines = stream(url, {"request_id": "short", "first_token": first, "max_tokens": max_tokens,
+                         "descriptor": {}, "ignore_eos": ignore_eos})
+    assert len(lines) == 1 and lines[0]["done"] and lines[0]["finish_reason"] == reason and not lines[0]["tokens"]
+    assert json.loads(get(url + "/health")[1])["detail"]["kv_usage"] == 0.0
+
+
+def test_generate_past_the_expected_tokens_is_a_409(engine):
+    url = engine["url"]
+    assert post(url + "/expect", {"request_id": "greedy", "prompt_tokens": 9, "max_tokens": 5})[0] == 200
+    status, body = post(url + "/expect", {"request_id": "greedy", "prompt_tokens": 9, "max_tokens": 5})
+    assert status == 409 and "already expected" in body["error"]
+    status, body = post(url + "/generate", {"request_id": "greedy", "first_token": 1, "max_tokens": 6,
+                                            "descriptor": {}})
+    assert status == 409 and "exceeds the 5 expected" in body["error"]
+    assert post(url + "/abort", {"request_id": "greedy"}) == (200, {"aborted": True})
+
+
 def test_generate_of_an_unexpected_request_is_a_404(engine):
     status, body = post(engine["url"] + "/generate", {"request_id": "nobody", "first_token": 1, "max_tokens": 3,
                                                       "descriptor": {"decode_instance": 0, "stages": 2}})
