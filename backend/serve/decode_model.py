@@ -59,18 +59,25 @@ def rank_pages(tokens: int, rank: int, dcp: int, page_tokens: int) -> int:
 class DcpCaches:
     """Every DCP rank's paged KV of one decode instance (see the module docstring)."""
 
-    def __init__(self, config: RefConfig, dcp: int, blocks_per_rank: int, devices: Sequence[str | torch.device]) -> None:
+    def __init__(self, config: RefConfig, dcp: int, blocks_per_rank: int, devices: Sequence[str | torch.device],
+                 share: bool = True) -> None:
         if dcp <= 0 or blocks_per_rank <= 0 or not devices:
             raise ValueError(f"need dcp > 0, blocks_per_rank > 0 and a device, got {dcp}, {blocks_per_rank}, {devices}")
         self.config = config
         self.dcp = dcp
         self.blocks_per_rank = blocks_per_rank
         self.devices = [torch.device(devices[r % len(devices)]) for r in range(dcp)]
-        self.rank_caches: list[list[torch.Tensor]] = [
-            [torch.zeros(blocks_per_rank, config.page_tokens, config.record_elems, dtype=config.cache_dtype, device=dev)
-             for _ in range(config.layers)]
-            for dev in self.devices
-        ]
+        #: per layer, every rank's pages in one tensor when all ranks share a device and ``share``
+        #: (rank ``r``'s cache is rows ``r * blocks_per_rank ..`` of it); None otherwise
+        self.shared: list[torch.Tensor] | None = None
+        shape = (blocks_per_rank, config.page_tokens, config.record_elems)
+        if share and len(set(self.devices)) == 1:
+            self.shared = [torch.zeros(dcp * shape[0], *shape[1:], dtype=config.cache_dtype, device=self.devices[0])
+                           for _ in range(config.layers)]
+            self.rank_caches = [[big[r * shape[0]:(r + 1) * shape[0]] for big in self.shared] for r in range(dcp)]
+        else:
+            self.rank_caches = [[torch.zeros(*shape, dtype=config.cache_dtype, device=dev) for _ in range(config.layers)]
+                                for dev in self.devices]
 
 
 @dataclass
@@ -139,12 +146,13 @@ class DecodeModel:
         x = [self.model.embed[tok[b * B:(b + 1) * B]] for b in range(blocks)]
         x = [xb * (torch.arange(b * B, (b + 1) * B, device=self.dev0) < n)[:, None] for b, xb in enumerate(x)]
         posb = [pos[b * B:(b + 1) * B] for b in range(blocks)]
+        views = [self._view(s) for s in seqs] if self.kv.shared is not None else [None] * n
         for li in range(self.config.layers):
             pre = [self._pre(li, x[b], posb[b]) for b in range(blocks)]
             olat = torch.zeros(blocks * B, self.config.heads, KV_LORA_RANK, device=self.dev0)
             for i, s in enumerate(seqs):
                 rec, qlat, qr = (t[i % B] for t in pre[i // B])
-                olat[i] = self._attend(li, s, rec, qlat, qr)
+                olat[i] = self._attend(li, s, rec, qlat, qr, views[i])
             x = [self._post(li, x[b], olat[b * B:(b + 1) * B]) for b in range(blocks)]
         logits = torch.cat([_rms(xb, self.model.ln_f) @ self.model.lm_head for xb in x])[:n]
         return logits.argmax(dim=-1).tolist(), logits
@@ -174,15 +182,38 @@ class DecodeModel:
         x1, x2 = x[..., : ROPE_DIM // 2], x[..., ROPE_DIM // 2:]
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
-    def _attend(self, li: int, s: DecodeSeq, rec: torch.Tensor, qlat: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+    def _view(self, s: DecodeSeq) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One sequence's view of the shared caches for this step: the pages of its ranks that hold
+        tokens (``[ranks, pages]`` rows of ``kv.shared``; a rank with a page fewer repeats its
+        first), the mask of its tokens ``[ranks, 1, n_max]`` and ``n_max``, the most tokens a rank
+        holds. The same for every layer; it depends on this sequence alone."""
+        R, P, nb = self.dcp, self.config.page_tokens, self.kv.blocks_per_rank
+        n = s.position + 1
+        ranks = min(R, n)
+        n_max = -(-n // R)
+        pages = -(-n_max // P)
+        host = s.pages if s.pages is not None else [t.tolist() for t in s.tables]
+        rows = []
+        for r in range(ranks):
+            mine = host[r][: -(-rank_token_count(n, r, R) // P)]
+            rows.append([r * nb + b for b in mine + [mine[0]] * (pages - len(mine))])
+        counts = torch.tensor([rank_token_count(n, r, R) for r in range(ranks)], device=self.kv.devices[0])
+        mask = torch.arange(n_max, device=self.kv.devices[0])[None, None, :] < counts[:, None, None]
+        return torch.tensor(rows, dtype=torch.long, device=self.kv.devices[0]), mask, n_max
+
+    def _attend(self, li: int, s: DecodeSeq, rec: torch.Tensor, qlat: torch.Tensor, qr: torch.Tensor,
+                view: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
         """Write the new token's record on its rank, then the exact merge of every rank's partial
-        attention of the query (``qlat [H, 512]``, ``qr [H, 64]``) over that rank's tokens."""
+        attention of the query (``qlat [H, 512]``, ``qr [H, 64]``) over that rank's tokens. With
+        ``view`` (all ranks on one device) every rank's partial comes from one batched product."""
         c, R, P = self.config, self.dcp, self.config.page_tokens
         t = s.position
         owner, local = t % R, t // R
         cache = self.kv.rank_caches[owner][li]
         blk = s.pages[owner][local // P] if s.pages is not None else int(s.tables[owner][local // P])
         cache[blk, local % P] = rec.to(cache.device)       # plain indexing: a copy, for every dtype
+        if view is not None:
+            return self._attend_shared(li, qlat, qr, *view)
         parts = []
         for r in range(R):
             n_r = rank_token_count(t + 1, r, R)
@@ -206,6 +237,25 @@ class DecodeModel:
             num = num + w * o_r
             den = den + w * l_r
         return num / den
+
+    def _attend_shared(self, li: int, qlat: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
+                       n_max: int) -> torch.Tensor:
+        """Every rank's partial attention in one batched product over ``[ranks, n_max]`` keys
+        (a rank's missing last token masked), merged exactly across ranks in rank order."""
+        c = self.config
+        dev = self.kv.devices[0]
+        ranks, pages = rows.shape
+        keys = _read_pages(self.kv.shared[li], rows.reshape(-1)).view(ranks, pages * c.page_tokens, -1)
+        keys = keys[:, :n_max].float()                                                # [ranks, n_max, 576]
+        ck, kr = keys[..., :KV_LORA_RANK], keys[..., KV_LORA_RANK:]
+        scores = (qlat.to(dev)[None] @ ck.transpose(1, 2) + qr.to(dev)[None] @ kr.transpose(1, 2)) * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))                            # [ranks, H, n_max]
+        mx = scores.max(dim=-1, keepdim=True).values                                  # every rank holds a token
+        e = torch.exp(scores - mx)
+        w = torch.exp(mx - mx.max(dim=0).values[None])                                # [ranks, H, 1]
+        num = (w * (e @ ck)).sum(dim=0)
+        den = (w * e.sum(dim=-1, keepdim=True)).sum(dim=0)
+        return (num / den).to(self.dev0)
 
     def _post(self, li: int, x: torch.Tensor, olat: torch.Tensor) -> torch.Tensor:
         """Rows ``x [B, d]`` and their attention latents ``olat [B, H, 512]``: the output projection
