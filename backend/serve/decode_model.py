@@ -1,12 +1,14 @@
 """The reference model's decode step over DCP-sharded paged KV, batched and batch-invariant.
 
 Contract:
-    * ``DcpCaches(config, dcp, tokens_per_rank, devices)``: every DCP rank's paged KV, one
-      ``[blocks, page_tokens, 576]`` cache per layer of the model (``rank_caches[r]``, in layer
-      order, on ``devices[r % len(devices)]``). Token ``t`` of a sequence lives on rank
+    * ``DcpCaches(config, dcp, blocks_per_rank, devices, share=True)``: every DCP rank's paged KV,
+      one ``[blocks_per_rank, page_tokens, 576]`` cache per layer of the model (``rank_caches[r]``,
+      in layer order, on ``devices[r % len(devices)]``). Token ``t`` of a sequence lives on rank
       ``t mod dcp`` at local index ``t // dcp``; a sequence's block table on rank ``r`` maps local
-      pages to blocks of that rank (the layout ``kernels.scatter_dcp`` writes).
-    * ``DecodeModel(model, dcp, devices, tp=1)``: ``step(seqs) -> (next_tokens, logits)`` runs one
+      pages to blocks of that rank (the layout ``kernels.scatter_dcp`` writes). When every rank is
+      on one device (and ``share``), the ranks' caches of a layer are views of one tensor
+      (``shared``).
+    * ``DecodeModel(model, caches, devices, tp=1)``: ``step(seqs) -> (next_tokens, logits)`` runs one
       decode step for a batch of ``DecodeSeq`` (the last token, its absolute position, the
       sequence's block tables). For each layer, the new token's MLA record is written into the rank
       that owns its position; each rank computes the new query's partial attention over its own
@@ -17,7 +19,9 @@ Contract:
       nor on its row in the batch (bits, on one device type). Every row-wise op runs on blocks of
       exactly ``ROW_BLOCK`` rows (the last block padded with zero rows), so every kernel sees the
       same shapes whatever the batch size, and a GEMM's row never reads another row; attention
-      runs per sequence, with shapes that depend on that sequence alone.
+      runs per sequence, with shapes that depend on that sequence alone (with ``shared`` caches,
+      one gather and one batched product give every rank's partial of the sequence; otherwise
+      each rank's partial is computed on its device, one by one).
     * TP: the ``tp`` ranks' head groups are computed in this process. Head ``h``'s projections run on
       ``devices[h * tp // heads]``, one head at a time, and the heads' output projections are summed
       in head order on ``devices[0]``: every product has the same shape whatever ``tp`` is, so the
