@@ -163,8 +163,8 @@ class DecodeCore:
         pages = [[self.free[r].pop() for _ in range(need[r])] for r in range(self.dcp)]
         tables = [torch.tensor(p, dtype=torch.long, device=self.kv.devices[r]) for r, p in enumerate(pages)]
         rq = _Req(req.request_id, req.prompt_tokens, req.max_tokens, pages, tables, time.monotonic())
-        parts = {s: StagePart(hp.stage_plan(self.scenario, s, req.prompt_tokens), hp.stage_layer_start(self.scenario, s))
-                 for s in range(self.pp)}
+        parts = {s: StagePart(hp.stage_plan(self.scenario, s, req.prompt_tokens),
+                              hp.stage_layer_start(self.scenario, s)) for s in range(self.pp)}
         try:
             for ranks in self.ranks:
                 for r, dr in enumerate(ranks):

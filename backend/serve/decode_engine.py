@@ -52,7 +52,14 @@ from kvpool.backend.serve import handoff_plan as hp
 from kvpool.backend.serve.decode_core import DecodeCore, NoRoom, RequestConflict
 from kvpool.backend.serve.model_config import ServeConfigError
 from kvpool.backend.serve.plan import ServePlan, write_ready
-from kvpool.backend.serve.protocol import AbortRequest, ExpectRequest, GenerateRequest, Health, ProtocolError, TokenEvent
+from kvpool.backend.serve.protocol import (
+    AbortRequest,
+    ExpectRequest,
+    GenerateRequest,
+    Health,
+    ProtocolError,
+    TokenEvent,
+)
 
 COMMAND_WAIT_S = 10.0
 MAX_BODY_BYTES = 1 << 20

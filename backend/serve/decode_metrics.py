@@ -19,16 +19,18 @@ class DecodeMetrics:
         self.registry = r = CollectorRegistry()
         self.running = Gauge("kvpool:num_requests_running", "sequences in the decode batch", registry=r)
         self.waiting = Gauge("kvpool:num_requests_waiting",
-                             "requests holding decode pages but not in the batch (expected, hand-off pending, or batch full)",
+                             "requests holding decode pages but not in the batch "
+                             "(expected, hand-off pending, or batch full)",
                              registry=r)
-        self.kv_usage = Gauge("kvpool:kv_cache_usage_perc", "fraction of the decode instance's KV pages allocated (0-1)",
-                              registry=r)
+        self.kv_usage = Gauge("kvpool:kv_cache_usage_perc",
+                              "fraction of the decode instance's KV pages allocated (0-1)", registry=r)
         self.kv_capacity = Gauge("kvpool:decode_kv_capacity_tokens", "decode instance KV capacity, tokens", registry=r)
         self.handoff_bytes = Counter("kvpool:handoff_received_bytes", "hand-off bytes scattered into decode KV",
                                      registry=r)
         self.handoff_writes = Counter("kvpool:handoff_received_writes", "hand-off writes scattered into decode KV",
                                       registry=r)
-        self.handoff_s = Histogram("kvpool:handoff_seconds", "hand-off time as decode sees it: expect to the last scatter",
+        self.handoff_s = Histogram("kvpool:handoff_seconds",
+                                   "hand-off time as decode sees it: expect to the last scatter",
                                    buckets=_HANDOFF_BUCKETS_S, registry=r)
         self.handoff_failures = Counter("kvpool:handoff_failures", "hand-offs that failed or did not complete in time",
                                         registry=r)
@@ -40,7 +42,8 @@ class DecodeMetrics:
                                 buckets=_LATENCY_BUCKETS_S, registry=r)
         self.batch_seqs = Histogram("kvpool:decode_batch_sequences", "sequences in one decode step",
                                     buckets=tuple(float(1 << k) for k in range(17)), registry=r)
-        self.finished = Counter("kvpool:request_success", "requests finished, by reason", ["finished_reason"], registry=r)
+        self.finished = Counter("kvpool:request_success", "requests finished, by reason", ["finished_reason"],
+                                registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -80,8 +80,8 @@ class DcpCaches:
                            for _ in range(config.layers)]
             self.rank_caches = [[big[r * shape[0]:(r + 1) * shape[0]] for big in self.shared] for r in range(dcp)]
         else:
-            self.rank_caches = [[torch.zeros(*shape, dtype=config.cache_dtype, device=dev) for _ in range(config.layers)]
-                                for dev in self.devices]
+            self.rank_caches = [[torch.zeros(*shape, dtype=config.cache_dtype, device=dev)
+                                 for _ in range(config.layers)] for dev in self.devices]
 
 
 @dataclass

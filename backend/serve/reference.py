@@ -95,7 +95,8 @@ def _generate(config: RefConfig, prompt: list[int], n_tokens: int, dcp: int) -> 
     return out
 
 
-def recompute_generate(config: RefConfig, prompt_ids: Sequence[int], n_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+def recompute_generate(config: RefConfig, prompt_ids: Sequence[int],
+                       n_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """Tokens and each token's logits ``[vocab]`` by full prefills only (see the module docstring)."""
     seq = _check(prompt_ids, n_tokens, 1)
     model = _model(config)

@@ -21,8 +21,8 @@ from kvpool.scenario.load import load_scenario
 
 pytestmark = pytest.mark.timeout(120)
 
-SCENARIO = load_scenario("cpu-tiny", ["prefill.instances=2", "cluster.gpus_per_server=6", "cluster.numa_per_server=3", "decode.max_seqs=2",
-                                      "serve.decode_kv_tokens=2048", "serve.request_timeout_s=10"])
+SCENARIO = load_scenario("cpu-tiny", ["prefill.instances=2", "cluster.gpus_per_server=6", "cluster.numa_per_server=3",
+                                      "decode.max_seqs=2", "serve.decode_kv_tokens=2048", "serve.request_timeout_s=10"])
 CFG = ref_config(SCENARIO)
 MAX_TOKENS = 9
 

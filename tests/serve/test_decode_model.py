@@ -38,7 +38,8 @@ class Batch:
     (shuffled) pages; ``run(rows, steps)`` decodes the sequences ``rows`` together, from the
     prompts' KV each time."""
 
-    def __init__(self, cfg: RefConfig, ps: list[list[int]], dcp: int, steps: int, tp: int = 1, share: bool = True) -> None:
+    def __init__(self, cfg: RefConfig, ps: list[list[int]], dcp: int, steps: int, tp: int = 1,
+                 share: bool = True) -> None:
         self.model = _model(cfg)
         P = cfg.page_tokens
         need = [[rank_pages(len(p) + steps + 1, r, dcp, P) for r in range(dcp)] for p in ps]
