@@ -26,8 +26,9 @@ Contract:
       the rank's reason at once (or, before ``/generate``, the ``/generate`` that follows). An
       expected request without ``/generate`` for ``serve.request_timeout_s`` is dropped. Every end
       frees the request's pages at once.
-    * Idle: the engine thread polls the side channels every ``POLL_S`` while requests are pending
-      and every ``IDLE_POLL_S`` with none.
+    * Polling: the engine thread polls the side channels between the layers of a decode step and
+      between steps; with no step to run, every ``POLL_S`` while requests are pending and every
+      ``IDLE_POLL_S`` with none.
 """
 
 from __future__ import annotations
@@ -219,9 +220,7 @@ class DecodeCore:
             while not self._stop.is_set():
                 busy = bool(self.running)
                 self._commands(0.0 if busy else POLL_S if self.reqs else IDLE_POLL_S)
-                for ranks in self.ranks:
-                    for dr in ranks:
-                        dr.poll(0.0)
+                self._poll_ranks()
                 self._handoffs()
                 self._admit()
                 if self.running:
@@ -237,6 +236,11 @@ class DecodeCore:
             for ranks in self.ranks:
                 for dr in ranks:
                     dr.close()
+
+    def _poll_ranks(self) -> None:
+        for ranks in self.ranks:
+            for dr in ranks:
+                dr.poll(0.0)
 
     def _commands(self, timeout_s: float) -> None:
         try:
@@ -327,7 +331,7 @@ class DecodeCore:
         seqs = [DecodeSeq(rq.last, rq.prompt_tokens + rq.tokens - 1, rq.tables, rq.pages) for rq in batch]
         t0 = time.monotonic()
         try:
-            nxt, _ = self.step_model.step(seqs)
+            nxt, _ = self.step_model.step(seqs, self._poll_ranks)
         except Exception as exc:  # noqa: BLE001  (every sequence of the step gets the cause)
             self.log(f"decode{self.instance}: decode step failed: {exc}\n{traceback.format_exc()}")
             for rq in list(batch):

@@ -35,7 +35,7 @@ Contract:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -136,8 +136,11 @@ class DecodeModel:
     # ---- one step -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self, seqs: Sequence[DecodeSeq]) -> tuple[list[int], torch.Tensor]:
-        """Run one decode step; returns each sequence's next token and its logits ``[n, vocab]``."""
+    def step(self, seqs: Sequence[DecodeSeq], between_layers: Callable[[], None] | None = None
+             ) -> tuple[list[int], torch.Tensor]:
+        """Run one decode step; returns each sequence's next token and its logits ``[n, vocab]``.
+        ``between_layers`` is called after each layer but the last (the engine polls its hand-off
+        side channels there, so a long step does not hold landing slots back)."""
         n = len(seqs)
         if n == 0:
             return [], torch.empty(0, self.config.vocab, device=self.dev0)
@@ -158,6 +161,8 @@ class DecodeModel:
                 rec, qlat, qr = (t[i % B] for t in pre[i // B])
                 olat[i] = self._attend(li, s, rec, qlat, qr, views[i])
             x = [self._post(li, x[b], olat[b * B:(b + 1) * B]) for b in range(blocks)]
+            if between_layers is not None and li + 1 < self.config.layers:
+                between_layers()
         logits = torch.cat([_rms(xb, self.model.ln_f) @ self.model.lm_head for xb in x])[:n]
         return logits.argmax(dim=-1).tolist(), logits
 

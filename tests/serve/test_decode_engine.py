@@ -191,6 +191,37 @@ def test_streamed_tokens_equal_reference_generate(engine):
     assert max_tokens - 1 <= steps < 4 * (max_tokens - 1)     # some steps ran several sequences
 
 
+def test_a_handoff_lands_while_the_batch_runs(engine):
+    """Request B's KV lands (scattered between the layers and steps of A's decode) while A
+    generates; B then joins the batch. Both stream the reference's tokens."""
+    url = engine["url"]
+    a, b = prompts(4)[3], prompts(4)[2]
+    shared_before = shared_steps(get(url + "/metrics")[1].decode())
+    assert post(url + "/expect", {"request_id": "A", "prompt_tokens": len(a), "max_tokens": 600})[0] == 200
+    first_a = send_all(engine, "A", a)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(A=stream(url, {"request_id": "A", "first_token": first_a,
+                                                                "max_tokens": 600, "descriptor": {}})))
+    t.start()
+    time.sleep(0.2)
+    assert post(url + "/expect", {"request_id": "B", "prompt_tokens": len(b), "max_tokens": 20})[0] == 200
+    first_b = send_all(engine, "B", b)
+    out["B"] = stream(url, {"request_id": "B", "first_token": first_b, "max_tokens": 20, "descriptor": {}})
+    t.join(60)
+    assert "A" in out and out["A"][-1]["finish_reason"] == "length", out.get("A", [{}])[-1]
+    assert out["B"][-1]["finish_reason"] == "length"
+    for rid, p, first, n in (("A", a, first_a, 600), ("B", b, first_b, 20)):
+        assert [first] + [t for ln in out[rid] for t in ln["tokens"]] == reference_generate(CFG, p, n, 2), rid
+    assert shared_steps(get(url + "/metrics")[1].decode()) - shared_before == 19   # B's steps all ran beside A's
+
+
+def shared_steps(metrics: str) -> float:
+    """Decode steps of more than one sequence so far."""
+    count = float(re.search(r"^kvpool:decode_batch_sequences_count (\S+)$", metrics, re.M).group(1))
+    alone = float(re.search(r'^kvpool:decode_batch_sequences_bucket\{le="1.0"\} (\S+)$', metrics, re.M).group(1))
+    return count - alone
+
+
 def test_expect_without_room_is_a_503_with_a_json_error(engine):
     status, body = post(engine["url"] + "/expect", {"request_id": "big", "prompt_tokens": 40000, "max_tokens": 10})
     assert status == 503 and "no room" in body["error"]
