@@ -12,8 +12,12 @@ Contract:
     * ``recompute_generate(config, prompt_ids, n_tokens)``: the same tokens computed without any
       decode step at all, each one by ``RefModel.prefill`` of the whole sequence so far (slow; a
       check of the decode math: equal up to near-ties of the logits).
-    * CPU, float32 compute, deterministic; one intra-op thread while they run (the products are
-      small: on shared cores more threads spin and cost tens of times the work).
+    * float32 compute, deterministic; on the CPU by default, with one intra-op thread while they run
+      (the products are small: on shared cores more threads spin and cost tens of times the work).
+      ``device="cuda:0"``: the same on a GPU, where it runs the kernels a decode engine on that GPU
+      runs (fixed row blocks, all ranks on one device), so its tokens are the engine's bit for bit
+      (as far as the GPU's products are deterministic for one shape), while a CPU run may differ
+      from a GPU engine at near-ties of the logits.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from kvpool.backend.serve.decode_model import DcpCaches, DecodeModel, DecodeSeq,
 
 
 @functools.lru_cache(maxsize=4)
-def _model(config: RefConfig) -> RefModel:
-    return RefModel(config)
+def _model(config: RefConfig, device: str = "cpu") -> RefModel:
+    return RefModel(config, device=device)
 
 
 @contextlib.contextmanager
@@ -63,31 +67,36 @@ def place_dcp(config: RefConfig, caches: list[list[torch.Tensor]], table: torch.
             continue
         local = mine // R
         dst_blk, dst_slot = rank_tables[r].cpu()[local // P], local % P
-        src_blk, src_slot = table[mine // P], mine % P
+        src_blk, src_slot = table.cpu()[mine // P], mine % P
+        dev_d, dev_s = kv.devices[r], layer_caches[0].device
         for li, src in enumerate(layer_caches):   # as bytes: indexing is defined for uint8 everywhere
             dst = kv.rank_caches[r][li].view(torch.uint8)
-            dst[dst_blk, dst_slot] = src.view(torch.uint8)[src_blk, src_slot].to(kv.devices[r])
+            rows = src.view(torch.uint8)[src_blk.to(dev_s), src_slot.to(dev_s)]
+            dst[dst_blk.to(dev_d), dst_slot.to(dev_d)] = rows.to(dev_d)
 
 
-def reference_generate(config: RefConfig, prompt_ids: Sequence[int], n_tokens: int, dcp: int) -> list[int]:
+def reference_generate(config: RefConfig, prompt_ids: Sequence[int], n_tokens: int, dcp: int, *,
+                       device: str = "cpu") -> list[int]:
     """See the module docstring."""
     prompt = _check(prompt_ids, n_tokens, dcp)
+    if torch.device(device).type != "cpu":
+        return _generate(config, prompt, n_tokens, dcp, device)
     with _one_thread():
-        return _generate(config, prompt, n_tokens, dcp)
+        return _generate(config, prompt, n_tokens, dcp, device)
 
 
-def _generate(config: RefConfig, prompt: list[int], n_tokens: int, dcp: int) -> list[int]:
-    model = _model(config)
+def _generate(config: RefConfig, prompt: list[int], n_tokens: int, dcp: int, device: str) -> list[int]:
+    model = _model(config, device)
     P, n = config.page_tokens, len(prompt)
     total = n + n_tokens
-    table = torch.arange(-(-n // P))
+    table = torch.arange(-(-n // P), device=device)
     caches = model.new_caches(table.numel())
     logits = model.prefill(prompt, caches, table)
     pages = [rank_pages(total, r, dcp, P) for r in range(dcp)]
-    kv = DcpCaches(config, dcp, max(1, max(pages)), ["cpu"])
-    rank_tables = [torch.arange(k, dtype=torch.long) for k in pages]
+    kv = DcpCaches(config, dcp, max(1, max(pages)), [device])
+    rank_tables = [torch.arange(k, dtype=torch.long, device=device) for k in pages]
     place_dcp(config, caches, table, n, kv, rank_tables)
-    step = DecodeModel(model, kv, ["cpu"])
+    step = DecodeModel(model, kv, [device])
     out = [int(logits.argmax(dim=-1))]
     while len(out) < n_tokens:
         nxt, _ = step.step([DecodeSeq(out[-1], n + len(out) - 1, rank_tables, [t.tolist() for t in rank_tables])])
