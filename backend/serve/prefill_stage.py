@@ -13,8 +13,9 @@ Started as ``python -m kvpool.backend.serve.prefill_stage --plan PLAN --name NAM
     * the connector's worker side (``ConnectorWorker``: pool reads into registered buffers and
       unpack, pack and pool writes with group ids);
     * the hand-off sender (``backend.handoff.PrefillStage`` over ``make_transport("ipc")``),
-      attached to each decode engine's ``rank_endpoints`` (read from its ready file) the first
-      time a hand-off goes to it, and again after that decode instance's side channel was lost.
+      attached to the ranks a decode engine listens to for this prefill instance (its ready file's
+      ``rank_endpoints_by_prefill[instance]``) the first time a hand-off goes to it, and again after
+      that decode instance's side channel was lost.
 
 Commands (``backend.serve.stage_link`` frames on a ROUTER socket bound to ``tcp://127.0.0.1:*``;
 the ready file is ``{"pid", "endpoint"}``). Every reply has ``"ok"``; failures carry ``"error"``.
@@ -316,9 +317,13 @@ class StageServer:
             ready = wait_ready(self.plan.ready_path(decode_worker.name), DECODE_READY_WAIT_S)
         except TimeoutError as e:
             raise HandoffError(f"decode instance {decode_worker.instance} ({decode_worker.name}) is not ready: {e}") from None
-        eps = ready.get("rank_endpoints")
+        # the ranks this prefill instance writes to (a decode engine listens to each instance apart)
+        by_prefill = ready.get("rank_endpoints_by_prefill")
+        eps = by_prefill[self.worker.instance] if isinstance(by_prefill, list) and len(by_prefill) > self.worker.instance \
+            else ready.get("rank_endpoints")
         if not isinstance(eps, list) or not eps or not all(isinstance(e, str) for e in eps):
-            raise HandoffError(f"{decode_worker.name}'s ready file has no rank_endpoints list")
+            raise HandoffError(f"{decode_worker.name}'s ready file has no rank endpoints for prefill instance "
+                               f"{self.worker.instance}")
         target = self.targets[decode_worker.instance] = self.sender.connect(eps)
         return target
 
