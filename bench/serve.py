@@ -125,7 +125,7 @@ def correctness_session(url: str, model: str, vocab: int, turns: int, first_toke
 
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
-        sync(dev)
+        torch.cuda.synchronize(dev)
 
 
 def gb_s(nbytes: int, seconds: float) -> float:
@@ -235,6 +235,10 @@ def main() -> None:
         for n in loads:
             summary, records = replay(a.scenario, url, a.traces, n, a.duration, a.token_scale, work / f"load{n}", a.sets)
             summary["handoff_gb_s"] = handoff_gb_s(records)
+            # every worker of the plan runs on these devices: throughput per physical GPU beside the
+            # scenario's per-GPU figure (which counts the GPUs of its layout)
+            summary["devices"] = len(set(s.serve.devices))
+            summary["throughput_per_device_tok_s"] = summary["throughput_tok_s"] / summary["devices"]
             results.append(summary)
             records_by_load[n] = records
             log(f"{n} sessions: {summary['throughput_per_gpu_tok_s']:.0f} tok/s/GPU, TTFT p50 "
