@@ -1,0 +1,219 @@
+"""Bad files given to every command that reads one: trace files (gzip bombs, truncated or corrupt
+gzip, text that is not UTF-8, a JSON key given twice, deep nesting) and scenario files (not UTF-8, a
+key or table given twice, deep nesting). Each ends in exit status 2 with one ``error:`` line naming
+the file and what is wrong, and nothing written; a byte-order mark and CRLF line ends are read as
+the text they frame."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from pathlib import Path
+
+import pytest
+from test_fuzz_inputs import assert_clean, cli
+
+from kvpool.workload import load as trace_load
+
+SCENARIO = "mi355x-1p1d"
+SMALL_RUN = ("--sessions", "1", "--duration", "20", "--set", "workload.synthetic_sessions=2")
+
+
+def _trace(tid: str = "t1") -> dict:
+    req = {"t": 0, "type": "n", "in": 64, "out": 8, "hash_ids": [1, 2, 3, 4]}
+    return {"id": tid, "block_size": 16, "requests": [req, {**req, "t": 5}]}
+
+
+def _bomb(inflated_bytes: int) -> bytes:
+    """A gzip file of ``inflated_bytes`` spaces (about 1000 times smaller)."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 31)
+    piece = b" " * (1 << 20)
+    return b"".join([z.compress(piece) for _ in range(inflated_bytes >> 20)] + [z.flush()])
+
+
+@pytest.fixture(scope="module")
+def bad_traces(tmp_path_factory) -> dict[str, tuple[Path, str]]:
+    """name -> (file, what its error line says)."""
+    d = tmp_path_factory.mktemp("bad-traces")
+    text = json.dumps(_trace())
+    gz = gzip.compress(text.encode())
+    bomb = _bomb(trace_load.MIN_INFLATED_BOUND_BYTES + (16 << 20))
+    crc = bytearray(gz)
+    crc[-6] ^= 0xFF
+    files = {
+        "bomb.json.gz": (bomb, "inflates past 64 MiB after gzip; allowed: 200 times its"),
+        "bomb.jsonl.gz": (bomb, "(a gzip bomb is not a trace)"),
+        "truncated.json.gz": (gz[: len(gz) // 2], "truncated or corrupt gzip file"),
+        "crc.json.gz": (bytes(crc), "truncated or corrupt gzip file (CRC check failed"),
+        "latin1.json": (text.replace('"t1"', '"t\xff1"').encode("latin-1"), "not UTF-8 text (byte 0xff at offset 9)"),
+        "latin1.jsonl": (text.replace('"t1"', '"t\xff1"').encode("latin-1") + b"\n",
+                         "line 1: not UTF-8 text (byte 0xff at offset 9)"),
+        "dup-id.json": ((text[:-1] + ', "id": "t9"}').encode(), "key 'id' given twice in one JSON object"),
+        "dup-in.jsonl": ((text.replace('"in": 64', '"in": 64, "in": 7', 1) + "\n").encode(),
+                         "line 1: key 'in' given twice in one JSON object"),
+        "dup-mooncake.jsonl": (b'{"timestamp": 0, "input_length": 1024, "input_length": 9, "output_length": 16, '
+                               b'"hash_ids": [1, 2]}\n', "line 1: key 'input_length' given twice"),
+        "deep.json": (("[" * 50_000 + "]" * 50_000).encode(), "JSON nested too deeply"),
+        "deep.jsonl": (('{"a":' * 50_000 + "1" + "}" * 50_000 + "\n").encode(), "line 1: JSON nested too deeply"),
+    }
+    out = {}
+    for name, (data, needle) in files.items():
+        (d / name).write_bytes(data)
+        out[name] = (d / name, needle)
+    return out
+
+
+BAD_TRACES = ["bomb.json.gz", "bomb.jsonl.gz", "truncated.json.gz", "crc.json.gz", "latin1.json", "latin1.jsonl",
+              "dup-id.json", "dup-in.jsonl", "dup-mooncake.jsonl", "deep.json", "deep.jsonl"]
+
+
+def _one_error(result, *needles: str) -> str:
+    assert_clean(result, needles[:1])
+    code, _, err, _ = result
+    assert code == 2, err
+    line = next(x for x in err.splitlines() if x.startswith("error:"))
+    assert all(n in line for n in needles), (needles, line)
+    return line
+
+
+def test_the_inflated_bound_follows_the_size_on_disk():
+    mib = 1 << 20
+    assert trace_load.inflated_bound_bytes(1000) == 64 * mib
+    assert trace_load.inflated_bound_bytes(mib) == 200 * mib
+    assert trace_load.inflated_bound_bytes(1 << 30) == 4 << 30
+
+
+@pytest.mark.parametrize("name", BAD_TRACES)
+def test_trace_stats_of_a_bad_file_is_one_error_naming_it(bad_traces, name):
+    path, needle = bad_traces[name]
+    line = _one_error(cli("trace", "stats", str(path), "--json"), str(path), needle)
+    assert line.startswith(f"error: {path}: ")
+
+
+@pytest.mark.parametrize("name", ["bomb.json.gz", "truncated.json.gz", "latin1.jsonl", "dup-id.json", "deep.json"])
+def test_trace_convert_of_a_bad_file_writes_nothing(bad_traces, tmp_path, name):
+    path, needle = bad_traces[name]
+    out = tmp_path / "converted.jsonl"
+    _one_error(cli("trace", "convert", str(path), "--to", "mooncake", "--out", str(out)), str(path), needle)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("how", ["--traces", "workload.traces"])
+@pytest.mark.parametrize("name", ["bomb.jsonl.gz", "crc.json.gz", "latin1.json", "dup-in.jsonl", "deep.jsonl"])
+def test_sim_run_on_a_bad_trace_file_writes_nothing(bad_traces, tmp_path, name, how):
+    path, needle = bad_traces[name]
+    out = tmp_path / "out"
+    given = ("--traces", str(path)) if how == "--traces" else ("--set", f"workload.traces={json.dumps(str(path))}")
+    _one_error(cli("sim", "run", SCENARIO, *SMALL_RUN, *given, "--out", str(out), "--json"), str(path), needle)
+    assert not out.exists() or not list(out.iterdir())
+
+
+def test_sim_compare_and_plan_on_a_bad_trace_file_write_nothing(bad_traces, tmp_path):
+    path, needle = bad_traces["dup-id.json"]
+    out = tmp_path / "out"
+    _one_error(cli("sim", "compare", SCENARIO, "h200-1p1d", "--sessions", "1", "--duration", "20",
+                   "--traces", str(path), "--out", str(out), "--json"), str(path), needle)
+    _one_error(cli("sim", "plan", SCENARIO, "--target", "reuse>=0.5", "--vary", "pool.gib_per_service=64..768",
+                   "--duration", "20", "--traces", str(path), "--out", str(out), "--json"), str(path), needle)
+    assert not out.exists() or not list(out.iterdir())
+
+
+def test_a_gzip_bomb_stops_at_the_bound_without_inflating_it_all(tmp_path):
+    """300 gzip members of 1 MiB of spaces each (a 300 KiB file of 300 MiB): memory stays near the bound."""
+    import tracemalloc
+
+    member = gzip.compress(b" " * (1 << 20), 9)
+    path = tmp_path / "members.json.gz"
+    path.write_bytes(member * 300)
+    assert path.stat().st_size < 400 << 10
+    tracemalloc.start()
+    try:
+        with pytest.raises(trace_load.TraceError) as e:
+            trace_load.load_workload(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert e.value.file == str(path) and "inflates past 64 MiB" in e.value.message
+    assert peak < (64 + 32) << 20, peak  # the bound and one piece, never the 300 MiB
+
+
+def test_a_byte_order_mark_and_crlf_line_ends_read_as_the_plain_file(tmp_path):
+    plain = json.dumps(_trace()).encode()
+    two = plain + b"\n" + json.dumps(_trace("t2")).encode() + b"\n"
+    files = {"plain.json": plain, "bom.json": b"\xef\xbb\xbf" + plain, "plain.jsonl": two,
+             "bom-crlf.jsonl": b"\xef\xbb\xbf" + two.replace(b"\n", b"\r\n")}
+    stats = {}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        code, out, err, _ = cli("trace", "stats", str(tmp_path / name), "--json")
+        assert code == 0, err
+        stats[name] = json.loads(out)
+    assert stats["bom.json"] == stats["plain.json"] and stats["bom-crlf.jsonl"] == stats["plain.jsonl"]
+    assert stats["plain.jsonl"] != stats["plain.json"]
+
+
+# -- scenario files -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base_toml() -> str:
+    code, text, err, _ = cli("scenario", "show", SCENARIO, "--toml")
+    assert code == 0, err
+    return text
+
+
+def _bad_scenarios(base: str) -> dict[str, tuple[bytes, str]]:
+    assert "[pool]\n" in base and 'description = "' in base
+    return {
+        "latin1.toml": (base.replace('description = "', 'description = "\xff', 1).encode("latin-1"),
+                        "not UTF-8 text (byte 0xff at offset"),
+        "dup-key.toml": (base.replace("[pool]\n", "[pool]\nparts = 1\nparts = 2\n", 1).encode(),
+                         "not valid TOML: Cannot overwrite a value (at line"),
+        "dup-table.toml": ((base + "\n[pool]\nparts = 3\n").encode(), "Cannot declare ('pool',) twice"),
+        "deep-array.toml": (base.replace('description = "', "x = " + "[" * 20_000 + "]" * 20_000
+                                         + '\ndescription = "', 1).encode(), "not a usable TOML document: nested too deeply"),
+        "deep-inline.toml": (("a = " + "{b = " * 5000 + "1" + "}" * 5000 + "\n").encode(), "nested too deeply"),
+        "deep-dotted.toml": (("[" + ".".join(["a"] * 2000) + "]\n").encode(),
+                             "tables and arrays nested more than 16 levels deep"),
+        "nul.toml": (b'name = "a\x00b"\n', "Illegal character"),
+    }
+
+
+@pytest.mark.parametrize("name", ["latin1.toml", "dup-key.toml", "dup-table.toml", "deep-array.toml",
+                                  "deep-inline.toml", "deep-dotted.toml", "nul.toml"])
+def test_a_bad_scenario_file_is_one_error_naming_it_in_every_command(base_toml, tmp_path, name):
+    data, needle = _bad_scenarios(base_toml)[name]
+    path = tmp_path / name
+    path.write_bytes(data)
+    out = tmp_path / "out"
+    for argv in (("scenario", "validate", str(path)), ("scenario", "show", str(path), "--json"),
+                 ("sim", "run", str(path), *SMALL_RUN, "--out", str(out), "--json"),
+                 ("sim", "compare", SCENARIO, str(path), "--sessions", "1", "--out", str(out)),
+                 ("sim", "plan", str(path), "--target", "reuse>=0.5", "--vary", "pool.gib_per_service=64..768",
+                  "--out", str(out))):
+        line = _one_error(cli(*argv), str(path), needle)
+        assert line.startswith(f"error: {path}: "), (argv, line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_a_key_given_twice_is_shown_with_its_line(base_toml, tmp_path):
+    path = tmp_path / "dup.toml"
+    path.write_text(base_toml.replace("[pool]\n", "[pool]\nparts = 1\nparts = 2\n", 1))
+    _one_error(cli("scenario", "validate", str(path)), str(path), "): 'parts = 2'")
+
+
+def test_a_deep_set_value_is_one_error_naming_the_field():
+    deep = "[" * 40 + "1" + "]" * 40
+    _one_error(cli("scenario", "show", SCENARIO, "--set", f"pool.parts={deep}"), "--set pool.parts",
+               "nested more than 16 levels deep")
+
+
+def test_a_byte_order_mark_and_crlf_read_as_the_plain_scenario(base_toml, tmp_path):
+    shown = {}
+    for name, data in {"plain.toml": base_toml.encode(), "bom.toml": b"\xef\xbb\xbf" + base_toml.encode(),
+                       "crlf.toml": base_toml.replace("\n", "\r\n").encode()}.items():
+        (tmp_path / name).write_bytes(data)
+        code, out, err, _ = cli("scenario", "show", str(tmp_path / name), "--json")
+        assert code == 0, err
+        shown[name] = json.loads(out)["scenario"]
+    assert shown["bom.toml"] == shown["plain.toml"] == shown["crlf.toml"]
