@@ -49,17 +49,27 @@ STATE_KEYS = frozenset({"address", "pid", "work_dir"})
 MAX_STATE_BYTES = 64 << 10
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        raise ValueError("a key given twice")
+    return record
+
+
 def _read_state(path: Path) -> dict | None:
-    """The pool record in ``path`` (a regular file, not a link, of at most 64 KiB), else ``None``."""
+    """The pool record in ``path`` (a regular file, not a link, of at most 64 KiB, a JSON object of
+    exactly ``STATE_KEYS``, each once: a string address and work_dir, a positive integer pid), else ``None``."""
     try:
         if path.is_symlink() or not path.is_file():
             return None
         with path.open("rb") as f:
             data = f.read(MAX_STATE_BYTES + 1)
-        record = json.loads(data) if len(data) <= MAX_STATE_BYTES else None
-    except (OSError, ValueError):
+        record = json.loads(data, object_pairs_hook=_unique_keys) if len(data) <= MAX_STATE_BYTES else None
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(record, dict) or set(record) != STATE_KEYS:
+        return None
+    if not isinstance(record["address"], str) or not isinstance(record["work_dir"], str):
         return None
     pid = record["pid"]
     return record if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
@@ -234,18 +244,25 @@ def status(
     from kvpool.backend.pool.address import PoolAddress
     from kvpool.backend.pool.metrics import MetricsUnavailable, read_master_metrics
 
+    state_record = None
     if address is None:
-        state = state_file or default_state_file()
+        state = state_record = state_file or default_state_file()
         record = _read_state(state)
+        if record is None and os.path.lexists(state):
+            raise UserError(
+                f"state file {state}: not a record of 'kvpool pool up' (a regular file of at most "
+                f"{MAX_STATE_BYTES >> 10} KiB holding one JSON object with {', '.join(sorted(STATE_KEYS))}); "
+                "give --address, or the state file pool up wrote")
         if record is None:
             raise UserError(
                 f"no --address given and no running pool recorded in {state}; start one with 'kvpool pool up'"
             )
-        address = str(record["address"])
+        address = record["address"]
     try:
         addr = PoolAddress.parse(address)
     except ValueError as e:
-        raise UserError(str(e)) from None
+        where = "--address" if state_record is None else f"state file {state_record}: address"
+        raise UserError(f"{where}: {e}") from None
     if addr.metrics_url is None:
         raise UserError(f"address {address!r} has no metrics port; use mooncake://HOST:RPC?metrics=PORT")
     try:

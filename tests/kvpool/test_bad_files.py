@@ -217,3 +217,21 @@ def test_a_byte_order_mark_and_crlf_read_as_the_plain_scenario(base_toml, tmp_pa
         assert code == 0, err
         shown[name] = json.loads(out)["scenario"]
     assert shown["bom.toml"] == shown["plain.toml"] == shown["crlf.toml"]
+
+
+# -- the pool's state file ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ['{"address": "127.0.0.1:1", "pid": 1, "work_dir": "w", "pid": 2}',
+                                  '{"address": 5, "pid": 1, "work_dir": "w"}', "[" * 50_000, "\xff", ""])
+def test_pool_status_of_a_state_file_it_did_not_write_names_the_file(tmp_path, text):
+    state = tmp_path / "state.json"
+    state.write_bytes(text.encode("latin-1"))
+    _one_error(cli("pool", "status", "--state-file", str(state)), f"state file {state}: not a record of 'kvpool pool up'",
+               "give --address")
+    assert state.read_bytes() == text.encode("latin-1")
+
+
+def test_pool_status_of_a_bad_recorded_address_names_the_state_file(tmp_path):
+    state = tmp_path / "state.json"
+    state.write_text('{"address": "x:y", "pid": 1, "work_dir": "w"}')
+    _one_error(cli("pool", "status", "--state-file", str(state)), f"state file {state}: address: bad pool address 'x:y'")
