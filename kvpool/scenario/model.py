@@ -352,6 +352,9 @@ class Scenario(_Section):
                                  f"pool.services_per_server = {services})")
         if pool.ssd.enabled and pool.ssd.gib_per_server <= 0:
             raise ValueError("pool.ssd.enabled needs pool.ssd.gib_per_server > 0")
+        if pool.ssd.enabled and not (pool.services_per_server and pool.gib_per_service):
+            raise ValueError("pool.ssd.enabled needs a DRAM pool above it (pool.services_per_server > 0 and "
+                             "pool.gib_per_service > 0): the SSD tier holds what DRAM evicts")
 
     def kvspec(self) -> KVSpec:
         """The policy core's KV geometry for this deployment's prefill layout."""

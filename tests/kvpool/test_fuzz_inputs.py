@@ -422,3 +422,31 @@ def test_numa_nodes_that_cannot_hold_the_instances_are_one_error(tmp_path, numa,
             "--set", f"cluster.numa_per_server={numa}", "--out", str(tmp_path), "--json")
     assert_clean(r, ("cluster.numa_per_server",))
     assert r[0] == 2 and needle in r[2] and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["cluster.numa_per_server=3"], "cluster.numa_per_server (3) must divide cluster.gpus_per_server (8)"),
+    (["cluster.gpus_per_server=12", "cluster.numa_per_server=8"],
+     "cluster.numa_per_server (8) must divide cluster.gpus_per_server (12)"),
+    (["cluster.servers=4", "decode.tp=16"], "a decode instance of 16 GPUs is larger than one server"),
+    (["cluster.servers=4", "prefill.tp=3"], "a prefill instance of 12 GPUs is larger than one server"),
+    (["pool.ssd.enabled=true", "pool.ssd.gib_per_server=64", "pool.services_per_server=0"],
+     "pool.ssd.enabled needs a DRAM pool above it"),
+    (["pool.ssd.enabled=true", "pool.ssd.gib_per_server=64", "pool.gib_per_service=0"],
+     "pool.ssd.enabled needs a DRAM pool above it"),
+])
+def test_layouts_that_cannot_exist_are_one_error(tmp_path, overrides, needle):
+    sets = [a for o in overrides for a in ("--set", o)]
+    r = cli("scenario", "validate", "mi355x-1p1d", *sets)
+    assert_clean(r, (needle,))
+    assert r[0] == 2
+    r = cli("sim", "run", "mi355x-1p1d", "--sessions", "1", "--duration", "20", "--set", "workload.synthetic_sessions=2",
+            *sets, "--out", str(tmp_path), "--json")
+    assert_clean(r, (needle,))
+    assert r[0] == 2 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("numa", ["2", "4", "8"])
+def test_numa_nodes_that_divide_the_server_and_hold_the_instances_validate(numa):
+    code, out, err, _ = cli("scenario", "validate", "mi355x-1p1d", "--set", f"cluster.numa_per_server={numa}")
+    assert code == 0 and out.startswith("ok: mi355x-1p1d"), err
