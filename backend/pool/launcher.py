@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -344,17 +345,19 @@ def _wait_ready(proc: ManagedProcess, ready: Path, deadline: float, timeout_s: f
 
 
 def start_local_pool(
-    spec: PoolSpec, work_dir: Path | str | None = None, *, allow_public_listeners: bool = False
+    spec: PoolSpec, work_dir: Path | str | None = None, *, allow_public_listeners: bool = False,
+    listen_interfaces: Sequence[str] | None = None,
 ) -> LocalPool:
     """Start a master and ``spec.services`` store services on 127.0.0.1; return when all are ready.
 
     ``work_dir`` holds the logs and ready files (a new temporary directory if ``None``).
     Outside a private network namespace the store services' transfer engines would listen on every
     interface: ``PublicListenersRefused`` is raised before anything starts, unless
-    ``allow_public_listeners`` is true. On failure every process started is stopped and
+    ``allow_public_listeners`` is true or the namespace holds only ``lo`` and ``listen_interfaces``
+    (``None``: ``KVPOOL_LISTEN_INTERFACES``; ``netns.check_listeners``). On failure every process started is stopped and
     ``PoolStartError`` is raised.
     """
-    check_listeners(allow_public_listeners, "pass allow_public_listeners=True")
+    check_listeners(allow_public_listeners, "pass allow_public_listeners=True", listen_interfaces)
     wd = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="kvpool-pool-"))
     wd.mkdir(parents=True, exist_ok=True)
     rpc_port = free_port()

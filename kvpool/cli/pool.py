@@ -156,6 +156,11 @@ def up(
         False, "--allow-public-listeners",
         help="Start even outside a private network namespace, where the store services' Mooncake listeners "
              "are reachable on every interface of this machine."),
+    listen_interfaces: list[str] = typer.Option(
+        [], "--listen-interface", metavar="NAME",
+        help="An interface the store services' Mooncake listeners may be reachable on (repeatable; "
+             "default: KVPOOL_LISTEN_INTERFACES, comma-separated). pool up starts in a network namespace "
+             "holding lo and exactly these interfaces, and refuses one holding any other."),
 ) -> None:
     """Start a master and N store services; stop them on Ctrl-C or SIGTERM.
 
@@ -163,9 +168,11 @@ def up(
     Mooncake's transfer engine, whose handshake and data listeners bind every interface (0.0.0.0
     and [::]) whatever MC_TCP_BIND_ADDRESS says. So pool up refuses to start outside a private
     network namespace whose only interface is lo (unshare -n sh -c 'ip link set lo up; exec
-    kvpool pool up ...'), unless --allow-public-listeners is given."""
+    kvpool pool up ...'), or in one holding only lo and the interfaces named with
+    --listen-interface (the listeners are then reachable on those), unless
+    --allow-public-listeners is given."""
     from kvpool.backend.pool.launcher import PoolSpec, PoolStartError, start_local_pool
-    from kvpool.backend.pool.netns import PublicListenersRefused, check_listeners
+    from kvpool.backend.pool.netns import PublicListenersRefused, check_listeners, listen_interfaces_from_env
 
     if not gib_per_service > 0:
         raise UserError(f"--gib-per-service must be > 0, got {gib_per_service}")
@@ -187,12 +194,15 @@ def up(
             f"{services} services x {gib_per_service} GiB = {_fmt_bytes(spec.capacity_bytes)} exceeds the "
             f"memory available on this machine ({_fmt_bytes(avail)}); lower --services or --gib-per-service"
         )
+    listen = tuple(dict.fromkeys(n.strip() for n in listen_interfaces if n.strip())) or listen_interfaces_from_env()
     try:
-        problem = check_listeners(allow_public_listeners, "give --allow-public-listeners")
+        problem = check_listeners(allow_public_listeners, "give --allow-public-listeners", listen)
     except PublicListenersRefused as e:
         raise UserError(str(e)) from None
     if problem:
         typer.echo(f"warning: {problem}", err=True)
+    elif listen:
+        typer.echo(f"note: the store services' Mooncake listeners are reachable on {', '.join(listen)}", err=True)
     state = state_file or default_state_file()
     replace = _state_file_replaceable(state, force)
 
@@ -200,7 +210,8 @@ def up(
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            pool = start_local_pool(spec, work_dir, allow_public_listeners=allow_public_listeners)
+            pool = start_local_pool(spec, work_dir, allow_public_listeners=allow_public_listeners,
+                                    listen_interfaces=listen)
         except PoolStartError as e:
             raise UserError(f"the pool did not start: {e}") from None
         record = json.dumps({"address": pool.address.url(), "pid": os.getpid(), "work_dir": str(pool.work_dir)})
