@@ -195,7 +195,7 @@ def run(
 
     overrides = run_overrides(set_, duration=duration, seed=seed, sessions=sessions, rps=rps)
     s = load_or_exit(scenario, overrides)
-    output_dir(out)
+    output_dir(out, create=False)
     if traces is not None and not os.path.exists(traces):
         raise UserError(f"--traces {traces}: no such file or directory")
     loads = parse_loads(sessions, "--sessions", True, "workload.sessions") or parse_loads(rps, "--rps", False, "workload.rps")
@@ -218,6 +218,7 @@ def run(
         raise UserError(str(e)) from None
     prov = provenance(s, source=scenario, overrides=overrides, set_overrides=set_, traces=traces, load_key=key, loads=loads)
     stem = f"{safe_name(s.name)}-{key}-" + "-".join(f"{x:g}" for x in loads) + f"-{short_id(prov)}"
+    output_dir(out)
     refuse_other_run(out / f"{stem}.json", short_id(prov))
     doc = report.run_document(rows, prov, report.run_info(rows, executor=executor, workers=n_workers))
     warnings = rows_warning(s, traces, rows) + degenerate(rows)
@@ -265,7 +266,7 @@ def compare(
         raise UserError("compare needs two or more scenarios")
     extra = run_overrides(set_, duration=duration, sessions=sessions, rps=rps)
     arms_s = [load_or_exit(name, extra) for name in scenarios]
-    output_dir(out)
+    output_dir(out, create=False)
     names = [s.name for s in arms_s]
     if len(set(names)) != len(names):
         raise UserError(f"the arms need distinct scenario names, got {names}")
@@ -299,6 +300,7 @@ def compare(
     if warnings:
         doc["warnings"] = warnings
     stem = "compare-" + safe_name("-vs-".join(names)) + f"-{doc['id']}"
+    output_dir(out)
     refuse_other_run(out / f"{stem}.json", doc["id"])
     with atomic_path(out / f"{stem}.json") as tmp:
         tmp.write_text(json.dumps(doc, indent=2) + "\n")
@@ -341,7 +343,7 @@ def plan(
 
     overrides = run_overrides(set_, duration=duration)
     base = load_or_exit(scenario, overrides)
-    output_dir(out)
+    output_dir(out, create=False)
     try:
         targets = [pl.parse_target(t) for t in target]
         variable = pl.parse_vary(vary, base)
@@ -377,6 +379,7 @@ def plan(
     summary = {"id": short_id(prov), "provenance": prov, **summary,
                "run": {"executor": executor, "points": [{"value": v, **report.timing(row)} for v, row, _ in res.curve()]}}
     stem = f"plan-{safe_name(base.name)}-{variable.field}-{summary['id']}"
+    output_dir(out)
     refuse_other_run(out / f"{stem}.json", summary["id"])
     with atomic_path(out / f"{stem}.json") as tmp:
         tmp.write_text(json.dumps(summary, indent=2) + "\n")

@@ -17,6 +17,7 @@ from typing import Any
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
+from kvpool.errors import printable
 from kvpool.scenario.model import Scenario
 
 
@@ -130,19 +131,21 @@ def read_raw(name_or_path: str | Path) -> tuple[dict, str]:
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.exists():
         if not p.is_file():
-            raise ScenarioError(f"{p}: no such scenario file" if not p.exists() else f"{p}: not a regular file")
+            label = printable(str(p))
+            raise ScenarioError(f"{label}: no such scenario file" if not p.exists() else f"{label}: not a regular file")
         try:
             if p.stat().st_size > MAX_SCENARIO_BYTES:
-                raise ScenarioError(f"{p}: larger than {MAX_SCENARIO_BYTES} bytes; a scenario file is a few KiB")
+                raise ScenarioError(f"{printable(str(p))}: larger than {MAX_SCENARIO_BYTES} bytes; a scenario file is a few KiB")
             with p.open("rb") as fh:
                 data = fh.read(MAX_SCENARIO_BYTES + 1)
         except OSError as e:
-            raise ScenarioError(f"{p}: cannot read: {e.strerror or e}") from None
-        return read_toml_bytes(data, str(p)), str(p)
+            raise ScenarioError(f"{printable(str(p))}: cannot read: {e.strerror or e}") from None
+        label = printable(str(p))
+        return read_toml_bytes(data, label), label
     name = str(name_or_path)
     if name not in builtin_names():
         raise ScenarioError(
-            f"{name!r} is neither a scenario file nor a built-in scenario; built-in: {', '.join(builtin_names())}"
+            f"{_short(name)} is neither a scenario file nor a built-in scenario; built-in: {', '.join(builtin_names())}"
         )
     text = resources.files("kvpool.scenarios").joinpath(f"{name}.toml").read_text(encoding="utf-8")
     return _read_toml(text, f"scenarios/{name}.toml"), f"scenarios/{name}.toml"
