@@ -255,3 +255,26 @@ def test_a_file_name_with_control_characters_is_shown_escaped_on_one_line(tmp_pa
         assert all(line.startswith("error: ") for line in err.splitlines() if line.strip()), err
         assert "\x1b" not in err and "\r" not in err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("row, needle", [
+    ({"timestamp": 1e300, "input_length": 1024, "output_length": 16, "hash_ids": [1, 2]},
+     "line 1: field 'timestamp' must be a number >= 0 and <= 1e+13 (ms), got 1e+300"),
+    ({"timestamp": 1.7e12, "input_length": 1024, "output_length": 16, "hash_ids": [1, 2]}, None),  # epoch ms
+])
+def test_a_mooncake_timestamp_past_any_trace_is_refused(tmp_path, row, needle):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    r = cli("trace", "stats", str(path), "--json")
+    if needle is None:
+        assert r[0] == 0 and json.loads(r[1])["traces"] == 1, r[2]
+    else:
+        _one_error(r, str(path), needle)
+
+
+def test_a_subagent_duration_past_any_trace_is_refused(tmp_path):
+    req = {"t": 0, "type": "n", "in": 64, "out": 8, "hash_ids": [1, 2, 3, 4]}
+    sub = {"t": 1, "type": "subagent", "duration_ms": 1e300, "requests": [dict(req, t=1)]}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"id": "t", "block_size": 16, "requests": [req, sub]}))
+    _one_error(cli("trace", "stats", str(path), "--json"), str(path), "field 'duration_ms' must be a number >= 0 and <= 1e+13")

@@ -271,6 +271,8 @@ def test_duplicate_trace_ids_across_files_are_refused(tmp_path):
     ("in", 10**9, "'in' must be an integer >= 0 and <= 16777216"),
     ("out", 2**70, "'out' must be an integer"),
     ("api_time", 1e300, "'api_time' must be a number >= 0 and <= 86400"),
+    ("t", 1e300, "'t' must be a number >= 0 and <= 1e+10 s"),
+    ("t", 2**70, "'t' must be a number >= 0 and <= 1e+10 s"),
 ])
 def test_trace_numbers_beyond_any_model_are_refused(tmp_path, field, value, needle):
     doc = {"id": "t", "block_size": 16, "requests": [_request(**{field: value})]}
