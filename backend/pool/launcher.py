@@ -85,12 +85,12 @@ class PoolSpec:
             raise ValueError(f"eviction_high_watermark must be in (0, 1], got {self.eviction_high_watermark}")
         if not 0.0 < self.eviction_ratio <= 1.0:
             raise ValueError(f"eviction_ratio must be in (0, 1], got {self.eviction_ratio}")
-        if self.lease_ttl_ms < 1:
-            raise ValueError(f"lease_ttl_ms must be >= 1, got {self.lease_ttl_ms}")
-        if self.client_ttl_s < 1:
-            raise ValueError(f"client_ttl_s must be >= 1, got {self.client_ttl_s}")
-        if self.rpc_timeout_ms < 100:
-            raise ValueError(f"rpc_timeout_ms must be >= 100, got {self.rpc_timeout_ms}")
+        if not 1 <= self.lease_ttl_ms <= 3_600_000:
+            raise ValueError(f"lease_ttl_ms must be in 1..3600000 (an hour), got {self.lease_ttl_ms}")
+        if not 1 <= self.client_ttl_s <= 86_400:
+            raise ValueError(f"client_ttl_s must be in 1..86400 (a day), got {self.client_ttl_s}")
+        if not 100 <= self.rpc_timeout_ms <= 600_000:
+            raise ValueError(f"rpc_timeout_ms must be in 100..600000 (ten minutes), got {self.rpc_timeout_ms}")
 
     @property
     def capacity_bytes(self) -> int:

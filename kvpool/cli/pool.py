@@ -14,6 +14,7 @@ removes it only while it is still the file this run wrote with this run's conten
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -28,6 +29,8 @@ from kvpool.cli.common import UserError
 app = typer.Typer(help="Start and inspect a real Mooncake Store pool: a master on 127.0.0.1 and store services, whose Mooncake listeners bind every interface (see pool up --help).", no_args_is_help=True, rich_markup_mode=None)
 
 GIB = 1 << 30
+MAX_GIB_PER_SERVICE = 65_536  # as pool.gib_per_service in a scenario
+MAX_TIMEOUT_S = 600.0
 
 
 def default_state_file() -> Path:
@@ -91,7 +94,7 @@ def _state_file_replaceable(state: Path, force: bool) -> bool:
     a ``UserError`` otherwise."""
     from kvpool.outputs import output_file
 
-    output_file(state, "--state-file")  # not a folder; its folder exists (created) and is writable
+    output_file(state, "--state-file", create=False)  # not a folder; its folder is writable or can be made
     if not os.path.lexists(state):
         return False
     if force:
@@ -174,8 +177,14 @@ def up(
     from kvpool.backend.pool.launcher import PoolSpec, PoolStartError, start_local_pool
     from kvpool.backend.pool.netns import PublicListenersRefused, check_listeners, listen_interfaces_from_env
 
-    if not gib_per_service > 0:
-        raise UserError(f"--gib-per-service must be > 0, got {gib_per_service}")
+    if not (math.isfinite(gib_per_service) and 0 < gib_per_service <= MAX_GIB_PER_SERVICE):
+        raise UserError(f"--gib-per-service {gib_per_service:g}: must be a finite number > 0 and <= {MAX_GIB_PER_SERVICE}")
+    if work_dir is not None:
+        from kvpool.outputs import output_dir
+
+        output_dir(work_dir, "--work-dir", create=False)
+    state = state_file or default_state_file()
+    replace = _state_file_replaceable(state, force)
     try:
         spec = PoolSpec(
             services=services,
@@ -203,8 +212,6 @@ def up(
         typer.echo(f"warning: {problem}", err=True)
     elif listen:
         typer.echo(f"note: the store services' Mooncake listeners are reachable on {', '.join(listen)}", err=True)
-    state = state_file or default_state_file()
-    replace = _state_file_replaceable(state, force)
 
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -255,6 +262,8 @@ def status(
     from kvpool.backend.pool.address import PoolAddress
     from kvpool.backend.pool.metrics import MetricsUnavailable, read_master_metrics
 
+    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise UserError(f"--timeout-s {timeout_s:g}: must be a finite number of seconds > 0 and <= {MAX_TIMEOUT_S:g}")
     state_record = None
     if address is None:
         state = state_record = state_file or default_state_file()
