@@ -195,8 +195,10 @@ def up(
             client_ttl_s=client_ttl_s,
             rpc_timeout_ms=rpc_timeout_ms,
         )
-    except ValueError as e:
-        raise UserError(f"invalid pool settings: {e}") from None
+    except ValueError as e:  # "FIELD must ...": name the flag that sets FIELD
+        field = str(e).split(" ", 1)[0]
+        flag = {"bytes_per_service": "--gib-per-service"}.get(field, "--" + field.replace("_", "-"))
+        raise UserError(f"{flag}: {e}") from None
     avail = _mem_available_bytes()
     if avail is not None and spec.capacity_bytes > avail:
         raise UserError(
