@@ -56,15 +56,22 @@ def check_load(s, load: float, flag: str) -> None:
         check("workload.rps", load, flag)
 
 
+MAX_RESULT_BYTES = 256 << 20  # a result document is a few MiB; a larger file at its name is not one
+
+
 def refuse_other_run(path: Path, run_id: str) -> None:
-    """A result file of this name that holds another run's document (another ``id``) is not replaced."""
+    """A result file of this name that holds another run's document (another ``id``) is not replaced;
+    what is there is read up to ``MAX_RESULT_BYTES`` (a larger file, or one that does not parse, is
+    another run's)."""
     if not path.exists() and not path.is_symlink():
         return
     if path.is_symlink() or not path.is_file():
         raise UserError(f"--out: {path} exists and is not a regular file; move it away or give another --out")
     try:
-        other = json.loads(path.read_text(encoding="utf-8")).get("id")
-    except (OSError, ValueError, AttributeError):
+        with path.open("rb") as f:
+            data = f.read(MAX_RESULT_BYTES + 1)
+        other = json.loads(data).get("id") if len(data) <= MAX_RESULT_BYTES else None
+    except (OSError, ValueError, AttributeError, RecursionError):
         other = None
     if other != run_id:
         raise UserError(f"--out: {path} exists and holds another run's content (id {other!r}, this run {run_id}); "
