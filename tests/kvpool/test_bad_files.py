@@ -278,3 +278,34 @@ def test_a_subagent_duration_past_any_trace_is_refused(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"id": "t", "block_size": 16, "requests": [req, sub]}))
     _one_error(cli("trace", "stats", str(path), "--json"), str(path), "field 'duration_ms' must be a number >= 0 and <= 1e+13")
+
+
+# -- the synthetic workload cache -------------------------------------------------------------------
+
+class _Planted:
+    """A pickle that creates a file when it is loaded."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("mode, content", [(0o666, "planted"), (0o644, "list")])
+def test_a_cache_entry_nobody_may_trust_or_that_is_no_workload_is_generated_again(tmp_path, monkeypatch, mode, content):
+    import pickle
+
+    from kvpool.sim import run as sim_run
+    from kvpool.workload.model import Workload
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    path = sim_run._synthetic_path("agentx-062126", 2, 3)
+    path.parent.mkdir(parents=True)
+    marker = tmp_path / "ran"
+    path.write_bytes(pickle.dumps(_Planted(marker) if content == "planted" else [1, 2]))
+    path.chmod(mode)
+    w = sim_run._load_or_generate("agentx-062126", 2, 3, 1.0, None)
+    assert isinstance(w, Workload) and len(w.sessions) == 2
+    assert not marker.exists()
+    assert isinstance(pickle.loads(path.read_bytes()), Workload)  # replaced by the generated one
