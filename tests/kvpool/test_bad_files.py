@@ -1,8 +1,10 @@
 """Bad files given to every command that reads one: trace files (gzip bombs, truncated or corrupt
-gzip, text that is not UTF-8, a JSON key given twice, deep nesting) and scenario files (not UTF-8, a
-key or table given twice, deep nesting). Each ends in exit status 2 with one ``error:`` line naming
-the file and what is wrong, and nothing written; a byte-order mark and CRLF line ends are read as
-the text they frame."""
+gzip, text that is not UTF-8, a JSON key given twice, deep nesting, times past any trace), scenario
+files (not UTF-8, a key or table given twice, deep nesting), file names with control characters,
+pool state files, synthetic workload cache entries, and damaged copies of good files (cut, a byte
+flipped, bytes inserted). Each ends in exit status 2 with ``error:`` lines naming the file and what
+is wrong (one line; a scenario: one per problem), and nothing written; a byte-order mark and CRLF
+line ends are read as the text they frame."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import zlib
 from pathlib import Path
 
 import pytest
-from test_fuzz_inputs import assert_clean, cli
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_fuzz_inputs import PROFILE, assert_clean, cli
 
 from kvpool.workload import load as trace_load
 
@@ -309,3 +313,45 @@ def test_a_cache_entry_nobody_may_trust_or_that_is_no_workload_is_generated_agai
     assert isinstance(w, Workload) and len(w.sessions) == 2
     assert not marker.exists()
     assert isinstance(pickle.loads(path.read_bytes()), Workload)  # replaced by the generated one
+
+
+# -- damaged copies of good files ---------------------------------------------------------------------
+
+
+def _damaged(data: bytes, how: str, at: float, byte: int) -> bytes:
+    k = min(len(data) - 1, int(at * len(data)))
+    if how == "cut":
+        return data[:k]
+    if how == "flip":
+        return data[:k] + bytes([data[k] ^ (byte or 1)]) + data[k + 1:]
+    return data[:k] + bytes([byte]) * 7 + data[k:]
+
+
+DAMAGE = dict(how=st.sampled_from(["cut", "flip", "insert"]), at=st.floats(0, 1), byte=st.integers(0, 255))
+
+
+@settings(settings.get_profile(PROFILE), max_examples=settings.get_profile(PROFILE).max_examples * 2)
+@given(layout=st.sampled_from(["json", "json.gz", "jsonl", "jsonl.gz"]), **DAMAGE)
+def test_a_damaged_trace_file_is_an_error_naming_it_or_valid_stats(tmp_path_factory, layout, how, at, byte):
+    d = tmp_path_factory.mktemp("damaged")
+    text = (json.dumps(_trace()) + "\n" + json.dumps(_trace("t2")) + "\n").encode()
+    if layout == "json":
+        text = json.dumps([_trace(), _trace("t2")]).encode()
+    data = gzip.compress(text) if layout.endswith(".gz") else text
+    path = d / f"t.{layout}"
+    path.write_bytes(_damaged(data, how, at, byte))
+    assert_clean(cli("trace", "stats", str(path), "--json"), (str(path),))
+
+
+@settings(settings.get_profile(PROFILE), max_examples=settings.get_profile(PROFILE).max_examples * 2)
+@given(**DAMAGE)
+def test_a_damaged_scenario_file_is_errors_naming_it_or_valid(tmp_path_factory, base_toml, how, at, byte):
+    path = tmp_path_factory.mktemp("damaged") / "s.toml"
+    path.write_bytes(_damaged(base_toml.encode(), how, at, byte))
+    code, out, err, took = cli("scenario", "show", str(path), "--json")
+    assert "Traceback" not in err and took < 30, err
+    if code == 0:
+        json.loads(out)
+        return
+    lines = [line for line in err.splitlines() if line.strip()]  # one line per problem, each naming the file
+    assert code == 2 and lines and all(line.startswith(f"error: {path}: ") for line in lines), err
