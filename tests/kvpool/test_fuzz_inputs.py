@@ -452,3 +452,16 @@ def test_layouts_that_cannot_exist_are_one_error(tmp_path, overrides, needle):
 def test_numa_nodes_that_divide_the_server_and_hold_the_instances_validate(numa):
     code, out, err, _ = cli("scenario", "validate", "mi355x-1p1d", "--set", f"cluster.numa_per_server={numa}")
     assert code == 0 and out.startswith("ok: mi355x-1p1d"), err
+
+
+def test_a_gate_that_admits_nothing_says_so_not_that_the_window_is_short(tmp_path):
+    code, out, err, _ = cli("sim", "run", "mi355x-1p1d", "--sessions", "1", "--duration", "60",
+                            "--set", "workload.synthetic_sessions=2", "--set", "gate.enabled=true",
+                            "--set", "gate.tokens_per_decode=1000", "--set", "gate.max_wait_s=1",
+                            "--out", str(tmp_path), "--json")
+    assert code == 0, err
+    doc = _strict_json(out)
+    assert doc["results"][0]["requests"] == 0 and doc["results"][0]["rejected"] > 0
+    (warning,) = doc["warnings"]
+    assert "the admission gate rejected" in warning and "gate.tokens_per_decode x gate.budget_fraction" in warning
+    assert "give a longer --duration" not in warning
