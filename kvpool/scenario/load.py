@@ -200,6 +200,8 @@ def format_validation_error(err: ValidationError, source: str, raw: Mapping) -> 
         if e["type"] == "missing":
             lines.append(f"{source}: {field}: required field is missing")
             continue
+        if e["type"] == "string_pattern_mismatch":
+            msg = "has a control character (a newline, a tab, an escape): it is one line of plain text"
         value = e.get("input")
         shown = "" if isinstance(value, (dict, list)) or not loc else f" value {_short(value)}:"
         if not loc:  # a check across fields names them itself

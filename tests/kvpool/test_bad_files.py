@@ -355,3 +355,11 @@ def test_a_damaged_scenario_file_is_errors_naming_it_or_valid(tmp_path_factory, 
         return
     lines = [line for line in err.splitlines() if line.strip()]  # one line per problem, each naming the file
     assert code == 2 and lines and all(line.startswith(f"error: {path}: ") for line in lines), err
+
+
+@pytest.mark.parametrize("field, text", [("description", "a\\u001b[31mred"), ("description", "two\\nlines"),
+                                         ("name", "a\\u009bb"), ("model.name", "a\\tb")])
+def test_a_label_with_control_characters_is_refused_before_anything_prints_it(field, text):
+    r = cli("scenario", "show", SCENARIO, "--set", f'{field}="{text}"')
+    line = _one_error(r, f"{field}: value ", "has a control character", "without control characters")
+    assert "\x1b" not in r[1] + r[2] and "\x9b" not in r[1] + r[2] and line.isprintable()
