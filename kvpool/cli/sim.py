@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvpool.cli.common import SET_HELP, UserError, load_or_exit
 from kvpool.loads import parse_loads
+from kvpool.errors import printable
 from kvpool.outputs import atomic_path, output_dir, safe_name
 
 app = typer.Typer(
@@ -160,8 +161,9 @@ def warn(lines: list[str]) -> None:
 
 
 def title_of(prov: dict) -> str:
-    """``mi355x-1p1d, synthetic agentx-062126 (40 sessions), 3600 s per load, --set a=b``."""
-    return f"{prov['scenario']['name']}, {inputs_label(prov)}"
+    """``mi355x-1p1d, synthetic agentx-062126 (40 sessions), 3600 s per load, --set a=b``, with every
+    non-printable character (of a trace path or an override) escaped."""
+    return printable(f"{prov['scenario']['name']}, {inputs_label(prov)}")
 
 
 def inputs_label(prov: dict) -> str:
@@ -313,7 +315,7 @@ def compare(
         tmp.write_text(json.dumps(doc, indent=2) + "\n")
     with atomic_path(out / f"{stem}.csv") as tmp:
         cmp.write_csv(arms, tmp)
-    title = " vs ".join(names) + ", " + inputs_label(prov["arms"][names[0]])
+    title = printable(" vs ".join(names) + ", " + inputs_label(prov["arms"][names[0]]))
     with atomic_path(out / f"{stem}.png") as tmp:
         cmp.figure(arms, tmp, title=title)
     if json_:

@@ -95,7 +95,7 @@ def stats(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"trace stats: {path}", show_header=True)
+    table = Table(title=f"trace stats: {printable(str(path))}", show_header=True)
     table.add_column("statistic")
     table.add_column("value", justify="right")
     for title, keys in _GROUPS:

@@ -363,3 +363,14 @@ def test_a_label_with_control_characters_is_refused_before_anything_prints_it(fi
     r = cli("scenario", "show", SCENARIO, "--set", f'{field}="{text}"')
     line = _one_error(r, f"{field}: value ", "has a control character", "without control characters")
     assert "\x1b" not in r[1] + r[2] and "\x9b" not in r[1] + r[2] and line.isprintable()
+
+
+def test_a_trace_path_with_an_escape_is_shown_escaped_in_tables(tmp_path):
+    path = tmp_path / "e\x1b[31mx.json"
+    path.write_text(json.dumps(_trace()))
+    for argv in (("trace", "stats", str(path)),
+                 ("sim", "run", SCENARIO, "--traces", str(path), "--sessions", "1", "--duration", "20",
+                  "--out", str(tmp_path / "o"))):
+        code, out, err, _ = cli(*argv)
+        assert code == 0, err
+        assert "\x1b" not in out + err and "e\\x1b[31mx.json" in out, out
