@@ -162,7 +162,7 @@ def up(
     listen_interfaces: list[str] = typer.Option(
         [], "--listen-interface", metavar="NAME",
         help="An interface the store services' Mooncake listeners may be reachable on (repeatable; "
-             "default: KVPOOL_LISTEN_INTERFACES, comma-separated). pool up starts in a network namespace "
+             "default: KVPOOL_LISTEN_INTERFACES, comma-separated). pool up then starts only in a network namespace "
              "holding lo and exactly these interfaces, and refuses one holding any other."),
 ) -> None:
     """Start a master and N store services; stop them on Ctrl-C or SIGTERM.
