@@ -57,6 +57,7 @@ class RefConfig:
         cache_dtype: dtype of the cached records (bfloat16 or float8_e4m3fn).
         seed: weight seed.
         rope_theta: RoPE base.
+        ffn_dim: FFN hidden size (0: ``2 * d_model``).
     """
 
     stage_layers: tuple[int, ...] = (2, 2, 2)
@@ -69,6 +70,7 @@ class RefConfig:
     cache_dtype: torch.dtype = torch.bfloat16
     seed: int = 0
     rope_theta: float = 10000.0
+    ffn_dim: int = 0
 
     def __post_init__(self) -> None:
         if not self.stage_layers or any(n <= 0 for n in self.stage_layers):
@@ -106,6 +108,7 @@ class RefModel:
             return (torch.randn(*shape, generator=g) / math.sqrt(fan_in)).to(self.device)
 
         H, d = c.heads, c.d_model
+        ffn = c.ffn_dim or 2 * d
         self.embed = (torch.randn(c.vocab, d, generator=g)).to(self.device)
         self.layers = []
         for _ in range(c.layers):
@@ -120,8 +123,8 @@ class RefModel:
                 "w_uv": w(H, KV_LORA_RANK, c.v_dim),
                 "w_o": w(H * c.v_dim, d),
                 "ln2": torch.ones(d, device=self.device),
-                "w1": w(d, 2 * d),
-                "w2": w(2 * d, d),
+                "w1": w(d, ffn),
+                "w2": w(ffn, d),
             })  # fmt: skip
         self.ln_f = torch.ones(d, device=self.device)
         self.lm_head = w(d, c.vocab)
@@ -182,6 +185,45 @@ class RefModel:
         return x + torch.nn.functional.silu(_rms(x, p["ln2"]) @ p["w1"]) @ p["w2"]
 
     @torch.no_grad()
+    def embed_tokens(self, tokens: torch.Tensor | list[int]) -> torch.Tensor:
+        """The input hidden states ``[n, d_model]`` of ``tokens`` (stage 0's input)."""
+        tok = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+        return self.embed[tok]
+
+    @torch.no_grad()
+    def stage_forward(
+        self, stage: int, x: torch.Tensor, start_token: int, caches: list[torch.Tensor], block_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Run stage ``stage``'s layers over the hidden states ``x`` of tokens ``[start_token, start_token + n)``.
+
+        One 16-token page of queries at a time (``start_token`` page-aligned), writing each page's
+        records into ``caches`` (this stage's per-layer caches) through ``block_ids`` before
+        attending; the pages of ``[0, start_token)`` must already hold the prefix. Returns the
+        hidden states for the next stage. Stage by stage gives the same bits as ``prefill``: a
+        layer's page reads only that layer's earlier pages.
+        """
+        c = self.config
+        if start_token % c.page_tokens:
+            raise ValueError(f"start_token {start_token} must be a multiple of the page size {c.page_tokens}")
+        table = block_ids.reshape(-1).to(torch.long)
+        end = start_token + x.shape[0]
+        if table.numel() * c.page_tokens < end:
+            raise ValueError(f"block table of {table.numel()} pages is too short for {end} tokens")
+        out = []
+        for p0 in range(start_token, end, c.page_tokens):
+            pos = torch.arange(p0, min(p0 + c.page_tokens, end), device=self.device)
+            h = x[p0 - start_token : p0 - start_token + pos.numel()]
+            for i, li in enumerate(self.stage_layer_ids(stage)):
+                h = self._layer(li, h, pos, caches[i], table)
+            out.append(h)
+        return torch.cat(out)
+
+    @torch.no_grad()
+    def logits(self, x_last: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[1, vocab]`` from the last stage's hidden state of the last token."""
+        return _rms(x_last.reshape(1, -1), self.ln_f) @ self.lm_head
+
+    @torch.no_grad()
     def prefill(
         self,
         tokens: torch.Tensor | list[int],
@@ -189,30 +231,19 @@ class RefModel:
         block_ids: torch.Tensor,
         start_token: int = 0,
     ) -> torch.Tensor:
-        """Compute tokens ``[start_token, len(tokens))`` page by page; returns the last token's logits.
+        """Compute tokens ``[start_token, len(tokens))``, every stage in turn; returns the last token's logits.
 
         ``caches[s]`` are stage ``s``'s per-layer caches; pages ``block_ids[k]`` hold tokens
         ``16k .. 16k+15`` and must already hold the prefix ``[0, start_token)`` on every stage.
         """
-        c = self.config
         tok = torch.as_tensor(tokens, dtype=torch.long, device=self.device)
         N = tok.numel()
         if not 0 <= start_token < N:
             raise ValueError(f"start_token {start_token} must be in [0, {N}): the last token is always computed")
-        if start_token % c.page_tokens:
-            raise ValueError(f"start_token {start_token} must be a multiple of the page size {c.page_tokens}")
-        table = block_ids.reshape(-1).to(torch.long)
-        if table.numel() * c.page_tokens < N:
-            raise ValueError(f"block table of {table.numel()} pages is too short for {N} tokens")
-        x = None
-        for p0 in range(start_token, N, c.page_tokens):
-            pos = torch.arange(p0, min(p0 + c.page_tokens, N), device=self.device)
-            x = self.embed[tok[pos]]
-            for s in range(len(c.stage_layers)):
-                for i, li in enumerate(self.stage_layer_ids(s)):
-                    x = self._layer(li, x, pos, caches[s][i], table)
-        assert x is not None
-        return _rms(x[-1:], self.ln_f) @ self.lm_head
+        x = self.embed_tokens(tok[start_token:])
+        for s in range(len(self.config.stage_layers)):
+            x = self.stage_forward(s, x, start_token, caches[s], block_ids)
+        return self.logits(x[-1:])
 
 
 def gather_tokens(caches: list[list[torch.Tensor]], block_ids: torch.Tensor, n_tokens: int) -> list[torch.Tensor]:

@@ -52,7 +52,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
 def _import_kvpool() -> None:
-    """Use the installed kvpool, or map this source tree's folders into ``kvpool`` (device machine)."""
+    """Use the installed kvpool, or map this source tree's folders into ``kvpool`` (a GPU host without an install)."""
     try:
         import kvpool.backend.handoff  # noqa: F401
     except ModuleNotFoundError:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from handoff import _import_kvpool  # noqa: E402  (maps the source tree into kvpool on the device)
+from handoff import _import_kvpool  # noqa: E402  (maps the source tree into kvpool on a GPU host without an install)
 
 _import_kvpool()
 

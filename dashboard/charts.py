@@ -152,20 +152,22 @@ def compare_metric(frame: pd.DataFrame, key: str, metric: str, title: str, fmt: 
 
 
 def ratios(ratio: pd.DataFrame, key: str) -> alt.Chart:
-    """Each ratio metric (rows) per compared pair and load (bars); the dashed rule is 1 = the baseline."""
-    long = ratio.melt(id_vars=["scenario", key], var_name="metric", value_name="ratio")
-    long["arm"] = long["scenario"] + " @ " + long[key].map(lambda v: f"{v:g}") + f" {key}"
+    """Each ratio metric (rows) per compared pair and load (bars): the first scenario's value over
+    the other's (``results.ratio_frame``); the dashed rule is 1, equal values."""
+    long = ratio.melt(id_vars=["ratio", key], var_name="metric", value_name="value")
+    long["pair"] = long["ratio"] + " @ " + long[key].map(lambda v: f"{v:g}") + f" {key}"
     metrics = list(dict.fromkeys(long["metric"]))
-    arms = list(dict.fromkeys(long["arm"]))
+    pairs = list(dict.fromkeys(long["pair"]))
     bars = alt.Chart(long).mark_bar().encode(
-        alt.Y("metric:N", title=None, sort=metrics, axis=alt.Axis(labelLimit=220)),
-        alt.X("ratio:Q", title="ratio (1 = baseline)"),
-        alt.YOffset("arm:N", sort=arms),
-        alt.Color("arm:N", sort=arms, legend=alt.Legend(orient="top", title=None, columns=1, labelLimit=400)),
-        tooltip=["scenario", key, "metric", alt.Tooltip("ratio:Q", format=".3f")],
+        alt.Y("metric:N", title=None, sort=metrics, axis=alt.Axis(labelLimit=260)),
+        alt.X("value:Q", title="first over other (1 = equal)"),
+        alt.YOffset("pair:N", sort=pairs),
+        alt.Color("pair:N", sort=pairs, legend=alt.Legend(orient="top", title=None, columns=1, labelLimit=400)),
+        tooltip=["ratio", key, "metric", alt.Tooltip("value:Q", format=".3f")],
     )
     rule = alt.Chart(pd.DataFrame({"x": [1.0]})).mark_rule(color="black", strokeDash=[4, 4]).encode(x="x:Q")
-    return (bars + rule).properties(title="Ratio to the baseline", height=max(HEIGHT, 22 * len(metrics) * len(arms) + 60))
+    return (bars + rule).properties(title="The reference over each other scenario",
+                                    height=max(HEIGHT, 22 * len(metrics) * len(pairs) + 60))
 
 
 MEETS_COLORS = {"meets": "#55a868", "fails": "#c44e52"}

@@ -8,9 +8,9 @@ its plain arguments, so the same inputs never rerun a simulation, across pages a
     * ``sweep(toml, loads, traces)``: ``kvpool.sim.run.sweep``, exactly what ``kvpool sim run`` calls,
       with a progress bar while it runs (the bar is created and removed inside, so a cached replay
       shows nothing);
-    * ``plan(toml, targets, vary, load, workers, max_runs)``: ``kvpool.sim.plan.search``, what
-      ``kvpool sim plan`` calls, returning the object its ``--json`` prints (``results.plan_summary``),
-      with a progress bar that advances per run.
+    * ``plan(toml, targets, vary, load, workers, max_runs, ...)``: ``kvpool.sim.plan.search``, what
+      ``kvpool sim plan`` calls, returning the document its ``--json`` prints
+      (``kvpool.sim.documents.plan_document``), with a progress bar that advances per run.
 
 Importing this module calls no Streamlit element (the decorators only wrap).
 """
@@ -68,14 +68,19 @@ def sweep(toml_text: str, loads: tuple[float, ...], traces: str | None = None, _
 
 
 @st.cache_data(show_spinner=False, max_entries=MAX_ENTRIES)
-def plan(toml_text: str, targets: tuple[str, ...], vary: str, load: float | None, workers: int, max_runs: int) -> dict:
-    """The capacity search of ``kvpool sim plan`` on the scenario; returns the CLI's ``--json`` object.
+def plan(toml_text: str, targets: tuple[str, ...], vary: str, load: float | None, workers: int, max_runs: int,
+         source: str = "dashboard", set_lines: tuple[str, ...] = (), overrides: tuple[str, ...] = (),
+         command: str | None = None) -> dict:
+    """The capacity search of ``kvpool sim plan`` on the scenario; returns the document it writes
+    (``kvpool.sim.documents.plan_document``: id, provenance, the verdict and curve, run).
 
     ``targets`` are ``--target`` texts, ``vary`` the ``--vary`` text, ``load`` ``--load`` (None: the
     scenario's load; ignored when the variable is the load). The explored points depend on
-    ``workers`` (points per round), so it is part of the key. Raises ``PlanError`` on bad inputs.
+    ``workers`` (points per round), so it is part of the key. ``source``, ``set_lines`` and
+    ``overrides`` are the equivalent command's scenario argument, ``--set`` lines and every override
+    (its provenance); ``command`` that command line. Raises ``PlanError`` on bad inputs.
     """
-    from kvpool.dashboard.results import plan_summary
+    from kvpool.sim import documents
     from kvpool.sim import plan as pl
 
     s = scenario(toml_text)
@@ -96,4 +101,6 @@ def plan(toml_text: str, targets: tuple[str, ...], vary: str, load: float | None
         result = pl.search(s, variable, parsed, load=load, workers=workers, max_runs=max_runs, on_run=on_run)
     finally:
         bar.empty()
-    return plan_summary(result)
+    return documents.plan_document(s, result, documents.Inputs(source, set_lines, overrides),
+                                   documents.Execution("kvpool dashboard (Plan page)", "local", workers, command=command),
+                                   documents.Search(vary, load, workers, max_runs))

@@ -6,13 +6,13 @@ Contract:
     * ``timeline_frame`` (pool) / ``decode_frame`` (decode KV) / ``restore_frame``: long frames of the
       time series and samples a result carries (``run_point``'s ``timeline`` and ``restore_stage_s``),
       for the charts.
-    * ``compare_frame(runs)`` and ``ratio_frame(runs, baseline)``: several scenarios side by side,
-      and each one's metrics over the baseline's at the same load.
-    * ``to_csv`` / ``to_json``: the downloads, the same keys as the CLI's files;
-      ``compare_json(arms)``: what ``kvpool sim compare --json`` prints (``{scenario name: [per-load objects]}``).
-    * ``plan_summary(result)``: the object ``kvpool sim plan --json`` prints (variable, direction, targets,
-      best, runs, curve) from a ``kvpool.sim.plan.PlanResult``; ``plan_json`` its text; ``plan_frame`` the
-      curve as a table; ``plan_bracket`` the values either side of the threshold.
+    * ``compare_frame(runs)`` and ``ratio_frame(runs)``: several scenarios side by side, and the
+      first one's ratios over each other one at the same load (``kvpool sim compare``'s direction).
+    * The downloads are the CLI's files, byte for byte: ``document_json(doc)`` a result document of
+      ``kvpool.sim.documents`` (``id``, ``provenance``, results, ``run``), ``to_csv(rows)`` and
+      ``compare_csv(runs)`` the CSVs of ``kvpool sim run`` and ``compare``; ``stem`` the run's file stem.
+    * ``plan_json`` the text of a search's document (``kvpool.sim.documents.plan_document``);
+      ``plan_frame`` its curve as a table; ``plan_bracket`` the values either side of the threshold.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ import pandas as pd
 
 from kvpool.sim.report import load_of, public
 
-# Metrics whose ratio the Compare page shows (higher is better unless noted in the label).
-RATIO_METRICS: tuple[tuple[str, str], ...] = (
-    ("throughput_per_gpu_tok_s", "throughput per GPU"),
-    ("ttft_p50_s", "TTFT p50 (lower is better)"),
-    ("ttft_p90_s", "TTFT p90 (lower is better)"),
-    ("reuse", "reuse"),
-    ("share_pool", "pool share"),
-    ("gen_speed_per_user_tok_s_p50", "tok/s per user"),
-)
+# The ratios the Compare page shows: ``kvpool.sim.compare.RATIO_KEYS``, the reference's value over
+# another arm's (the seed's reading: a throughput ratio above 1 means the reference is faster, a
+# TTFT ratio below 1 that it answers sooner).
+RATIO_LABELS: dict[str, str] = {
+    "throughput_tok_s": "system throughput",
+    "throughput_per_gpu_tok_s": "throughput per GPU",
+    "ttft_p50_s": "TTFT p50",
+    "ttft_p90_s": "TTFT p90",
+}
 
 # Keys that measure the machine that ran the simulation, not the simulated system.
 WALL_CLOCK_KEYS = ("wall_s", "cpu_s", "sim_s_per_wall_s")
@@ -52,21 +52,19 @@ def summary_frame(rows: Sequence[dict]) -> pd.DataFrame:
     return frame
 
 
-def to_json(rows: Sequence[dict]) -> str:
-    """What ``kvpool sim run --json`` prints and writes."""
-    return json.dumps([public(r) for r in rows], indent=2) + "\n"
-
-
 def to_csv(rows: Sequence[dict]) -> str:
-    """The CSV ``kvpool sim run`` writes (the documented keys as columns)."""
-    return pd.DataFrame([public(r) for r in rows]).to_csv(index=False)
+    """The CSV ``kvpool sim run`` writes (``kvpool.sim.report.csv_text``: the documented keys as columns)."""
+    from kvpool.sim.report import csv_text
+
+    return csv_text(rows)
 
 
-def stem(scenario_name: str, rows: Sequence[dict]) -> str:
-    """The CLI's file stem: ``NAME-sessions-56-72``."""
+def stem(scenario_name: str, rows: Sequence[dict], run_id: str) -> str:
+    """The CLI's file stem: ``NAME-sessions-56-72-ID``, ID the document's ``id``."""
     from kvpool.outputs import safe_name
 
-    return f"{safe_name(scenario_name)}-{load_name(rows)}-" + "-".join(f"{load_of(r)[1]:g}" for r in rows)
+    return (f"{safe_name(scenario_name)}-{load_name(rows)}-" + "-".join(f"{load_of(r)[1]:g}" for r in rows)
+            + f"-{run_id}")
 
 
 def _label(row: dict) -> str:
@@ -119,36 +117,35 @@ def compare_frame(runs: dict[str, Sequence[dict]]) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
-def ratio_frame(runs: dict[str, Sequence[dict]], baseline: str) -> pd.DataFrame:
-    """Per other scenario and load: each ``RATIO_METRICS`` value over the baseline's (NaN where 0)."""
-    base_rows = runs[baseline]
-    key = load_name(base_rows)
-    base = {load_of(r)[1]: r for r in base_rows}
+def ratio_frame(runs: dict[str, Sequence[dict]]) -> pd.DataFrame:
+    """Per other scenario and load: the first scenario's value over that one's, for each ratio of
+    ``kvpool sim compare`` (``kvpool.sim.compare.ratios``; NaN where the other's value is 0)."""
+    from kvpool.sim.compare import ratios
+
+    names = list(runs)
+    if len(names) < 2:
+        return pd.DataFrame()
+    key = load_name(runs[names[0]])
     out = []
-    for name, rows in runs.items():
-        if name == baseline:
-            continue
-        for r in rows:
-            b = base.get(load_of(r)[1])
-            if b is None:
-                continue
-            rec = {"scenario": f"{name} / {baseline}", key: load_of(r)[1]}
-            for metric, label in RATIO_METRICS:
-                rec[label] = r[metric] / b[metric] if b.get(metric) else float("nan")
+    for name, per_load in ratios(runs).items():
+        for r in per_load:
+            rec = {"ratio": f"{names[0]} / {name}", key: r[key]}
+            for metric, label in RATIO_LABELS.items():
+                rec[label] = float("nan") if r[metric] is None else r[metric]
             out.append(rec)
     return pd.DataFrame(out)
 
 
-def compare_json(arms: dict[str, Sequence[dict]]) -> str:
-    """What ``kvpool sim compare --json`` prints: ``{scenario name: [per-load objects]}``."""
-    return json.dumps({name: [public(r) for r in rows] for name, rows in arms.items()}, indent=2) + "\n"
+def document_json(doc: dict) -> str:
+    """A result document as the CLI writes its JSON file (``kvpool.sim.documents``)."""
+    return json.dumps(doc, indent=2) + "\n"
 
 
-def plan_summary(result) -> dict:
-    """The object ``kvpool sim plan --json`` prints and writes, built exactly as the CLI builds it."""
-    curve = [{"value": v, "meets_targets": ok, **public(row)} for v, row, ok in result.curve()]
-    return {"variable": result.variable.field, "direction": "maximize" if result.variable.maximize else "minimize",
-            "targets": [str(t) for t in result.targets], "best": result.best, "runs": len(curve), "curve": curve}
+def compare_csv(runs: dict[str, Sequence[dict]]) -> str:
+    """The CSV ``kvpool sim compare`` writes beside its JSON (``kvpool.sim.compare.csv_text``)."""
+    from kvpool.sim.compare import csv_text
+
+    return csv_text(runs)
 
 
 def plan_json(summary: dict) -> str:

@@ -8,6 +8,9 @@ Contract: ``policy.eviction``'s (its module docstring), with objects addressed a
       ``gids`` (repeats count once). ``lookup``, ``lookup_slots`` and ``lookup_runs`` are one read
       call each; ``contains`` reads nothing. ``remove(gids, slot)`` deletes single objects.
     * Orders: ``lru``, ``lfu``, ``fifo``; pins count per id, as in ``policy.eviction``.
+    * Ids come as any integer sequence (checked: >= 0; repeats allowed) or as ``GroupIds``,
+      ids whose maker knows they are distinct and bounded (taken without either check). Every
+      call decides the same for the same ids, however they come.
     * ``tests/policy/test_eviction_differential.py`` drives this table and ``EmbeddedPool``
       (``eviction.GroupedPool``) through the same random calls and checks they decide alike.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -60,6 +64,26 @@ class IdList:
         self._buf[: kept.size] = kept
         self.size = kept.size
         return dropped
+
+
+class GroupIds(NamedTuple):
+    """Group ids known by construction to be distinct, each in ``0 .. max_gid`` (one prompt's
+    chunk groups: every chunk's key chains its whole prefix, so no two are equal). ``part`` and
+    ``where`` keep both facts: a subset of distinct ids under a bound is one."""
+
+    ids: np.ndarray  # int64
+    max_gid: int
+
+    def part(self, start: int, stop: int | None = None) -> GroupIds:
+        """Ids ``start .. stop - 1``."""
+        return GroupIds(self.ids[start:stop], self.max_gid)
+
+    def where(self, mask: np.ndarray) -> GroupIds:
+        """The ids where ``mask`` (one bool per id) is true."""
+        return GroupIds(self.ids[mask], self.max_gid)
+
+
+Ids = Sequence[int] | np.ndarray | GroupIds
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,9 +203,15 @@ class GroupTable:
         for name in ("_mask", "_last", "_count", "_inserted", "_pins", "_mark", "_listed"):
             setattr(self, name, grown(getattr(self, name), new))
 
-    def _ids(self, gids: Sequence[int] | np.ndarray, max_gid: int | None = None) -> np.ndarray:
+    def _ids(self, gids: Ids, max_gid: int | None = None) -> np.ndarray:
         """``gids`` as an int64 array, checked (>= 0) and with the tables grown to hold them;
-        ``max_gid``: a bound the caller knows, for ids it knows are valid (no pass over them)."""
+        ``max_gid``: a bound the caller knows, for ids it knows are valid (no pass over them;
+        a ``GroupIds`` brings its own)."""
+        if type(gids) is GroupIds:
+            ids, max_gid = gids
+            if max_gid >= len(self._last):
+                self._grow(max_gid)
+            return ids
         ids = np.asarray(gids, dtype=np.int64)
         if max_gid is not None:
             if max_gid >= len(self._last):
@@ -193,7 +223,7 @@ class GroupTable:
         return ids
 
     # -- reads -------------------------------------------------------------------------------
-    def lookup(self, gids: Sequence[int] | np.ndarray, slot: int, now: float) -> np.ndarray:
+    def lookup(self, gids: Ids, slot: int, now: float) -> np.ndarray:
         """Presence of ``(g, slot)`` for each ``g``; present objects' groups count as read now."""
         ids = self._ids(gids)
         hit = (self._mask[ids] & self._slot_mask(slot)[1]) != 0
@@ -212,17 +242,20 @@ class GroupTable:
         return gid < len(self._last) and bool(self._mask[gid] & self._bits[slot])
 
     # -- pins --------------------------------------------------------------------------------
-    def pin(self, gids: Sequence[int] | np.ndarray, *, unique: bool = False, max_gid: int | None = None) -> None:
+    def pin(self, gids: Ids, *, unique: bool = False, max_gid: int | None = None) -> None:
         """Protect groups from eviction (loads in flight); nests. ``unique``: the caller knows
         ``gids`` has no repeats (skips the check). ``max_gid`` (here and in ``unpin``, ``put``,
-        ``lookup_runs``): a bound on ``gids`` the caller knows, which skips their range check."""
+        ``lookup_runs``): a bound on ``gids`` the caller knows, which skips their range check.
+        A ``GroupIds`` says both itself."""
+        unique = unique or type(gids) is GroupIds
         ids = self._ids(gids, max_gid)
         if not unique and self._has_duplicates(ids):
             np.add.at(self._pins, ids, 1)
         else:
             self._pins[ids] += 1
 
-    def unpin(self, gids: Sequence[int] | np.ndarray, *, unique: bool = False, max_gid: int | None = None) -> None:
+    def unpin(self, gids: Ids, *, unique: bool = False, max_gid: int | None = None) -> None:
+        unique = unique or type(gids) is GroupIds
         ids = self._ids(gids, max_gid)
         if not unique and self._has_duplicates(ids):
             np.subtract.at(self._pins, ids, 1)
@@ -234,13 +267,14 @@ class GroupTable:
             self._pins[ids] = left
 
     # -- writes ------------------------------------------------------------------------------
-    def put(self, gids: Sequence[int] | np.ndarray, slot: int | Sequence[int], now: float, *,
+    def put(self, gids: Ids, slot: int | Sequence[int], now: float, *,
             unique: bool = False, max_gid: int | None = None) -> PutOutcome:
         """One put of the objects ``(g, s)`` for every ``g`` of ``gids`` (in order) and every ``s``
         of ``slot`` (one slot or several), as ``policy.eviction``'s contract says: present objects
         stay as they are, every named group is used now and protected, a pass when the new objects
         do not fit, the leading groups that fit stored, then a watermark pass. ``unique``: the
-        caller knows ``gids`` has no repeats."""
+        caller knows ``gids`` has no repeats (a ``GroupIds`` has none)."""
+        unique = unique or type(gids) is GroupIds
         ids = self._ids(gids, max_gid)
         want = self._slot_mask(slot)[1]
         if not unique and self._has_duplicates(ids):
@@ -329,7 +363,7 @@ class GroupTable:
         mark[ids] = 0
         return dup
 
-    def lookup_slots(self, gids: Sequence[int] | np.ndarray, slots: Sequence[int], now: float) -> np.ndarray:
+    def lookup_slots(self, gids: Ids, slots: Sequence[int], now: float) -> np.ndarray:
         """Presence ``[slot index, chunk]`` for several slots in one check (recency as ``lookup``)."""
         ids = self._ids(gids)
         slots, want = self._slot_mask(slots)
@@ -338,7 +372,7 @@ class GroupTable:
         self._touch(ids[(masks & want) != 0], now)
         return hit
 
-    def lookup_runs(self, gids: Sequence[int] | np.ndarray, slots: Sequence[int], now: float, *,
+    def lookup_runs(self, gids: Ids, slots: Sequence[int], now: float, *,
                     max_gid: int | None = None) -> list[int]:
         """For each of ``slots``, how many leading groups of ``gids`` hold its object (the leading
         runs of ``lookup_slots``' rows, recency as ``lookup``) without building the rows."""
@@ -360,7 +394,7 @@ class GroupTable:
             runs.append(first + int(gap[0]) if gap.size else int(ids.size))
         return runs
 
-    def remove(self, gids: Sequence[int] | np.ndarray, slot: int) -> np.ndarray:
+    def remove(self, gids: Ids, slot: int) -> np.ndarray:
         """Delete the objects ``(g, slot)``; per position of ``gids``, whether it removed one (a
         repeated id removes once). A group keeps its state while it holds other objects; one left
         with none is gone (its stale entry in the resident list is dropped by the next pass)."""

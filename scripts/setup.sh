@@ -8,7 +8,9 @@
 #                                    (backend, dashboard, dev, ray), with what each one needs:
 #                                    backend: torch (CPU build) and the Debian libraries Mooncake's
 #                                    binaries link against; dev: iproute2 for the test command;
-#                                    dashboard: Chromium for its browser test.
+#                                    dashboard: Chromium for its browser test; aiperf: AIPerf in an
+#                                    environment of its own (.aiperf-venv: its pins are older than
+#                                    kvpool's) for the test that replays a trace with it.
 #   scripts/setup.sh --all           everything (every extra): what scripts/test.sh uses.
 #
 # Idempotent: a second run with the same arguments only checks. Says what it installs and why, and
@@ -19,13 +21,13 @@ cd "$(dirname "$0")/.."
 say() { printf '[setup] %s\n' "$*" >&2; }
 die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
-KNOWN_EXTRAS=(backend dashboard dev ray)
+KNOWN_EXTRAS=(backend dashboard dev ray aiperf)
 extras=()
 for arg in "$@"; do
     case "$arg" in
         --all|all) extras=("${KNOWN_EXTRAS[@]}") ;;
         -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        backend|dashboard|dev|ray) extras+=("$arg") ;;
+        backend|dashboard|dev|ray|aiperf) extras+=("$arg") ;;
         *) die "unknown argument '$arg'; give --all or extras by name: ${KNOWN_EXTRAS[*]}" ;;
     esac
 done
@@ -77,26 +79,35 @@ fi
 #    changed or more extras are wanted than the last install had.
 spec="."
 label="kvpool"
-if [ "${#wanted[@]}" -gt 0 ]; then
-    joined=$(IFS=,; echo "${wanted[*]}")
+in_venv=()  # the extras that go into .venv (aiperf has its own environment, step 5)
+for e in "${wanted[@]+"${wanted[@]}"}"; do [ "$e" = aiperf ] || in_venv+=("$e"); done
+if [ "${#in_venv[@]}" -gt 0 ]; then
+    joined=$(IFS=,; echo "${in_venv[*]}")
     spec=".[${joined}]"
     label="kvpool[${joined}]"
 fi
 stamp=.venv/.kvpool-installed
 have=""; [ -f "$stamp" ] && have=$(cat "$stamp")
 covered=1
-for e in "${wanted[@]+"${wanted[@]}"}"; do case ",$have," in *",$e,"*) ;; *) covered=0 ;; esac; done
+for e in "${in_venv[@]+"${in_venv[@]}"}"; do case ",$have," in *",$e,"*) ;; *) covered=0 ;; esac; done
 if [ ! -f "$stamp" ] || [ "$covered" = 0 ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
-    if [ "${#wanted[@]}" -eq 0 ]; then
+    if [ "${#in_venv[@]}" -eq 0 ]; then
         say "installing $label (editable) with its core dependencies, what the simulator needs:"
         say "  simpy numpy scipy pydantic typer rich tomli-w matplotlib (no torch, no extras)"
     else
-        say "installing $label (editable): the core dependencies plus the extras ${wanted[*]}"
+        say "installing $label (editable): the core dependencies plus the extras ${in_venv[*]}"
     fi
     "${VPIP[@]}" install --progress-bar off -e "$spec" || die "pip install -e $spec failed"
     # remember the union of the extras installed so far
-    all_have=$(printf '%s\n' ${have//,/ } "${wanted[@]+"${wanted[@]}"}" | awk NF | sort -u | paste -sd, -)
+    all_have=$(printf '%s\n' ${have//,/ } "${in_venv[@]+"${in_venv[@]}"}" | awk NF | sort -u | paste -sd, -)
     printf '%s\n' "$all_have" > "$stamp"
+fi
+# 5. AIPerf (the aiperf extra) in .aiperf-venv: a client nobody here wrote, for tests/serve/test_aiperf.py.
+if has aiperf && ! .aiperf-venv/bin/python -c 'import aiperf' >/dev/null 2>&1; then
+    say "installing aiperf 0.13.0 into .aiperf-venv (its own environment: its pins are older than kvpool's)"
+    "$PY" -m venv .aiperf-venv || die "python -m venv .aiperf-venv failed"
+    .aiperf-venv/bin/python -m pip --disable-pip-version-check -q install --progress-bar off "aiperf==0.13.0" \
+        || die "pip install aiperf==0.13.0 into .aiperf-venv failed"
 fi
 .venv/bin/kvpool --help >/dev/null || die "kvpool did not install a working CLI"
 installed=$(cat "$stamp")

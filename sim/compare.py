@@ -13,7 +13,7 @@ Contract:
       it fits ``width`` columns (``kvpool.tables.fitted``).
     * ``csv_rows(arms)``: one row per (arm, load): ``arm``, ``reference``, the load, the result's
       ``public`` keys, and ``reference_over_arm_KEY`` per ``RATIO_KEYS`` (empty on the reference's
-      own rows). ``write_csv(arms, path)`` writes them.
+      own rows). ``csv_text(arms)`` is their CSV, ``write_csv(arms, path)`` writes it.
     * ``figure(arms, path, title)``: system throughput, throughput per GPU, TTFT and token sources,
       one colour per arm in every panel; the throughput ratios stand above the reference's bars.
 """
@@ -21,6 +21,7 @@ Contract:
 from __future__ import annotations
 
 import csv
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -103,15 +104,22 @@ def csv_rows(arms: dict[str, Sequence[dict]]) -> list[dict]:
     return out
 
 
-def write_csv(arms: dict[str, Sequence[dict]], path: Path) -> None:
+def csv_text(arms: dict[str, Sequence[dict]]) -> str:
+    """The CSV of ``csv_rows`` (a column for every key any row has, in first-met order)."""
     rows = csv_rows(arms)
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r if k not in keys]
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=keys, restval="")
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def write_csv(arms: dict[str, Sequence[dict]], path: Path) -> None:
     with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys, restval="")
-        w.writeheader()
-        w.writerows(rows)
+        f.write(csv_text(arms))
 
 
 _SOURCES = (("share_gpu", "GPU prefix cache", 1.0, ""), ("share_pool", "KV pool (Store)", 0.55, "//"),

@@ -10,15 +10,15 @@ Contract:
       exceeds its capacity, least recently used blocks go first, and among blocks used at the same
       moment the deepest ones (a prefix loses its tail first), until ``evict_fraction`` of the
       capacity is free; the blocks being inserted are never victims.
-    * ``use(ids, now)`` is ``hit_blocks`` that also returns the use's log entry, and ``insert``
-      returns its own; ``insert(..., replaces=entries)`` names earlier entries (of this cache) that
-      the caller expects to be prefixes of ``ids`` (the same request's hit, the thread's previous
-      prompt). Those that are, and are older than ``now``, hold no live block any more; eviction
-      skips them without looking at their blocks. This changes no result, only the work.
-      ``prefixes=entries`` does the same for entries the caller knows lead ``ids`` (a ``use`` of
-      the same array), without comparing their blocks.
-    * ``max_id`` (optional, in ``use``/``hit_blocks``/``insert``): a bound on ``ids`` the caller
-      knows (its id range), which saves a pass over ``ids``.
+    * Ids come as an array (nothing known of them) or as ``Blocks``: the ids with what their
+      maker knows (a bound, ``max_id``; ``lead``, an entry of this cache whose blocks lead the
+      ids). ``use(blocks, now)`` is ``hit_blocks`` that returns the ``Use`` (its run and log
+      entry). ``insert(what, now, block_tokens, earlier)`` takes the prompt's ``Use`` (or its
+      ``Blocks``, or an array) and returns the insert's log entry: the use's entry and the lead
+      are prefixes of the ids by construction, and ``earlier``, another entry of this cache, is
+      compared. Those that are prefixes and older than ``now`` hold no live block any more;
+      eviction skips them without looking at their blocks. What the caller knows changes no
+      result, only the work: while its claims hold, a call decides as for the plain array.
     * Capacity is in tokens (``None``: unbounded, the trace-ceiling check); it holds
       ``capacity_tokens // block_tokens`` blocks of the first workload it sees.
 
@@ -35,6 +35,7 @@ caches of one world share: its contents are never kept between calls).
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 
@@ -97,6 +98,32 @@ class LogEntry:
         self.dead = False
 
 
+class Blocks(NamedTuple):
+    """A prompt's full blocks in one cache's names, in order, with what their maker knows of them:
+    every id is at most ``max_id``, and ``lead`` (``None``: none known) is an entry of this cache
+    whose blocks lead ``ids``."""
+
+    ids: np.ndarray
+    max_id: int
+    lead: LogEntry | None = None
+
+
+class Use(NamedTuple):
+    """A use of ``blocks``: ``run``, its leading blocks held (they count as used then), and
+    ``entry``, the use's log entry (``None``: nothing used, or the capacity is unbounded)."""
+
+    blocks: Blocks
+    run: int
+    entry: LogEntry | None
+
+
+def _blocks(ids: Blocks | np.ndarray) -> Blocks:
+    """``ids`` as ``Blocks`` (an array: bounded by its largest id, no lead known)."""
+    if type(ids) is Blocks:
+        return ids
+    return Blocks(ids, int(np.maximum.reduce(ids)) if ids.size else -1)
+
+
 class GPUPrefixCache:
     def __init__(self, capacity_tokens: int | None, *, evict_fraction: float = 0.05, initial: int = 1 << 16,
                  scratch: Scratch | None = None) -> None:
@@ -128,21 +155,20 @@ class GPUPrefixCache:
         last[:n] = self._last
         self._last = last
 
-    def hit_blocks(self, ids: np.ndarray, now: float, max_id: int | None = None) -> int:
+    def hit_blocks(self, ids: Blocks | np.ndarray, now: float) -> int:
         """Leading blocks of ``ids`` held; they count as used now."""
-        return self.use(ids, now, max_id)[0]
+        return self.use(ids, now).run
 
-    def use(self, ids: np.ndarray, now: float, max_id: int | None = None,
-            lead: LogEntry | None = None) -> tuple[int, LogEntry | None]:
-        """``hit_blocks`` and the log entry of the use (``None`` when nothing was used or the
-        capacity is unbounded). ``lead``: an entry of this cache whose blocks the caller knows
-        lead ``ids``; newer than every moment eviction has taken blocks from, all its blocks are
-        held, and only the blocks past it are looked at."""
+    def use(self, ids: Blocks | np.ndarray, now: float) -> Use:
+        """``hit_blocks`` and the use's log entry. A lead newer than every moment eviction has
+        taken blocks from has all its blocks held: only the blocks past it are looked at."""
+        blocks = _blocks(ids)
+        ids, lead = blocks.ids, blocks.lead
         if not ids.size:
-            return 0, None
+            return Use(blocks, 0, None)
         if not now > 0:
             now = _FIRST_MOMENT
-        self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
+        self._grow(blocks.max_id)
         known = lead.ids.size if lead is not None and lead.t > self._evicted_upto else 0
         held = self._last[ids[known:] if known else ids] > 0
         run = known + int(held.size)  # every block held ...
@@ -157,40 +183,47 @@ class GPUPrefixCache:
             if self._bounded:
                 entry = LogEntry(now, used)
                 self._log.append(entry)
-        return run, entry
+        return Use(blocks, run, entry)
 
-    def insert(self, ids: np.ndarray, now: float, block_tokens: int, *, replaces: tuple[LogEntry | None, ...] = (),
-               prefixes: tuple[LogEntry | None, ...] = (), max_id: int | None = None) -> LogEntry | None:
-        """Hold ``ids`` (a prompt's full blocks, in order) as used now; evict if over capacity.
-        Returns the insert's log entry (``None``: unbounded); see ``replaces`` in the module
-        docstring. ``prefixes``: entries of ``use`` calls on this same array (its leading
-        blocks by construction), which ``replaces`` would find to be prefixes without comparing."""
+    def insert(self, what: Use | Blocks | np.ndarray, now: float, block_tokens: int,
+               earlier: LogEntry | None = None) -> LogEntry | None:
+        """Hold the blocks (a prompt's full blocks, in order) as used now; evict if over capacity.
+        Returns the insert's log entry (``None``: unbounded). ``what``: the prompt's ``Use``
+        (its entry and its blocks' lead lead the ids), its ``Blocks`` (the lead does) or an
+        array; ``earlier``: an entry of this cache that may lead the ids (compared)."""
+        if type(what) is Use:
+            blocks = what.blocks
+            prefixes = (what.entry, blocks.lead)
+        else:
+            blocks = _blocks(what)
+            prefixes = (blocks.lead,)
+        ids = blocks.ids
         if not ids.size:
             return None
         if not now > 0:
             now = _FIRST_MOMENT
         if self.capacity_tokens is not None and self.capacity_blocks is None:
             self.capacity_blocks = self.capacity_tokens // block_tokens
-        self._grow(int(np.maximum.reduce(ids)) if max_id is None else max_id)
+        self._grow(blocks.max_id)
         if self.capacity_blocks is not None and ids.size > self.capacity_blocks:
             ids = ids[: self.capacity_blocks]
-        known = 0  # leading blocks known to be held: a use's newer than every evicted moment
+        known = 0  # leading blocks known to be held: a prefix newer than every evicted moment
         for old in prefixes:
             if old is not None and old.ids.size <= ids.size:
                 if old.t > self._evicted_upto and old.ids.size > known:
                     known = old.ids.size
                 if old.t < now and not old.dead:
-                    old.dead = True  # as in `replaces` below: its blocks lead ids
+                    old.dead = True  # every block of it was used again now: none is live there
         last = self._last
         rest = ids[known:] if known else ids
         self.blocks += rest.size - int(np.count_nonzero(last[rest] > 0))
         last[ids] = now  # held, used now
         entry = None
         if self._bounded:
-            for old in replaces:
-                if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead \
-                        and same(old.ids, ids[: old.ids.size]):
-                    old.dead = True  # every block of it was used again now: none is live there
+            old = earlier
+            if old is not None and old.t < now and old.ids.size <= ids.size and not old.dead \
+                    and same(old.ids, ids[: old.ids.size]):
+                old.dead = True  # as the prefixes above
             entry = LogEntry(now, ids)
             self._log.append(entry)
         if self.capacity_blocks is not None and self.blocks > self.capacity_blocks:

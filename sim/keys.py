@@ -11,8 +11,9 @@ Contract:
       two chunks get the same group id exactly when ``policy.chunks.digests_from_blocks`` under
       ``chain_seed(namespace, chain scope)`` gives them the same digest (BLAKE2b-128 collisions
       aside; why, and where it is tested: below). Ids are small integers, numbered first seen,
-      for ``policy.grouptable``. A thread keeps its last request's blocks and group ids, so a
-      request names only the chunks past its common prefix with the previous one.
+      for ``policy.grouptable``. ``KeySpace`` holds the numbering only; what a thread named
+      last is its caller's ``KeyChain`` (``sim.prompt.ThreadMemory`` holds one per thread), so a
+      request names only the chunks past its common prefix with the chain's previous prompt.
     * A prefix common to every session (``workload.shared_prefix_tokens``: one product's tool
       definitions) gets one range of block ids of its own (scope ``SHARED_PREFIX_SCOPE``); the
       simulator then keys every chunk from global ids under one chain (``chain_scope=""``), so
@@ -45,8 +46,6 @@ parent id and payload bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from kvpool.policy.chunks import block_pieces
@@ -64,17 +63,19 @@ def _name(parent: int, payload: bytes) -> bytes:
     return parent.to_bytes(8, "little", signed=True) + payload
 
 
-@dataclass
-class _ThreadKeys:
-    """A thread's last block ids and chunk group ids. The group ids are a view of ``buf``, whose
-    first ``tip`` entries have been handed out (views of them may still be in use): a request
-    that keeps all of them writes its new ids past the tip, in place, and anything else gets a
-    new buffer, so no id handed out ever changes."""
+class KeyChain:
+    """One thread's last prompt under one chain: its key block ids and chunk group ids, which
+    ``KeySpace.chunk_gids`` reads and replaces. The group ids are a view of ``buf``, whose first
+    ``tip`` entries have been handed out (views of them may still be in use): a request that
+    keeps all of them writes its new ids past the tip, in place, and anything else gets a new
+    buffer, so no id handed out ever changes. A chain is only ever passed with one chain scope
+    and block size (its group ids are names under that root)."""
 
-    blocks: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    gids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    buf: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    tip: int = 0
+    __slots__ = ("blocks", "gids", "buf", "tip")
+
+    def __init__(self) -> None:
+        self.blocks = self.gids = self.buf = np.zeros(0, dtype=np.int64)
+        self.tip = 0
 
 
 class IdRanges:
@@ -113,9 +114,7 @@ class KeySpace:
         # chunks numbered right after their parent: parent (_NONE: not here) and payload by group id
         self._parent = np.full(1 << 14, _NONE, dtype=np.int64)
         self._payload: np.ndarray | None = None  # [gid, u64 word], one payload size (the first seen)
-        self._threads: dict[tuple[str, int], _ThreadKeys] = {}
-        self._scope_threads: dict[str, list[int]] = {}  # scope -> its threads in _threads
-        self.hashed_chunks = 0  # chunks named past their thread's common prefix
+        self.hashed_chunks = 0  # chunks named past their chain's common prefix
 
     @property
     def groups(self) -> int:
@@ -125,19 +124,18 @@ class KeySpace:
         """Where ``scope``'s block ids start among ids unique across every scope (``IdRanges``)."""
         return self._blocks.offset(scope, max_id)
 
-    def chunk_gids(self, scope: str, thread: int, block_ids: np.ndarray, block_tokens: int, n_tokens: int,
+    def chunk_gids(self, scope: str, st: KeyChain, block_ids: np.ndarray, block_tokens: int, n_tokens: int,
                    *, chain_scope: str | None = None) -> np.ndarray:
-        """Group ids of the request's keyable chunks (policy.chunks rules), in order.
+        """Group ids of the request's keyable chunks (policy.chunks rules), in order; ``st``, the
+        thread's chain, becomes this prompt's (the chunks it shares with the chain's previous
+        prompt keep their ids unnamed again).
 
         ``chain_scope``: the scope whose chain seed starts the digests (default ``scope``); a
-        caller that passes ids unique across scopes (each plus its scope's ``block_offset``) passes ``""`` so that equal
-        leading ids give equal chunks in every scope. A thread must keep one choice.
-        Tokens beyond the recorded blocks (traces whose ``in`` over-counts) are never keyed."""
+        caller that passes ids unique across scopes (each plus its scope's ``block_offset``)
+        passes ``""`` so that equal leading ids give equal chunks in every scope. A chain must
+        keep one choice. Tokens beyond the recorded blocks (traces whose ``in`` over-counts)
+        are never keyed."""
         n_tokens = min(n_tokens, block_ids.size * block_tokens)
-        st = self._threads.get((scope, thread))
-        if st is None:
-            st = self._threads[(scope, thread)] = _ThreadKeys()
-            self._scope_threads.setdefault(scope, []).append(thread)
         n = min(st.blocks.size, block_ids.size)
         prev = st.blocks[:n]
         if prev.dtype == block_ids.dtype and prev.tobytes() == block_ids[:n].tobytes():
@@ -255,8 +253,3 @@ class KeySpace:
             payload = np.zeros((new, self._payload.shape[1]), dtype=np.uint64)
             payload[:n] = self._payload
             self._payload = payload
-
-    def forget_scope(self, scope: str) -> None:
-        """Drop per-thread state of a finished play (its group ids stay valid)."""
-        for thread in self._scope_threads.pop(scope, ()):
-            del self._threads[(scope, thread)]

@@ -97,7 +97,6 @@ class Lifecycle:
 
     # 3. lookup --------------------------------------------------------------------------
     def lookup(self, r: Request) -> None:
-        r.play = self.prompts.play(r.d)
         r.prompt = self.prompts.build(r.d, r.prefill.index)
         self.lookup_step(r)
         if r.hits.pool_tokens:
@@ -110,11 +109,11 @@ class Lifecycle:
         self.compute_step(r, lambda: self.computed(r))
 
     def computed(self, r: Request) -> None:
-        gids = r.prompt.gids
-        if self.world.pool is not None and gids.size:
+        groups = r.prompt.groups
+        if self.world.pool is not None and groups.ids.size:
             skip = r.hits.pool_prefix_chunks  # held by every stage already
-            new = gids[skip:] if skip else gids
-            if new.size:
+            new = groups.part(skip) if skip else groups
+            if new.ids.size:
                 self.save_step(r, new)
         self.handoff_step(r, lambda: self.decode(r))  # 7. hand-off
 

@@ -13,13 +13,15 @@ Contract:
       rank ``r`` of stage ``s`` is rank index ``s * tp + r`` and uses part ``index mod parts``.
     * Optional SSD tier: groups evicted from DRAM demote there (its own ``GroupTable``);
       a chunk found only on SSD is restored at SSD bandwidth and promoted back.
+    * Every call names its chunk groups as one ``GroupIds`` (a prompt's, ``Prompt.groups``, or a
+      part of them): distinct and bounded by construction, so no table checks either.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvpool.policy.grouptable import GroupTable
+from kvpool.policy.grouptable import GroupIds, GroupTable
 from kvpool.scenario.derive import GIB, pool_capacity_bytes
 from kvpool.scenario.model import Scenario
 
@@ -74,7 +76,7 @@ class SimPool:
     def _group(self, server: int) -> int:
         return 0 if self.mode == "shared" else server
 
-    def lookup(self, server: int, ranks: int, gids: np.ndarray, now: float) -> np.ndarray:
+    def lookup(self, server: int, ranks: int, gids: GroupIds, now: float) -> np.ndarray:
         """Presence ``[rank, chunk]`` of every rank's object for each chunk: one batched check per
         part (rank ``r`` is row ``r``)."""
         row = self.tables[self._group(server)]
@@ -82,22 +84,21 @@ class SimPool:
         if len(parts) == 1 and parts[0][2] == list(range(ranks)):  # one part holds every rank, in order
             q, slots, _ = parts[0]
             return row[q].lookup_slots(gids, slots, now)
-        out = np.zeros((ranks, len(gids)), dtype=bool)
+        out = np.zeros((ranks, gids.ids.size), dtype=bool)
         for q, slots, mine in parts:
             out[mine] = row[q].lookup_slots(gids, slots, now)
         return out
 
-    def lookup_runs(self, server: int, ranks: int, gids: np.ndarray, now: float, max_gid: int | None = None) -> list[int]:
+    def lookup_runs(self, server: int, ranks: int, gids: GroupIds, now: float) -> list[int]:
         """Per rank, how many leading chunks of ``gids`` hold its object: the leading runs of
-        ``lookup``'s rows (same recency), without building them. ``max_gid`` (here and in
-        ``save``, ``pin``, ``unpin``): a bound on ``gids`` the caller knows (``GroupTable``)."""
+        ``lookup``'s rows (same recency), without building them."""
         row = self.tables[self._group(server)]
         parts = self._parts_of(ranks)
         if len(parts) == 1:
-            return row[parts[0][0]].lookup_runs(gids, parts[0][1], now, max_gid=max_gid)  # ranks in slot order
+            return row[parts[0][0]].lookup_runs(gids, parts[0][1], now)  # ranks in slot order
         out = [0] * ranks
         for q, slots, mine in parts:
-            for r, run in zip(mine, row[q].lookup_runs(gids, slots, now, max_gid=max_gid)):
+            for r, run in zip(mine, row[q].lookup_runs(gids, slots, now)):
                 out[r] = run
         return out
 
@@ -113,18 +114,17 @@ class SimPool:
             self._parts_memo[ranks] = got
         return got
 
-    def ssd_lookup(self, server: int, gids: np.ndarray, now: float) -> np.ndarray | None:
+    def ssd_lookup(self, server: int, gids: GroupIds, now: float) -> np.ndarray | None:
         if self.ssd is None:
             return None
         return self.ssd[self._group(server)].lookup(gids, 0, now)
 
-    def save(self, server: int, ranks: int, gids: np.ndarray, now: float, max_gid: int | None = None) -> None:
+    def save(self, server: int, ranks: int, gids: GroupIds, now: float) -> None:
         """Put every rank's objects of ``gids`` (one batched put per part); groups evicted from
-        DRAM demote to the SSD tier when there is one. ``gids`` (here and in ``pin``/``unpin``)
-        are one prompt's chunk groups: distinct, as every chunk's key chains its whole prefix."""
+        DRAM demote to the SSD tier when there is one."""
         g = self._group(server)
         for q, slots, _ in self._parts_of(ranks):
-            out = self.tables[g][q].put(gids, slots, now, unique=True, max_gid=max_gid)
+            out = self.tables[g][q].put(gids, slots, now)
             if self.ssd is not None and out.evicted_ids.size:
                 self.ssd[g].put(out.evicted_ids, 0, now)
 
@@ -133,11 +133,11 @@ class SimPool:
         row = self.tables[self._group(server)]
         return [row[q] for q, _, _ in self._parts_of(ranks)]
 
-    def pin(self, server: int, ranks: int, gids: np.ndarray, max_gid: int | None = None) -> None:
+    def pin(self, server: int, ranks: int, gids: GroupIds) -> None:
         """Protect the groups of ``gids`` in every part the instance's ranks use (loads in flight)."""
         for t in self._tables_of(server, ranks):
-            t.pin(gids, unique=True, max_gid=max_gid)
+            t.pin(gids)
 
-    def unpin(self, server: int, ranks: int, gids: np.ndarray, max_gid: int | None = None) -> None:
+    def unpin(self, server: int, ranks: int, gids: GroupIds) -> None:
         for t in self._tables_of(server, ranks):
-            t.unpin(gids, unique=True, max_gid=max_gid)
+            t.unpin(gids)

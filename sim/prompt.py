@@ -1,25 +1,35 @@
-"""A request's prompt, named once: its block ids, GPU cache ids and chunk group ids.
+"""A request's prompt, named once: its block ids, GPU cache blocks and chunk group ids.
 
 Contract:
     * ``Prompts.build(d, prefill)`` returns the ``Prompt`` of dispatch ``d`` (``workload.replay``'s
       ``Dispatch``) routed to prefill instance ``prefill`` (its index), built once, before the
-      request's lookup; every step reads it, none changes it.
-    * ``Prompt.blocks``: the request's block ids (``BlockStore.block_ids``). ``gpu_ids``: the ids
-      of its full blocks in its prefill's GPU cache: each prefill names the blocks it meets
-      densely (one ``sim.gpuids.CacheIds`` per prefill); a main thread's prompt opens with the
-      shared prefix's own ids there when the workload has one. So a cache's arrays cover only
-      the blocks it has served, not every session's ids. ``gids``: the group ids of its keyable
-      chunks (``sim.keys``; with a shared prefix they chain ids unique across scopes,
-      ``KeySpace.block_offset``), distinct (every chunk's key chains its whole prefix). ``max_gpu_id`` and ``max_gid`` bound them
-      (the ids that cache has named so far; the key space's groups so far).
+      request's lookup; every step reads it, none changes it. It carries what the simulator
+      knows of its ids, so no step passes such knowledge on its own.
+    * ``Prompt.blocks``: the request's block ids (``BlockStore.block_ids``). ``cache``: its full
+      blocks in its prefill's GPU cache (``gpucache.Blocks``): each prefill names the blocks it
+      meets densely (one ``sim.gpuids.CacheIds`` per prefill); a main thread's prompt opens with
+      the shared prefix's own ids there when the workload has one. So a cache's arrays cover
+      only the blocks it has served, not every session's ids. ``cache.max_id`` bounds them (the
+      ids that cache has named so far); ``cache.lead`` is the thread's latest insert in that
+      cache when it is a prefix of them (known without comparing when the prompt's ids were
+      copied from that insert's request far enough, else compared). ``groups``: the group ids of
+      its keyable chunks (``sim.keys``; with a shared prefix they chain ids unique across scopes,
+      ``KeySpace.block_offset``) as one ``GroupIds``: distinct (every chunk's key chains its
+      whole prefix) and bounded by the key space's groups so far.
     * ``Prompt.source``/``copied``: its first ``copied`` block ids are those of the play's
       request ``source`` (``-1, 0``: none known), the latest of a thread of the same play when it
       was built, and so are its GPU cache ids when ``source`` was served by the same prefill;
       ``source`` is the thread's own previous request in the usual case (a turn extends its
       thread's last prompt).
-    * Per play, the latest prompt of each thread is kept (the store decompresses a later
-      prompt's ids against them) until ``forget(d)`` after the play's last request, together with
-      each thread's latest GPU cache insert (``PlayPrompts.inserts``, set by the compute step).
+    * ``Prompt.memory``: its thread's ``ThreadMemory``, the one place that remembers a thread:
+      its latest prompt's ids (the store decompresses a later prompt's ids against every
+      thread's latest), its latest GPU cache insert (set by the compute step,
+      ``sim.steps.gpu``) and its key chain (``keys.KeyChain``). A play's memories go with
+      ``forget(d)`` after its last request. A global-scope play's threads (Mooncake traces:
+      every row a one-request session, ids shared by the whole workload) share their key chain
+      with the same thread of every other such play: two rows' prompts share their leading
+      chunks as a thread's turns do, so a row names only the chunks past its common prefix with
+      the previous row, which costs what a turn does instead of naming the whole prompt.
 
 Implementation: a thread's block ids and GPU cache ids live in buffers with room to grow
 (``_Ids``, its GPU cache ids in one cache's names): a prompt that extends the list at a buffer's
@@ -35,23 +45,19 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvpool.sim.gpucache import LogEntry
+from kvpool.policy.grouptable import GroupIds
+from kvpool.sim.gpucache import Blocks, LogEntry, same
 from kvpool.sim.gpuids import CacheIds
-from kvpool.sim.keys import SHARED_PREFIX_SCOPE, KeySpace
+from kvpool.sim.keys import SHARED_PREFIX_SCOPE, KeyChain, KeySpace
 
 
-class Prompt(NamedTuple):
-    """One request's prompt (see the module docstring)."""
+class Insert(NamedTuple):
+    """A thread's latest GPU cache insert: on prefill ``prefill``, its log entry (``None``:
+    an unbounded cache), for request ``request`` of the play."""
 
-    thread: int
-    request: int  # its index in the session
-    blocks: np.ndarray
-    gpu_ids: np.ndarray
-    gids: np.ndarray
-    max_gpu_id: int
-    max_gid: int
-    source: int
-    copied: int
+    prefill: int
+    entry: LogEntry | None
+    request: int
 
 
 class _Ids:
@@ -67,19 +73,60 @@ class _Ids:
         self.tip = 0
 
 
+class ThreadMemory:
+    """What a thread's later prompts reuse (see the module docstring): its latest request's index
+    (``-1``: none yet), block ids and GPU cache ids (views of ``buf``), its latest GPU cache
+    insert and its key chain."""
+
+    __slots__ = ("request", "blocks", "gblocks", "buf", "insert", "chain")
+
+    def __init__(self, chain: KeyChain) -> None:
+        self.request = -1
+        self.blocks = self.gblocks = np.zeros(0, dtype=np.int64)
+        self.buf: _Ids | None = None
+        self.insert: Insert | None = None
+        self.chain = chain
+
+
+class Prompt(NamedTuple):
+    """One request's prompt (see the module docstring)."""
+
+    thread: int
+    request: int  # its index in the session
+    blocks: np.ndarray
+    cache: Blocks
+    groups: GroupIds
+    source: int
+    copied: int
+    memory: ThreadMemory
+
+
 class PlayPrompts:
-    """What a play's later prompts reuse: per thread its latest request's ids (by request index,
-    with the buffers they are views of) and its latest GPU cache insert."""
+    """A play's thread memories, and ``blocks``: per request index, the block ids of each
+    thread's latest request (what the store decompresses a later prompt's ids against).
+    ``chains``: the key chains its threads share with other plays, by thread (``None``: each
+    thread has its own)."""
 
-    __slots__ = ("blocks", "gblocks", "bufs", "last_request", "inserts")
+    __slots__ = ("threads", "blocks", "_latest", "_chains")
 
-    def __init__(self) -> None:
-        self.blocks: dict[int, np.ndarray] = {}  # request index -> block ids
-        self.gblocks: dict[int, np.ndarray] = {}  # request index -> GPU cache ids
-        self.bufs: dict[int, _Ids] = {}  # request index -> the buffers of its lists
-        self.last_request: dict[int, int] = {}  # thread -> request index
-        #: thread -> (prefill index, the log entry of its latest GPU cache insert, its request index)
-        self.inserts: dict[int, tuple[int, LogEntry | None, int]] = {}
+    def __init__(self, chains: dict[int, KeyChain] | None = None) -> None:
+        self.threads: dict[int, ThreadMemory] = {}
+        self.blocks: dict[int, np.ndarray] = {}
+        self._latest: dict[int, ThreadMemory] = {}  # request index -> the memory it is the latest of
+        self._chains = chains
+
+    def thread(self, thread: int) -> ThreadMemory:
+        got = self.threads.get(thread)
+        if got is None:
+            chains = self._chains
+            if chains is None:
+                chain = KeyChain()
+            else:
+                chain = chains.get(thread)
+                if chain is None:
+                    chain = chains[thread] = KeyChain()
+            got = self.threads[thread] = ThreadMemory(chain)
+        return got
 
     def ids(self, store, index: int, thread: int, names: CacheIds, scope: str, max_block: int,
             lists) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -89,14 +136,14 @@ class PlayPrompts:
         ``lists()``."""
         pieces, r, n = store.pieces_from(index, self.blocks, lists)
         total = lists[3][index]
-        src = self.blocks.get(r) if n else None
-        buf = self.bufs.get(r) if n else None
+        src = self._latest[r] if n else None
+        buf = src.buf if n else None
         fresh = n  # the first id whose cache id is not in the buffer yet
-        if buf is None or n != src.size or buf.tip != n or buf.blocks.size < total or buf.names is not names:
+        if buf is None or n != src.blocks.size or buf.tip != n or buf.blocks.size < total or buf.names is not names:
             old = buf
             buf = _Ids(max(2 * total, 64), store.tail.dtype, names)  # room for the thread's next prompts
             if n:
-                buf.blocks[:n] = src[:n]
+                buf.blocks[:n] = src.blocks[:n]
                 if old.names is names:  # its cache ids hold here too
                     buf.gblocks[:n] = old.gblocks[:n]
                 else:
@@ -107,17 +154,13 @@ class PlayPrompts:
         if fresh < total:  # the new ids' cache ids, in one call
             names.ids(scope, max_block, blocks[fresh:total], gblocks[fresh:total])
         buf.tip = total
-        blocks, gblocks = blocks[:total], gblocks[:total]
-        old_index = self.last_request.get(thread)
-        if old_index is not None:
-            self.blocks.pop(old_index, None)
-            self.gblocks.pop(old_index, None)
-            self.bufs.pop(old_index, None)
-        self.blocks[index] = blocks
-        self.gblocks[index] = gblocks
-        self.bufs[index] = buf
-        self.last_request[thread] = index
-        return blocks, gblocks, r, n
+        mem = self.thread(thread)
+        if mem.request >= 0:
+            del self.blocks[mem.request], self._latest[mem.request]
+        mem.request, mem.blocks, mem.gblocks, mem.buf = index, blocks[:total], gblocks[:total], buf
+        self.blocks[index] = mem.blocks
+        self._latest[index] = mem
+        return mem.blocks, mem.gblocks, r, n
 
 
 class Prompts:
@@ -126,6 +169,7 @@ class Prompts:
     def __init__(self, keys: KeySpace, shared_prefix_tokens: int) -> None:
         self.keys = keys
         self.plays: dict[int, PlayPrompts] = {}
+        self._global_chains: dict[int, KeyChain] = {}  # thread -> the key chain of global-scope plays
         self._max_block: dict[str, int] = {}  # session id -> its largest block id
         self._lists: dict[str, tuple] = {}  # session id -> its BlockStore.lists()
         #: per prefill index: its GPU cache's names and the shared prefix's ids there
@@ -140,7 +184,7 @@ class Prompts:
     def play(self, d) -> PlayPrompts:
         got = self.plays.get(d.play)
         if got is None:
-            got = self.plays[d.play] = PlayPrompts()
+            got = self.plays[d.play] = PlayPrompts(None if d.scope else self._global_chains)
         return got
 
     def build(self, d, prefill: int) -> Prompt:
@@ -152,8 +196,11 @@ class Prompts:
         lists = self._lists.get(session.id)
         if lists is None:
             lists = self._lists[session.id] = session.blocks.lists()
-        blocks, gblocks, source, copied = self.play(d).ids(session.blocks, req.index, req.thread, names, d.scope,
-                                                           max_block, lists)
+        play = self.play(d)
+        mem = play.thread(req.thread)
+        last = mem.insert  # the thread's latest insert before this prompt
+        blocks, gblocks, source, copied = play.ids(session.blocks, req.index, req.thread, names, d.scope,
+                                                   max_block, lists)
         if self._shared_tokens:
             key_ids = blocks.astype(np.int64)
             key_ids += self.keys.block_offset(d.scope, max_block)
@@ -162,12 +209,18 @@ class Prompts:
                 k = min(self._shared_tokens // bt, gblocks.size)
                 gblocks[:k] = shared_gpu_ids[:k]
                 key_ids[:k] = self._shared_key_ids[:k]
-            gids = self.keys.chunk_gids(d.scope, req.thread, key_ids, bt, req.in_tokens, chain_scope="")
+            gids = self.keys.chunk_gids(d.scope, mem.chain, key_ids, bt, req.in_tokens, chain_scope="")
         else:
-            gids = self.keys.chunk_gids(d.scope, req.thread, blocks, bt, req.in_tokens)
-        full_blocks = min(gblocks.size, req.in_tokens // bt)
-        return Prompt(req.thread, req.index, blocks, gblocks[:full_blocks], gids, names.size - 1,
-                      self.keys.groups - 1, source, copied)
+            gids = self.keys.chunk_gids(d.scope, mem.chain, blocks, bt, req.in_tokens)
+        ids = gblocks[:min(gblocks.size, req.in_tokens // bt)]
+        lead = None
+        if last is not None and last.prefill == prefill and last.entry is not None:
+            e = last.entry
+            k = e.ids.size
+            if k <= ids.size and ((last.request == source and k <= copied) or same(e.ids, ids[:k])):
+                lead = e
+        return Prompt(req.thread, req.index, blocks, Blocks(ids, names.size - 1, lead),
+                      GroupIds(gids, self.keys.groups - 1), source, copied, mem)
 
     def _gpu_names(self, prefill: int) -> tuple[CacheIds, np.ndarray]:
         """Prefill ``prefill``'s GPU cache names and the shared prefix's ids there."""
@@ -181,10 +234,8 @@ class Prompts:
         return got
 
     def forget(self, d) -> None:
-        """After a play's last request: its key scope and kept prompts go."""
+        """After a play's last request: its thread memories go (the shared key chains stay)."""
         if d.request.index == len(d.session.requests) - 1:
-            if d.scope:
-                self.keys.forget_scope(d.scope)
             self.plays.pop(d.play, None)
 
     def _max_block_id(self, session) -> int:

@@ -6,15 +6,17 @@ Contract:
       and without the wall-clock figures (``WALL_CLOCK_KEYS``), which ``timing(row)`` returns.
     * ``run_document(rows, provenance, run)`` is the JSON document of a run: ``id`` (a short hash of
       the provenance), ``provenance`` (what produced it, ``sim.provenance``), ``results`` (one
-      ``public`` object per load) and ``run`` (how this execution went: executor, workers and each
-      load's wall-clock figures). Equal inputs give documents equal outside ``run``, byte for byte.
+      ``public`` object per load) and ``run`` (how this execution went: the front end that produced it,
+      executor, workers and each load's wall-clock figures; ``sim.documents`` builds both blocks).
+      Equal inputs give documents equal outside ``run``, byte for byte.
     * ``write_files(rows, out_dir, stem, ...)`` writes ``stem.json`` (that document), ``stem.csv``
-      (the ``public`` keys) and ``stem.png``.
+      (``csv_text``: the ``public`` keys) and ``stem.png``.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,11 +68,6 @@ def timing(row: dict) -> dict:
     return {key: value, **{k: row[k] for k in WALL_CLOCK_KEYS if k in row}}
 
 
-def run_info(rows: Sequence[dict], *, executor: str = "local", workers: int = 1) -> dict:
-    """The ``run`` block: how this execution went (never part of the comparison of two results)."""
-    return {"executor": executor, "workers": workers, "loads": [timing(r) for r in rows]}
-
-
 #: A result below these is not a measurement: too few requests finished inside the window, or the
 #: median request waited for its first token longer than a quarter of the window.
 MIN_REQUESTS = 10
@@ -115,6 +112,16 @@ def table(rows: Sequence[dict], title: str = "", width: int = 80) -> Table:
     return fitted(cols, cells, width, title=title, note="every column is in the CSV")
 
 
+def csv_text(rows: Sequence[dict]) -> str:
+    """The CSV of a sweep: one row per load, the ``public`` keys as columns."""
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=list(public(rows[0])) if rows else [])
+    w.writeheader()
+    for r in rows:
+        w.writerow(public(r))
+    return buf.getvalue()
+
+
 def write_files(rows: Sequence[dict], out_dir: Path, stem: str, *, document: dict | None = None,
                 title: str = "") -> list[Path]:
     """``stem.json`` (``document``, a ``run_document``; without one, the list of ``public`` rows),
@@ -127,12 +134,8 @@ def write_files(rows: Sequence[dict], out_dir: Path, stem: str, *, document: dic
     with atomic_path(js) as tmp:
         tmp.write_text(json.dumps(document if document is not None else [public(r) for r in rows], indent=2) + "\n")
     cs = out_dir / f"{stem}.csv"
-    keys = list(public(rows[0])) if rows else []
     with atomic_path(cs) as tmp, tmp.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        for r in rows:
-            w.writerow(public(r))
+        f.write(csv_text(rows))
     png = out_dir / f"{stem}.png"
     with atomic_path(png) as tmp:
         figure(rows, tmp, title=title or stem)

@@ -2,8 +2,8 @@
 
 Contract: a ``Request`` is made when the request arrives and filled in as it goes: ``rec`` (its
 ``RequestRecord``, which the run returns) from the start; ``prefill``/``decode`` once routed;
-``prompt`` and ``play`` (its ``sim.prompt`` values) and the lookup's results (``hits``,
-``hit_entry``, ``lead``, ``last_insert``, ``in_dram``) once looked up. ``finished(d)`` is the
+``prompt`` (its ``sim.prompt.Prompt``) and the lookup's results (``hits``, ``gpu_use``,
+``in_dram``) once looked up. ``finished(d)`` is the
 driver's, called once when the request is done or rejected.
 """
 
@@ -14,17 +14,16 @@ from collections.abc import Callable
 import numpy as np
 
 from kvpool.policy.hits import HitResult
-from kvpool.sim.gpucache import LogEntry
+from kvpool.sim.gpucache import Use
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
-from kvpool.sim.prompt import PlayPrompts, Prompt
+from kvpool.sim.prompt import Prompt
 from kvpool.workload.records import RequestRecord
 
 
 class Request:
     """See the module docstring."""
 
-    __slots__ = ("d", "rec", "finished", "prefill", "decode", "prompt", "play", "hits", "hit_entry", "lead",
-                 "last_insert", "in_dram")
+    __slots__ = ("d", "rec", "finished", "prefill", "decode", "prompt", "hits", "gpu_use", "in_dram")
 
     def __init__(self, d, rec: RequestRecord, finished: Callable[[object], None]) -> None:
         self.d = d  # the replay's Dispatch
@@ -33,9 +32,6 @@ class Request:
         self.prefill: PrefillInstance | None = None
         self.decode: DecodeInstance | None = None
         self.prompt: Prompt | None = None
-        self.play: PlayPrompts | None = None
         self.hits: HitResult | None = None
-        self.hit_entry: LogEntry | None = None  # the GPU cache's log entry of the prompt's hit
-        self.lead: LogEntry | None = None  # the thread's latest insert, when known to lead the prompt
-        self.last_insert: tuple | None = None  # the thread's latest insert at the lookup (PlayPrompts.inserts)
+        self.gpu_use: Use | None = None  # the prompt's use of its prefill's GPU cache
         self.in_dram: np.ndarray | None = None  # with an SSD tier: per chunk, held by every rank in DRAM

@@ -8,7 +8,9 @@ Contract:
     * ``weka_to_mooncake_rows`` flattens Weka sessions (all threads) in time order. Each session
       starts ``stagger_s * k`` seconds after the first; local ids are made global by interning
       the tuple (session, 64-token ids of the 512-token block) in first-seen order, so equal ids
-      still mean equal prefixes and sessions never alias each other.
+      still mean equal prefixes and sessions never alias each other. The last block of a prompt
+      that does not fill it is named by its ids and its token count: an id always stands for one
+      block size (clients that rebuild prompts from ids, such as AIPerf, refuse an id seen at two).
 """
 
 from __future__ import annotations
@@ -87,8 +89,10 @@ def weka_to_mooncake_rows(
             ids = s.block_ids(r.index).tolist()
             out_ids = []
             for c in range(0, len(ids), per):
-                # ids are prefix-chained, so the block's last id names the whole prefix (plus its width)
-                key = (scope, ids[c + per - 1]) if c + per <= len(ids) else (scope, "part", tuple(ids[c:]))
+                # ids are prefix-chained, so the block's last id names the whole prefix; a block the
+                # prompt does not fill is named by its ids and its token count (one id, one size)
+                width = r.in_tokens - c * s.block_tokens
+                key = (scope, ids[c + per - 1]) if width >= block_tokens else (scope, "part", tuple(ids[c:c + per]), width)
                 gid = intern.get(key)
                 if gid is None:
                     gid = intern[key] = len(intern)

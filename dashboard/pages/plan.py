@@ -3,7 +3,7 @@
 Inputs: targets (one ``METRIC>=VALUE`` per line), the variable (a common field or any ``section.field``)
 with its range, the load of every run, the run length, points per round and the most runs. Bad inputs
 are named under the input they belong to (the ``PlanError`` / ``ScenarioError`` text the CLI prints);
-the search runs with a progress bar per run; the result is the object ``kvpool sim plan --json`` prints.
+the search runs with a progress bar per run; the result is the document ``kvpool sim plan --json`` prints.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "workload.sessions": (8, 160),
     "workload.rps": (0.2, 2.0),
 }
-DEFAULT_TARGETS = "reuse>=0.9\nttft_p90_s<=5"  # met inside 64..768 GiB by the default scenario at the defaults
+DEFAULT_TARGETS = "reuse>=0.95\nttft_p90_s<=5"  # the README's example: met inside 64..768 GiB by the default scenario
 DEFAULT_WORKERS = 2  # the CLI's --workers default: points evaluated per round
 DEFAULT_MAX_RUNS = 8
 
@@ -50,8 +50,8 @@ class Inputs:
     lo: float
     hi: float
     load: float | None  # None when the variable is the load itself
-    duration_s: float
-    synthetic_sessions: int
+    duration_s: float | None  # None: the scenario's own (no --duration)
+    synthetic_sessions: int | None  # None: the scenario's own (no --set)
     workers: int
     max_runs: int
 
@@ -67,9 +67,22 @@ class Inputs:
         parts += ["--vary", self.vary]
         if self.load is not None:
             parts += ["--load", _num(self.load)]
-        parts += ["--duration", _num(self.duration_s), "--set", f"workload.synthetic_sessions={self.synthetic_sessions}",
-                  "--workers", str(self.workers), "--max-runs", str(self.max_runs), "--json"]
+        if self.duration_s is not None:
+            parts += ["--duration", _num(self.duration_s)]
+        for line in self.set_lines():
+            parts += ["--set", line]
+        parts += ["--workers", str(self.workers), "--max-runs", str(self.max_runs), "--json"]
         return " ".join(shlex.quote(p) for p in parts)
+
+    def set_lines(self) -> list[str]:
+        return [] if self.synthetic_sessions is None else [f"workload.synthetic_sessions={self.synthetic_sessions}"]
+
+    def provenance_inputs(self, scenario_file: str) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+        """(source, ``--set`` lines, every override) of the equivalent command, as ``kvpool sim plan`` records them."""
+        from kvpool.run_inputs import run_overrides
+
+        sets = self.set_lines()
+        return scenario_file, tuple(sets), tuple(run_overrides(sets, duration=self.duration_s))
 
 
 def _target_lines(text: str) -> tuple[list[str], list[str]]:
@@ -133,10 +146,14 @@ def _inputs(s, label: str, toml_text: str):
                    step=1 if key == "sessions" else 0.1, disabled=is_load,
                    help="The load of every run (`--load`; the scenario's by default). Not used when the variable "
                    "is the load itself.")
-    duration = ui.kept(run_cols[1].number_input, "plan_duration", ui.DEFAULT_DURATION_S, label="Seconds per run",
-                       step=60.0, help="workload.duration_s of every run (`--duration`). Short runs are for exploring.")
-    synth = ui.kept(run_cols[2].number_input, "plan_synth", ui.DEFAULT_SYNTHETIC_SESSIONS, label="Synthetic sessions",
-                    step=10, help="workload.synthetic_sessions (ignored when the scenario replays a trace set).")
+    own_duration, own_synth = float(s.workload.duration_s), int(s.workload.synthetic_sessions)
+    duration = ui.kept(run_cols[1].number_input, f"plan_duration:{own_duration:g}", own_duration,
+                       label="Seconds per run", step=60.0,
+                       help=f"workload.duration_s of every run (`--duration`; the scenario's is {own_duration:g} s). "
+                            + ui.SHORT_WINDOW_NOTE)
+    synth = ui.kept(run_cols[2].number_input, f"plan_synth:{own_synth}", own_synth, label="Synthetic sessions",
+                    step=10, help=f"workload.synthetic_sessions (the scenario's: {own_synth}; ignored when the "
+                                  "scenario replays a trace set).")
     workers = ui.kept(run_cols[3].number_input, "plan_workers", DEFAULT_WORKERS, label="Points per round", step=1,
                       help="`--workers`: points evaluated in parallel per round. The points explored depend on it.")
     max_runs = ui.kept(run_cols[4].number_input, "plan_max_runs", DEFAULT_MAX_RUNS, label="Max runs", step=1,
@@ -155,6 +172,8 @@ def _inputs(s, label: str, toml_text: str):
             check(load_field, int(load) if key == "sessions" and float(load).is_integer() else load, load_label)
         except UserError as e:
             errors.append(str(e))
+    errors += ui.field_errors([("workload.duration_s", float(duration), "Seconds per run"),
+                               ("workload.synthetic_sessions", int(synth), "Synthetic sessions")])
     if workers < 1:
         errors.append(f"Points per round: value {workers}: must be at least 1")
     elif workers > ui.MAX_WORKERS:
@@ -163,7 +182,9 @@ def _inputs(s, label: str, toml_text: str):
         errors.append(f"Max runs: value {max_runs}: must be at least 2 (the search first runs both ends of the range)")
     elif max_runs > 1000:
         errors.append(f"Max runs: value {max_runs}: at most 1000")
-    settings = ui.RunSettings([float(load)], float(duration), int(synth), int(workers))
+    duration_s = None if float(duration) == own_duration else float(duration)
+    synthetic = None if int(synth) == own_synth else int(synth)
+    settings = ui.RunSettings([float(load)], duration_s, synthetic, int(workers), key)
     run_s, scenario_errors = ui.scenario_for_run(toml_text, label, settings)
     errors += scenario_errors
     if run_s is not None and field and not errors:
@@ -175,18 +196,24 @@ def _inputs(s, label: str, toml_text: str):
     ok &= not errors
     if not ok or run_s is None:
         return None, None
-    return Inputs(tuple(targets), field, float(lo), float(hi), None if is_load else float(load), float(duration),
-                  int(synth), int(workers), int(max_runs)), run_s
+    if duration_s is not None and duration_s < own_duration:
+        st.warning(f"{duration_s:g} s per run, the scenario's is {own_duration:g} s. {ui.SHORT_WINDOW_NOTE}",
+                   icon=":material/timer:")
+    return Inputs(tuple(targets), field, float(lo), float(hi), None if is_load else float(load), duration_s,
+                  synthetic, int(workers), int(max_runs)), run_s
 
 
-def _search(run_toml: str, inp: Inputs) -> tuple[dict | None, str]:
-    """``data.plan`` with failures turned into a message (never a traceback)."""
+def _search(run_toml: str, inp: Inputs, name: str) -> tuple[dict | None, str]:
+    """``data.plan`` with failures turned into a message (never a traceback); ``name`` is the edited
+    scenario's, whose TOML file the equivalent command names."""
     from kvpool.scenario import ScenarioError
     from kvpool.sim.plan import PlanError
     from kvpool.workload.errors import TraceError
 
+    source, sets, overrides = inp.provenance_inputs(f"{name}.toml")
     try:
-        return data.plan(run_toml, inp.targets, inp.vary, inp.load, inp.workers, inp.max_runs), ""
+        return data.plan(run_toml, inp.targets, inp.vary, inp.load, inp.workers, inp.max_runs, source, sets,
+                         overrides, inp.cli(f"{name}.toml")), ""
     except PlanError as e:
         return None, str(e)
     except ScenarioError as e:  # a point inside the range that does not validate (e.g. decode.tp=4.5)
@@ -245,13 +272,19 @@ def _results(summary: dict, inp: Inputs, run_name: str) -> None:
         "meets_targets": st.column_config.CheckboxColumn("meets all targets"),
     })
     text = results.plan_json(summary)
-    stem = f"plan-{run_name}-{field}"
+    from kvpool.outputs import safe_name
+
+    stem = f"plan-{safe_name(run_name)}-{field}-{summary['id']}"
     c1, c2, _ = st.columns([1, 1, 3])
     c1.download_button("Download JSON", text, file_name=f"{stem}.json", mime="application/json", key="plan_json",
-                       icon=":material/download:")
+                       icon=":material/download:",
+                       help="The document `kvpool sim plan` writes: what produced it (scenario and its hash, "
+                            "overrides, seed, workload, window, the search's inputs, kvpool version), the verdict, "
+                            "the explored curve, the run.")
     c2.download_button("Download CSV", frame.to_csv(index=False), file_name=f"{stem}.csv", mime="text/csv",
-                       key="plan_csv", icon=":material/download:")
-    with st.expander("JSON (the object `kvpool sim plan --json` prints)"):
+                       key="plan_csv", icon=":material/download:",
+                       help="The explored curve, one row per run; its name ends in the JSON's id.")
+    with st.expander("JSON (the document `kvpool sim plan --json` prints)"):
         st.code(text, language="json")
 
 
@@ -283,13 +316,13 @@ def render() -> None:
         from kvpool.scenario import to_toml
 
         run_toml = to_toml(run_s)
-        summary, err = _search(run_toml, inp)
+        summary, err = _search(run_toml, inp, s.name)
         if err:
             st.session_state.pop(LAST, None)
             st.session_state[FAILED] = err
         else:
             st.session_state.pop(FAILED, None)
-            st.session_state[LAST] = (run_toml, inp, inp.cli(f"{s.name}.toml"), cur.toml)
+            st.session_state[LAST] = (run_toml, inp, s.name, cur.toml)
     if st.session_state.get(FAILED):
         ui.show_errors([f"The search stopped: {st.session_state[FAILED]}"])
         return
@@ -298,14 +331,15 @@ def render() -> None:
         st.info("Set the targets and the variable, then press **Run search**. Results are cached: the same "
                 "scenario and inputs show again at once.")
         return
-    run_toml, last_inp, cli, source_toml = last
-    summary, err = _search(run_toml, last_inp)
+    run_toml, last_inp, name, source_toml = last
+    cli = last_inp.cli(f"{name}.toml")
+    summary, err = _search(run_toml, last_inp, name)
     if err:
         ui.show_errors([f"The search stopped: {err}"])
         return
     st.divider()
     if source_toml != cur.toml or last_inp != inp:
-        st.caption("These results are of earlier inputs or an earlier version of the scenario; press Run search "
+        st.caption("These results are of other inputs or another version of the scenario; press Run search "
                    "to update.")
     _results(summary, last_inp, data.scenario(run_toml).name)
     st.caption("The same result from the command line (with the scenario TOML downloaded from the Scenario page):")

@@ -7,7 +7,7 @@ import streamlit as st
 from kvpool.dashboard import charts, data, results, state, ui
 from kvpool.sim.run import load_key
 
-LAST = "run_last"  # (run scenario TOML, loads, traces, workers, edited scenario TOML): what the page shows
+LAST = "run_last"  # (run scenario TOML, loads, traces, RunSettings, edited scenario TOML, its name): what the page shows
 
 
 _PERCENT = ("share_gpu", "share_pool", "share_computed", "reuse", "decode_kv_occupancy_p50")
@@ -26,6 +26,9 @@ def _charts(rows: list[dict]) -> None:
     c1, c2 = st.columns(2)
     c1.altair_chart(charts.throughput(summary, key), width="stretch")
     c2.altair_chart(charts.token_sources(summary, key), width="stretch")
+    from kvpool.sim.report import THROUGHPUT_NOTE
+
+    st.caption(THROUGHPUT_NOTE)
     c1, c2 = st.columns(2)
     c1.altair_chart(charts.ttft(summary, key), width="stretch")
     restore = results.restore_frame(rows)
@@ -63,7 +66,7 @@ def render() -> None:
                f"workload {'traces ' + s.workload.traces if s.workload.traces else 'synthetic preset ' + s.workload.preset}. "
                "Change it on the Scenario page.")
     with st.form("run_form"):
-        settings, errors = ui.run_settings("run", key)
+        settings, errors = ui.run_settings("run", key, [s])
         go = st.form_submit_button("Run sweep", type="primary", icon=":material/play_arrow:")
     if go:
         ui.show_errors(errors)
@@ -73,26 +76,37 @@ def render() -> None:
             if run_s is not None:
                 from kvpool.scenario import to_toml
 
-                st.session_state[LAST] = (to_toml(run_s), tuple(settings.loads), None, settings.workers, cur.toml)
-                st.session_state["run_cli"] = settings.cli(f"{s.name}.toml", key)
+                st.session_state[LAST] = (to_toml(run_s), tuple(settings.loads), None, settings, cur.toml, s.name)
     last = st.session_state.get(LAST)
     if last is None:
-        st.info("Set the loads and press **Run sweep**. Results are cached: the same scenario and loads "
-                "show again at once.")
+        st.info("Set the loads and press **Run sweep**: the scenario's own window by default (an hour per "
+                "load for the built-ins, a few seconds of simulation each). Results are cached: the same "
+                "scenario and loads show again at once.")
         return
-    toml_text, loads, traces, workers, source_toml = last
-    rows, err = ui.simulate(toml_text, loads, traces, workers)
+    toml_text, loads, traces, settings, source_toml, name = last
+    rows, err = ui.simulate(toml_text, loads, traces, settings.workers)
     if err:
         ui.show_errors([err])
         return
-    run_name = data.scenario(toml_text).name
-    st.subheader(f"{run_name}: {len(rows)} load(s), {rows[0]['duration_s']:g} s each")
+    from kvpool.sim.documents import Execution, run_document
+    from kvpool.sim.provenance import workload_label
+
+    run_s = data.scenario(toml_text)
+    cli = settings.cli(f"{name}.toml")
+    doc = run_document(run_s, rows, settings.inputs(f"{name}.toml"),
+                       Execution("kvpool dashboard (Run page)", "local", settings.workers, command=cli))
+    prov = doc["provenance"]
+    st.subheader(f"{run_s.name}: {len(rows)} load(s), {prov['duration_s']:g} s each")
+    st.caption(f"{workload_label(prov['workload'])}, seed {prov['seed']}, result id `{doc['id']}` "
+               "(the JSON download records what produced it).")
     if source_toml != cur.toml:
-        st.caption("These results are of an earlier version of the scenario; press Run sweep to update.")
+        st.caption("These results are of another version of the scenario; press Run sweep to update.")
+    ui.short_window([data.scenario(source_toml)], settings)
+    ui.show_warnings(doc.get("warnings", []))
     st.dataframe(results.summary_frame(rows), hide_index=True, width="stretch", column_config=_COLUMNS)
-    ui.downloads(rows, run_name, "run")
+    ui.downloads(doc, results.to_csv(rows), results.stem(run_s.name, rows, doc["id"]), "run")
     st.caption("The same numbers from the command line (with the scenario TOML downloaded from the Scenario page):")
-    st.code(st.session_state.get("run_cli", ""), language="bash")
+    st.code(cli, language="bash")
     _charts(rows)
 
 

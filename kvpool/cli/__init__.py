@@ -12,6 +12,7 @@ import typer
 
 from kvpool.cli import dashboard as dashboard_cli
 from kvpool.cli import pool as pool_cli
+from kvpool.cli import replay as replay_cli
 from kvpool.cli import scenario as scenario_cli
 from kvpool.cli import serve as serve_cli
 from kvpool.cli import sim as sim_cli
@@ -35,6 +36,7 @@ app.add_typer(trace_cli.app, name="trace")
 app.add_typer(sim_cli.app, name="sim")
 app.add_typer(pool_cli.app, name="pool")
 app.command("serve")(serve_cli.serve)
+app.command("replay")(replay_cli.replay)
 app.command("dashboard")(dashboard_cli.dashboard)
 
 

@@ -1,12 +1,90 @@
-"""``kvpool serve``: production mode, real prefill/decode workers on GPUs with the connector and
-handoff. A command that is not built yet: it says so (one ``error:`` line, exit 2)."""
+"""``kvpool serve``: production mode. One supervisor starts the scenario's prefill and decode engines
+(``kvpool.backend.serve``), runs the OpenAI-compatible router on 127.0.0.1:PORT, and stops everything
+on SIGTERM or Ctrl-C (docs/serve.md)."""
 
 from __future__ import annotations
 
-from kvpool.cli.common import UserError
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+import typer
+
+from kvpool.cli.common import SET_HELP, UserError, load_or_exit
+
+DEVICE = re.compile(r"^(cpu|cuda(:[0-9]{1,3})?)$")
+ON_WORKER_EXIT = ("shutdown", "restart")
 
 
-def serve() -> None:
-    """Production mode: drive real prefill/decode workers on GPUs with the connector and handoff.
-    Not built yet: the command only says so."""
-    raise UserError("kvpool serve (production mode) is not built yet; the pool itself runs with kvpool pool up")
+def parse_devices(text: str | None) -> tuple[str, ...] | None:
+    """``--devices cpu,cuda:0,...`` as a tuple (``None``: the scenario's ``serve.devices``)."""
+    if text is None:
+        return None
+    devs = tuple(d.strip() for d in text.split(","))
+    bad = [d for d in devs if not DEVICE.match(d)]
+    if bad or not devs:
+        raise UserError(f"--devices {text}: {bad[0] if bad else text!r} is not a device; allowed: cpu, cuda, cuda:N "
+                        "(comma-separated)")
+    return devs
+
+
+def fresh_run_dir(name: str, root: Path = Path("out/serve")) -> Path:
+    """A new directory under ``root`` for one serve run's plan, ready files and logs."""
+    from kvpool.outputs import safe_name
+
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{safe_name(name)}-", dir=root))
+
+
+def serve(
+    scenario: str = typer.Argument("cpu-tiny", help="Built-in scenario name or TOML file (cpu-tiny: every worker on the CPU)."),
+    port: int = typer.Option(8000, "--port", help="Port of the router on 127.0.0.1 (0: any free port)."),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    devices: str = typer.Option(None, "--devices", help="Torch devices the workers take in order, e.g. cpu or cuda:0,cuda:1 (default: serve.devices)."),
+    run_dir: Path = typer.Option(None, "--run-dir", help="Directory for the plan, ready files and logs (default: a new one under out/serve/)."),
+    pool: str = typer.Option(None, "--pool", help="embedded (an in-process pool per prefill stage) or mooncake (starts a Mooncake master and store services; default: serve.pool)."),
+    pool_address: str = typer.Option(None, "--pool-address", help="Join the Mooncake pool at this address (mooncake://HOST:PORT, from kvpool pool up) instead of starting one; implies --pool mooncake."),
+    on_worker_exit: str = typer.Option("shutdown", "--on-worker-exit", help="What a worker's exit while serving does: shutdown (stop everything, exit status 1)."),
+) -> None:
+    """Serve SCENARIO: start its prefill and decode engines and an OpenAI-compatible router on
+    http://127.0.0.1:PORT (POST /v1/completions, GET /v1/models, /health, /metrics); SIGTERM or
+    Ctrl-C drains in-flight requests for serve.drain_s, then stops every process."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port}: expected 0-65535")
+    if on_worker_exit not in ON_WORKER_EXIT:
+        raise UserError(f"--on-worker-exit {on_worker_exit}: allowed: {', '.join(ON_WORKER_EXIT)}")
+    if on_worker_exit == "restart":
+        raise UserError("--on-worker-exit restart: not supported yet (a restarted engine's peers would have to "
+                        "reconnect to it); use shutdown")
+    devs = parse_devices(devices)
+    if pool is not None and pool not in ("embedded", "mooncake"):
+        raise UserError(f"--pool {pool}: allowed: embedded, mooncake")
+    if pool_address is not None and pool == "embedded":
+        raise UserError("--pool-address joins a Mooncake pool: it cannot go with --pool embedded")
+    if pool_address is not None or pool is not None:
+        set_ = [*set_, f'serve.pool="{"mooncake" if pool_address is not None else pool}"']
+    s = load_or_exit(scenario, set_)
+    from kvpool.backend.serve.model_config import ServeConfigError, ref_config
+
+    try:
+        ref_config(s)
+    except ServeConfigError as e:
+        raise UserError(f"{scenario}: the reference model cannot serve it: {e}") from None
+    from kvpool.backend.serve.pool_setup import ServePoolError
+    from kvpool.backend.serve.supervisor import PortError, StartError, run
+
+    if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {run_dir}: not a directory")
+    where = run_dir if run_dir is not None else fresh_run_dir(s.name)
+    try:
+        status = run(s, port=port, run_dir=where, devices=devs, pool_address=pool_address)
+    except (PortError, ServePoolError) as e:
+        raise UserError(str(e)) from None
+    except StartError as e:
+        lines = str(e).splitlines()
+        typer.echo(f"error: {lines[0]}", err=True)
+        for line in lines[1:]:
+            typer.echo(line, err=True)
+        sys.exit(1)
+    raise typer.Exit(status)

@@ -16,32 +16,13 @@ from kvpool.cli.common import SET_HELP, UserError, load_or_exit
 from kvpool.loads import parse_loads
 from kvpool.errors import printable
 from kvpool.outputs import atomic_path, output_dir, safe_name
+from kvpool.run_inputs import run_overrides
 
 app = typer.Typer(
     help="Run the simulator: single runs, sweeps over sessions or RPS, comparisons and capacity search.",
     no_args_is_help=True,
     rich_markup_mode=None,  # help texts are plain: a [...] in them is shown, not read as markup
 )
-
-
-def run_overrides(set_: list[str], *, duration: float | None = None, seed: int | None = None,
-                  sessions: str | None = None, rps: str | None = None) -> list[str]:
-    """The ``--set`` overrides that ``--duration``, ``--seed`` and ``--sessions``/``--rps`` stand for,
-    after the user's own ``--set`` ones."""
-    from kvpool.scenario.fields import check
-
-    extra = list(set_)
-    if duration is not None:
-        extra.append(f"workload.duration_s={check('workload.duration_s', duration, '--duration')!r}")
-    if seed is not None:
-        extra.append(f"seed={check('seed', seed, '--seed')}")
-    if sessions is not None and rps is not None:
-        raise UserError("give --sessions (AgentX lanes) or --rps (production replay), not both")
-    if sessions is not None:
-        extra.append('workload.mode="agentx"')
-    if rps is not None:
-        extra.append('workload.mode="replay"')
-    return extra
 
 
 MAX_WORKERS = 256
@@ -129,32 +110,6 @@ def prepare_workload(s, traces: str | None, console: Console) -> None:
         build_synthetic(s, on_session=lambda _k: progress.advance(task))
 
 
-def degenerate(rows: list[dict], prefix: str = "") -> list[str]:
-    """One line per load whose result is not a measurement (``sim.report.degenerate_reason``)."""
-    from kvpool.sim.report import degenerate_reason, load_of
-
-    out = []
-    for r in rows:
-        why = degenerate_reason(r)
-        if why:
-            key, value = load_of(r)
-            out.append(f"{prefix}{key} {value:g}: {why}")
-    return out
-
-
-def rows_warning(s, traces: str | None, rows: list[dict]) -> list[str]:
-    """Why a replay of one-request sessions (Mooncake rows) measured no request, when it did not."""
-    from kvpool.sim.run import workload_for
-
-    if s.workload.mode != "replay" or not (traces or s.workload.traces) or any(r.get("requests") for r in rows):
-        return []
-    if all(len(x.requests) == 1 for x in workload_for(s, traces)):
-        return ["every trace is a single request (Mooncake rows): production replay excludes each session's cold "
-                "first turn from the metrics, so nothing is measured; replay multi-turn sessions (Weka traces) "
-                "or run them as AgentX lanes (--sessions)"]
-    return []
-
-
 def warn(lines: list[str]) -> None:
     for line in lines:
         typer.echo(f"warning: {line}", err=True)
@@ -198,8 +153,7 @@ def run(
 ) -> None:
     """Simulate SCENARIO at one or more loads; print a summary, write JSON/CSV and a Figure-6-style PNG
     (out/NAME-sessions-LOADS-ID.*, ID a hash of the inputs)."""
-    from kvpool.sim import report
-    from kvpool.sim.provenance import provenance, short_id
+    from kvpool.sim import documents, report
     from kvpool.sim.run import load_key, sweep
 
     overrides = run_overrides(set_, duration=duration, seed=seed, sessions=sessions, rps=rps)
@@ -225,14 +179,13 @@ def run(
             rows = sweep(s, loads, traces=traces, runner=runner, on_done=lambda load, _r: progress.advance(task))
     except TraceError as e:
         raise UserError(str(e)) from None
-    prov = provenance(s, source=scenario, overrides=overrides, set_overrides=set_, traces=traces, load_key=key, loads=loads)
-    stem = f"{safe_name(s.name)}-{key}-" + "-".join(f"{x:g}" for x in loads) + f"-{short_id(prov)}"
+    doc = documents.run_document(s, rows, documents.Inputs(scenario, tuple(set_), tuple(overrides), traces),
+                                 documents.Execution("kvpool sim run", executor, n_workers))
+    prov = doc["provenance"]
+    stem = f"{safe_name(s.name)}-{key}-" + "-".join(f"{x:g}" for x in loads) + f"-{doc['id']}"
     output_dir(out)
-    refuse_other_run(out / f"{stem}.json", short_id(prov))
-    doc = report.run_document(rows, prov, report.run_info(rows, executor=executor, workers=n_workers))
-    warnings = rows_warning(s, traces, rows) + degenerate(rows)
-    if warnings:
-        doc["warnings"] = warnings
+    refuse_other_run(out / f"{stem}.json", doc["id"])
+    warnings = doc.get("warnings", [])
     paths = report.write_files(rows, out, stem, document=doc, title=title_of(prov))
     if json_:
         typer.echo(json.dumps(doc, indent=2))
@@ -267,9 +220,8 @@ def compare(
     first arm's value over each other arm's, as the seed states them (shared first: its throughput
     ratio above 1 means it is faster). Writes JSON, CSV and PNG (out/compare-A-vs-B-ID.*)."""
     from kvpool.sim import compare as cmp
-    from kvpool.sim import report
-    from kvpool.sim.provenance import provenance, short_id
-    from kvpool.sim.run import load_key, sweep
+    from kvpool.sim import documents
+    from kvpool.sim.run import sweep
 
     if len(scenarios) < 2:
         raise UserError("compare needs two or more scenarios")
@@ -298,16 +250,11 @@ def compare(
                 arms[s.name] = sweep(s, loads, traces=traces, runner=runner, on_done=lambda *_: progress.advance(task))
     except TraceError as e:
         raise UserError(str(e)) from None
-    prov = {"arms": {s.name: provenance(s, source=src, overrides=extra, set_overrides=set_, traces=traces,
-                                        load_key=load_key(s), loads=loads) for s, src in zip(arms_s, scenarios)}}
-    doc = {"id": short_id(prov), "provenance": prov, "arms": {n: [report.public(r) for r in rows] for n, rows in arms.items()},
-           "ratios": {"reference": names[0], "over": cmp.ratios(arms)},
-           "run": {"executor": executor, "workers": n_workers,
-                   "arms": {n: [report.timing(r) for r in rows] for n, rows in arms.items()}}}
-    warnings = [w for s in arms_s for w in rows_warning(s, traces, arms[s.name])]
-    warnings += [w for n, rows in arms.items() for w in degenerate(rows, prefix=f"{n} ")]
-    if warnings:
-        doc["warnings"] = warnings
+    doc = documents.compare_document(arms_s, arms, [documents.Inputs(src, tuple(set_), tuple(extra), traces)
+                                                    for src in scenarios],
+                                     documents.Execution("kvpool sim compare", executor, n_workers))
+    prov = doc["provenance"]
+    warnings = doc.get("warnings", [])
     stem = "compare-" + safe_name("-vs-".join(names)) + f"-{doc['id']}"
     output_dir(out)
     refuse_other_run(out / f"{stem}.json", doc["id"])
@@ -346,9 +293,8 @@ def plan(
 ) -> None:
     """Capacity search: the smallest value of a field (or the largest load) meeting every target.
     Exits with status 1, naming the target that failed and where, when no value meets them all."""
+    from kvpool.sim import documents
     from kvpool.sim import plan as pl
-    from kvpool.sim import report
-    from kvpool.sim.provenance import provenance, short_id
 
     overrides = run_overrides(set_, duration=duration)
     base = load_or_exit(scenario, overrides)
@@ -376,17 +322,11 @@ def plan(
                             runner=runner, on_run=lambda *_: progress.advance(task))
     except TraceError as e:
         raise UserError(str(e)) from None
-    curve = [{"value": v, "meets_targets": ok, **report.public(row)} for v, row, ok in res.curve()]
-    summary = {"variable": variable.field, "direction": "maximize" if variable.maximize else "minimize",
-               "targets": [str(t) for t in targets], "best": res.best, "runs": len(curve), "curve": curve}
-    prov = {**provenance(base, source=scenario, overrides=overrides, set_overrides=set_, traces=traces),
-            "search": {"vary": vary, "targets": [str(t) for t in targets], "load": load, "points_per_round": workers,
-                       "max_runs": max_runs}}
-    failed = [] if res.best is not None else pl.why_none(res)
-    if failed:
-        summary["failed"] = failed
-    summary = {"id": short_id(prov), "provenance": prov, **summary,
-               "run": {"executor": executor, "points": [{"value": v, **report.timing(row)} for v, row, _ in res.curve()]}}
+    summary = documents.plan_document(
+        base, res, documents.Inputs(scenario, tuple(set_), tuple(overrides), traces),
+        documents.Execution("kvpool sim plan", executor, workers),
+        documents.Search(vary, load, workers, max_runs))
+    curve, failed = summary["curve"], summary.get("failed", [])
     stem = f"plan-{safe_name(base.name)}-{variable.field}-{summary['id']}"
     output_dir(out)
     refuse_other_run(out / f"{stem}.json", summary["id"])

@@ -277,6 +277,33 @@ class CostConfig(_Section):
     )
 
 
+class ServeConfig(_Section):
+    """Production mode (``kvpool serve``): the reference model's shape, where the workers run, their KV room.
+
+    The model has ``model.layers`` layers split as ``prefill.stage_layers`` and caches
+    ``model.record_bytes`` per token per layer: 1,152 B for ``bfloat16`` records, 576 B for
+    ``float8_e4m3fn`` (the 512 + 64 MLA latent). Workers take ``devices`` in order (prefill
+    instances' stages, then decode instances' ranks), wrapping around, so several workers may share
+    one device.
+    """
+
+    d_model: Int = Field(default=256, gt=0, le=65_536, description="reference model: hidden size")
+    heads: Int = Field(default=2, gt=0, le=1024, description="reference model: attention heads")
+    nope_dim: Int = Field(default=64, gt=0, le=4096, description="reference model: per-head query dim without RoPE")
+    v_dim: Int = Field(default=64, gt=0, le=4096, description="reference model: per-head value dim")
+    ffn_dim: Int = Field(default=512, gt=0, le=1 << 20, description="reference model: FFN hidden size")
+    vocab: Int = Field(default=512, ge=257, le=1 << 20, description="reference model: vocabulary (text prompts are UTF-8 bytes, so at least 257)")
+    cache_dtype: Literal["bfloat16", "float8_e4m3fn"] = Field(default="bfloat16", description="dtype of the cached KV records")
+    model_seed: Int = Field(default=0, ge=0, le=MAX_SEED, description="seed of the reference model's random weights")
+    devices: tuple[Annotated[str, Strict(), Field(pattern=r"^(cpu|cuda(:[0-9]{1,3})?)$")], ...] = Field(default=("cpu",), min_length=1, max_length=1024, description="torch devices the workers take in order (cpu, cuda:0, ...)")
+    prefill_kv_tokens: Int = Field(default=65_536, gt=0, le=MAX_TOKENS, description="paged KV per prefill stage (its GPU prefix cache), tokens")
+    decode_kv_tokens: Int = Field(default=65_536, gt=0, le=MAX_TOKENS, description="paged KV per decode instance, tokens")
+    landing_slots: Int = Field(default=16, gt=0, le=4096, description="hand-off landing slots per decode rank")
+    pool: Literal["embedded", "mooncake"] = Field(default="embedded", description="embedded: an in-process pool; mooncake: a Mooncake Store")
+    drain_s: Float = Field(default=30.0, ge=0, le=3600, description="how long a stop waits for in-flight requests, s")
+    request_timeout_s: Float = Field(default=300.0, gt=0, le=MAX_SECONDS, description="longest a request may take end to end before it fails, s")
+
+
 class Scenario(_Section):
     """A whole deployment. See ``docs/scenario.md``."""
 
@@ -294,6 +321,7 @@ class Scenario(_Section):
     routing: RoutingConfig = Field(default=RoutingConfig())
     workload: WorkloadConfig = Field(default=WorkloadConfig())
     cost: CostConfig = Field(default=CostConfig())
+    serve: ServeConfig = Field(default=ServeConfig())
 
     @model_validator(mode="after")
     def _consistent(self) -> Scenario:

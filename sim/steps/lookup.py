@@ -2,7 +2,7 @@
 
 Contract: ``Lookup(world)(r)`` takes a routed request (``r.prefill`` set) and its ``r.prompt``;
 it counts the prompt's leading blocks held by the prefill's GPU cache as used now
-(``sim.steps.gpu.use``), checks every rank x chunk in the pool in one batched call
+(``sim.steps.gpu.use``), checks every rank x chunk group of ``r.prompt.groups`` in the pool in one batched call
 (``SimPool.lookup_runs``; with an SSD tier the presence rows, a chunk on the SSD counting for
 every stage) and decides with ``policy.hits.compute_hits``. It fills ``r.hits`` and
 ``r.in_dram`` and the record's token sources and ``prefill_start_s``.
@@ -32,15 +32,15 @@ class Lookup:
         p, prompt, rec = r.prefill, r.prompt, r.rec
         bt = r.d.session.block_tokens
         run = gpu.use(r, now)
-        gids = prompt.gids
+        groups = prompt.groups
         pool = self.pool
         present = runs = None
-        if pool is not None and gids.size:
+        if pool is not None and groups.ids.size:
             if pool.ssd is None:  # each rank's leading run is all the hit needs
-                runs = pool.lookup_runs(p.server, p.ranks, gids, now, prompt.max_gid)
+                runs = pool.lookup_runs(p.server, p.ranks, groups, now)
             else:  # a chunk on the SSD tier counts for every stage
-                present = pool.lookup(p.server, p.ranks, gids, now)
-                on_ssd = pool.ssd_lookup(p.server, gids, now)
+                present = pool.lookup(p.server, p.ranks, groups, now)
+                on_ssd = pool.ssd_lookup(p.server, groups, now)
                 r.in_dram = np.logical_and.reduce(present)
                 present = present | on_ssd  # [rank, chunk]
         hits = r.hits = compute_hits(rec.in_tokens, run * bt, present, chunk_tokens=self.chunk_tokens,

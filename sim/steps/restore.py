@@ -38,32 +38,32 @@ class Restore:
     def __call__(self, r: Request, then: Callable[[], None]) -> None:
         hits, p, rec = r.hits, r.prefill, r.rec
         pool = self.pool
-        top = r.prompt.max_gid
-        load_ids = r.prompt.gids[hits.load_first_chunk:hits.load_end_chunk]
+        load = r.prompt.groups.part(hits.load_first_chunk, hits.load_end_chunk)
 
         def restore() -> None:
-            pool.pin(p.server, p.ranks, load_ids, top)
-            self._load(rec, p, load_ids.size, restored)
+            pool.pin(p.server, p.ranks, load)
+            self._load(rec, p, load.ids.size, restored)
 
         def restored() -> None:
-            pool.unpin(p.server, p.ranks, load_ids, top)
+            pool.unpin(p.server, p.ranks, load)
             then()
 
         if r.in_dram is None:
             restore()
             return
-        ssd_ids = load_ids[~r.in_dram[hits.load_first_chunk:hits.load_end_chunk]]
-        if not ssd_ids.size:
+        on_ssd = load.where(~r.in_dram[hits.load_first_chunk:hits.load_end_chunk])
+        n_ssd = int(on_ssd.ids.size)
+        if not n_ssd:
             restore()
             return
-        rec.ssd_tokens = min(hits.pool_tokens, ssd_ids.size * self.chunk_tokens)
+        rec.ssd_tokens = min(hits.pool_tokens, n_ssd * self.chunk_tokens)
         rec.pool_tokens -= rec.ssd_tokens
 
         def promote(_e) -> None:
-            pool.save(p.server, p.ranks, ssd_ids, self.env.now)  # back in DRAM
+            pool.save(p.server, p.ranks, on_ssd, self.env.now)  # back in DRAM
             restore()
 
-        self.ssd_links[p.server].transfer(int(ssd_ids.size) * self.chunk_bytes, int(ssd_ids.size)).callbacks.append(promote)
+        self.ssd_links[p.server].transfer(n_ssd * self.chunk_bytes, n_ssd).callbacks.append(promote)
 
     def _load(self, rec: RequestRecord, p: PrefillInstance, chunks: int, then: Callable[[], None]) -> None:
         """Every rank of ``p`` loads its objects of ``chunks`` chunks (see the module docstring);

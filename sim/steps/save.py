@@ -1,7 +1,7 @@
 """The save step: a prompt's new chunks go to the pool, in the background.
 
-Contract: ``Save(world, nics)(r, gids)`` for the chunk groups ``gids`` of ``r``'s prompt that the
-pool did not hold: every rank packs its objects (in parallel: the largest rank's pack time,
+Contract: ``Save(world, nics)(r, groups)`` for the chunk groups of ``r``'s prompt that the pool
+did not hold (a part of ``r.prompt.groups``): every rank packs its objects (in parallel: the largest rank's pack time,
 ``CostModel.unpack_s``), sends them over its NICs (``PoolNics``) and, once every byte has landed,
 puts them with their group ids (``SimPool.save``: ``policy.grouptable`` eviction); the record's
 ``save_bytes`` grows then and the pool's time series is sampled. Nothing waits for it.
@@ -9,8 +9,7 @@ puts them with their group ids (``SimPool.save``: ``policy.grouptable`` eviction
 
 from __future__ import annotations
 
-import numpy as np
-
+from kvpool.policy.grouptable import GroupIds
 from kvpool.sim.events import call_later
 from kvpool.sim.links import Join
 from kvpool.sim.request import Request
@@ -27,18 +26,19 @@ class Save:
         self.rank_bytes = world.rank_bytes
         self.pack_s = world.cost.unpack_s  # packing costs what unpacking does
 
-    def __call__(self, r: Request, gids: np.ndarray) -> None:
+    def __call__(self, r: Request, groups: GroupIds) -> None:
         env, p, rec = self.env, r.prefill, r.rec
-        nbytes = [gids.size * b for b in self.rank_bytes]
+        chunks = int(groups.ids.size)
+        nbytes = [chunks * b for b in self.rank_bytes]
 
         def put() -> None:
-            self.pool.save(p.server, p.ranks, gids, env.now, r.prompt.max_gid)
+            self.pool.save(p.server, p.ranks, groups, env.now)
             rec.save_bytes += sum(nbytes)
             self.world.sample_pool()
 
         def send(_e) -> None:
             j = Join(env, put)
             for rank in range(p.ranks):
-                self.nics.transfer(p, rank, nbytes[rank], int(gids.size), j)
+                self.nics.transfer(p, rank, nbytes[rank], chunks, j)
 
         call_later(env, self.pack_s(max(nbytes)), send)  # every rank packs in parallel

@@ -28,6 +28,38 @@ def app():
     return at
 
 
+class Downloads:
+    """The files behind the download buttons drawn while the ``downloads`` fixture is active."""
+
+    def __init__(self) -> None:
+        self.files: dict = {}
+
+    def of(self, button) -> tuple[str, bytes]:
+        """(file name, bytes) a download button offers."""
+        file_id = button.proto.url.rsplit("/", 1)[-1].split(".")[0]
+        f = self.files[file_id]
+        return f.filename, f.content
+
+
+@pytest.fixture
+def downloads(monkeypatch):
+    """Keep every file AppTest's media storage is given (it drops them when a run ends). Ask for it
+    before ``app``."""
+    from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
+    from streamlit.testing.v1 import app_test
+
+    kept = Downloads()
+
+    class Keeping(MemoryMediaFileStorage):
+        def load_and_get_id(self, path_or_data, mimetype, kind, filename=None):
+            file_id = super().load_and_get_id(path_or_data, mimetype, kind, filename)
+            kept.files[file_id] = self._files_by_id[file_id]
+            return file_id
+
+    monkeypatch.setattr(app_test, "MemoryMediaFileStorage", Keeping)
+    return kept
+
+
 def by_label(widgets, label: str):
     """The widget whose label starts with ``label``."""
     found = [w for w in widgets if w.label.startswith(label)]

@@ -7,7 +7,7 @@ from kvpool.dashboard import charts, results
 
 def _row(load: int, ssd: float = 0.0) -> dict:
     return {
-        "scenario": "x", "sessions": load, "duration_s": 60.0, "requests": 10, "throughput_per_gpu_tok_s": 1000.0 * load,
+        "scenario": "x", "sessions": load, "duration_s": 60.0, "requests": 10, "throughput_tok_s": 8000.0 * load, "throughput_per_gpu_tok_s": 1000.0 * load,
         "ttft_p50_s": 1.0, "ttft_p90_s": 2.0, "share_gpu": 0.5, "share_pool": 0.3, "share_ssd": ssd,
         "share_computed": 0.2, "reuse": 0.8, "gen_speed_per_user_tok_s_p50": 50.0, "decode_kv_occupancy_p50": 0.4,
         "timeline": {"pool_t": [0.0, 10.0], "pool_used": [0.0, 0.5], "pool_evicted": [0, 3],
@@ -42,17 +42,26 @@ def test_every_builder_makes_a_valid_spec():
     ]
     runs = {"a": rows, "b": [_row(8), _row(16)]}
     built += [charts.compare_metric(results.compare_frame(runs), "sessions", "reuse", "reuse"),
-              charts.ratios(results.ratio_frame(runs, "a"), "sessions")]
+              charts.ratios(results.ratio_frame(runs), "sessions")]
     for chart in built:
         assert chart.to_dict()["$schema"].startswith("https://vega.github.io/schema/vega-lite/")
 
 
-def test_ratios_are_over_the_baseline_at_the_same_load():
+def test_ratios_read_the_first_scenario_over_each_other_as_the_cli_does():
     fast = _row(8)
     fast["throughput_per_gpu_tok_s"] *= 2
-    ratio = results.ratio_frame({"base": [_row(8)], "fast": [fast]}, "base")
-    assert ratio.to_dict("records")[0]["throughput per GPU"] == 2.0
-    assert list(ratio["scenario"]) == ["fast / base"]
+    fast["ttft_p90_s"] = 4.0
+    slow = _row(8)
+    slow["ttft_p90_s"] = 8.0
+    ratio = results.ratio_frame({"fast": [fast], "slow": [slow]})
+    rec = ratio.to_dict("records")[0]
+    assert list(ratio["ratio"]) == ["fast / slow"] and rec["sessions"] == 8
+    assert rec["throughput per GPU"] == 2.0  # the faster reference reads above 1, as kvpool sim compare prints it
+    assert rec["TTFT p90"] == 0.5
+    from kvpool.sim.compare import ratios
+
+    cli = ratios({"fast": [fast], "slow": [slow]})["slow"][0]
+    assert rec["system throughput"] == cli["throughput_tok_s"] and rec["TTFT p90"] == cli["ttft_p90_s"]
 
 
 def test_decode_frame_reads_the_exported_series_per_load():

@@ -127,7 +127,7 @@ def test_run_page_bad_loads_and_duration_are_named(app):
     assert any("Sessions (AgentX lanes) '8,x': 'x' is not an integer" in e for e in errors(app)), errors(app)
     set_run(app, "8", duration=0)
     press(app, "Run sweep")
-    assert any("workload.duration_s: value 0.0" in e for e in errors(app)), errors(app)
+    assert any("Seconds per load 0: must be > 0" in e and "(workload.duration_s)" in e for e in errors(app)), errors(app)
     assert not app.exception
 
 
@@ -161,8 +161,10 @@ def test_compare_page_runs_two_scenarios_with_ratios(app):
     press(app, "Run comparison")
     assert not app.exception, app.exception
     ratio = app.dataframe[0].value
-    assert list(ratio["scenario"]) == ["h200-1p1d / mi355x-1p1d"]
-    assert "throughput per GPU" in ratio.columns
+    assert list(ratio["ratio"]) == ["mi355x-1p1d / h200-1p1d"]  # the first over the other, as kvpool sim compare
+    shown = app.dataframe[1].value.set_index("scenario")
+    assert ratio["throughput per GPU"][0] == (shown.loc["mi355x-1p1d", "throughput_per_gpu_tok_s"]
+                                              / shown.loc["h200-1p1d", "throughput_per_gpu_tok_s"])
     assert len(app.get("vega_lite_chart")) >= 3
 
 
@@ -244,7 +246,10 @@ def test_compare_can_use_the_edited_scenario(app):
     set_run(app, "8")
     press(app, "Run comparison")
     assert not app.exception, app.exception
-    assert list(app.dataframe[0].value["scenario"]) == ["edited: mi355x-1p1d / mi355x-1p1d"]
+    assert list(app.dataframe[0].value["ratio"]) == ["mi355x-1p1d / edited: mi355x-1p1d"]
+    assert any(c.value.startswith("kvpool sim compare mi355x-1p1d mi355x-1p1d.toml --sessions 8") for c in app.code)
+    assert not app.get("download_button")  # two arms named mi355x-1p1d: kvpool sim compare would refuse them
+    assert any("share a name" in c.value for c in app.caption)
 
 
 def test_a_missing_trace_path_is_named_before_running(app):
@@ -296,3 +301,29 @@ def test_compare_drops_an_edited_pick_that_no_longer_validates(app):
     app.switch_page("pages/compare.py").run()
     assert not app.exception
     assert by_label(app.multiselect, "Scenarios").value == ["mi355x-1p1d"]
+
+
+def test_run_and_compare_open_at_the_scenarios_own_window(app):
+    """A planner's first sweep is the scenario's measurement (an hour per load for mi355x-1p1d, 200
+    synthetic sessions), and the Compare page starts from the seed's Figure 8, shared over split."""
+    app.switch_page("pages/run.py").run()
+    assert by_label(app.text_input, "Sessions").value == "56,72,96,112"
+    assert by_label(app.number_input, "Seconds per load").value == 3600.0
+    assert by_label(app.number_input, "Synthetic sessions").value == 200
+    assert not app.warning
+    app.switch_page("pages/compare.py").run()
+    assert by_label(app.multiselect, "Scenarios").value == ["mi350x-6p2d-shared", "mi350x-6p2d-split"]
+    assert by_label(app.number_input, "Seconds per load").value == 900.0  # the seed's window for Figure 8
+    assert by_label(app.text_input, "Sessions").value == "56,112"
+
+
+def test_a_short_window_and_a_degenerate_load_are_said_on_the_page(app):
+    app.switch_page("pages/run.py").run()
+    set_run(app, "8", duration=61)
+    press(app, "Run sweep")
+    assert not app.exception and not errors(app), errors(app)
+    warnings = [w.value for w in app.warning]
+    assert any(w.startswith("61 s per load, the scenario's is 3600 s.") and "measures mostly the start" in w
+               for w in warnings), warnings
+    assert any(w.startswith("Not a measurement: sessions 8: ") and "give a longer --duration" in w
+               for w in warnings), warnings

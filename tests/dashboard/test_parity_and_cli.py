@@ -54,6 +54,66 @@ def _run_shown(command: str, cwd: Path) -> dict | list:
     return json.loads(r.stdout)
 
 
+def _download(app, downloads, label: str) -> tuple[str, bytes]:
+    return downloads.of(by_label(app.get("download_button"), label))
+
+
+def _outside_run(doc: dict) -> dict:
+    return {k: v for k, v in doc.items() if k != "run"}
+
+
+def test_the_run_downloads_are_the_cli_files_with_their_provenance(downloads, app, tmp_path):
+    """The JSON download is the document the printed command writes (id, provenance, results; only
+    the run block differs), under the same file name; the CSV is the same bytes."""
+    from kvpool.scenario import load_scenario, to_toml
+    from kvpool.sim.provenance import kvpool_version
+
+    app.switch_page("pages/run.py").run()
+    set_run(app, workers=2)
+    press(app, "Run sweep")
+    assert not app.exception and not [e.value for e in app.error]
+    json_name, json_bytes = _download(app, downloads, "Download JSON")
+    csv_name, csv_bytes = _download(app, downloads, "Download CSV")
+    doc = json.loads(json_bytes)
+    prov = doc["provenance"]
+    assert prov["scenario"]["name"] == "mi355x-1p1d" and prov["scenario"]["source"] == "mi355x-1p1d.toml"
+    assert prov["seed"] == 42 and prov["kvpool_version"] == kvpool_version() and prov["duration_s"] == SMALL_DURATION_S
+    assert prov["set"] == [f"workload.synthetic_sessions={SMALL_SYNTHETIC}"]
+    assert prov["workload"] == {"kind": "synthetic", "preset": "agentx-062126", "sessions": SMALL_SYNTHETIC,
+                                "context_scale": 1.0}
+    assert prov["loads"] == {"sessions": [8, 16]}
+    command = next(c.value for c in app.code if c.value.startswith("kvpool sim run"))
+    assert doc["run"]["produced_by"] == "kvpool dashboard (Run page)" and doc["run"]["command"] == command
+
+    (tmp_path / "mi355x-1p1d.toml").write_text(to_toml(load_scenario("mi355x-1p1d")))
+    cli = _run_shown(command, tmp_path)
+    assert _outside_run(doc) == _outside_run(cli)
+    assert cli["run"]["produced_by"] == "kvpool sim run"
+    assert json_name == f"mi355x-1p1d-sessions-8-16-{cli['id']}.json" and (tmp_path / json_name).is_file()
+    assert csv_name == json_name.replace(".json", ".csv") and csv_bytes == (tmp_path / csv_name).read_bytes()
+
+
+def test_the_comparison_downloads_are_the_cli_files_with_their_provenance(downloads, app, tmp_path):
+    app.switch_page("pages/compare.py").run()
+    by_label(app.multiselect, "Scenarios").set_value(["mi355x-1p1d", "h200-1p1d"])
+    set_run(app, "8")
+    press(app, "Run comparison")
+    assert not app.exception and not [e.value for e in app.error]
+    json_name, json_bytes = _download(app, downloads, "Download comparison JSON")
+    csv_name, csv_bytes = _download(app, downloads, "Download comparison CSV")
+    doc = json.loads(json_bytes)
+    arms = doc["provenance"]["arms"]
+    assert list(arms) == ["mi355x-1p1d", "h200-1p1d"] and doc["ratios"]["reference"] == "mi355x-1p1d"
+    assert [arms[n]["scenario"]["source"] for n in arms] == ["mi355x-1p1d", "h200-1p1d"]
+    assert all(a["seed"] == 42 and a["duration_s"] == SMALL_DURATION_S and a["kvpool_version"] for a in arms.values())
+    assert doc["run"]["produced_by"] == "kvpool dashboard (Compare page)"
+    command = next(c.value for c in app.code if c.value.startswith("kvpool sim compare"))
+    cli = _run_shown(command, tmp_path)
+    assert _outside_run(doc) == _outside_run(cli)
+    assert json_name == f"compare-mi355x-1p1d-vs-h200-1p1d-{cli['id']}.json"
+    assert csv_bytes == (tmp_path / csv_name).read_bytes()
+
+
 def _same_rows(got: dict, want: dict) -> dict:
     """The keys whose values differ, all but the wall-clock ones."""
     keys = set(want) - set(results.WALL_CLOCK_KEYS)
@@ -82,8 +142,11 @@ def test_a_dashboard_plan_and_the_cli_give_identical_results(app, tmp_path):
     edited = load_scenario("mi355x-1p1d", [f"workload.traces={json.dumps(TRACE)}", *overrides])
     (tmp_path / "mi355x-1p1d.toml").write_text(to_toml(edited))
     cli = _run_shown(command, tmp_path)
-    assert {k: v for k, v in shown.items() if k != "curve"} == {k: v for k, v in cli.items()
-                                                                 if k not in ("curve", "id", "provenance", "run")}
+    assert {k: v for k, v in shown.items() if k not in ("curve", "run")} == {k: v for k, v in cli.items()
+                                                                             if k not in ("curve", "run")}
+    assert shown["provenance"]["scenario"]["source"] == "mi355x-1p1d.toml"
+    assert shown["provenance"]["search"]["vary"] == "pool.gib_per_service=0..768"
+    assert shown["run"]["produced_by"] == "kvpool dashboard (Plan page)"
     assert shown["best"] is not None and 0 < shown["best"] < 768 and shown["runs"] == len(cli["curve"]) <= 8
     assert [c["value"] for c in shown["curve"]] == [c["value"] for c in cli["curve"]]
     for got, want in zip(shown["curve"], cli["curve"]):
@@ -111,13 +174,21 @@ def test_a_dashboard_comparison_and_the_cli_give_identical_numbers(app, tmp_path
         assert not _same_rows(got, w), _same_rows(got, w)
 
 
-def test_the_json_download_has_the_cli_keys():
+def test_the_csv_download_has_the_cli_keys():
     rows = [{"scenario": "x", "sessions": 8, "duration_s": 60.0, "requests": 3, "timeline": {}, "restore_stage_s": []}]
-    assert json.loads(results.to_json(rows)) == [{"scenario": "x", "sessions": 8, "duration_s": 60.0, "requests": 3}]
     assert results.to_csv(rows).splitlines()[0] == "sessions,duration_s,requests,scenario"
-    assert results.stem("x", rows) == "x-sessions-8"
-    arms = {"a": rows, "b": rows}  # kvpool sim compare --json: {scenario name: [per-load objects]}
-    assert json.loads(results.compare_json(arms)) == {n: json.loads(results.to_json(r)) for n, r in arms.items()}
+    assert results.stem("x", rows, "0123abcd") == "x-sessions-8-0123abcd"
+
+
+def test_run_settings_at_the_scenarios_values_add_no_flags():
+    from kvpool.dashboard.ui import RunSettings
+
+    own = RunSettings([56, 72], None, None, 2)
+    assert own.cli("x.toml") == "kvpool sim run x.toml --sessions 56,72 --json"
+    assert own.overrides() == ['workload.mode="agentx"']
+    short = RunSettings([0.6], 300.0, 40, 2, "rps")
+    assert short.cli("x.toml") == "kvpool sim run x.toml --rps 0.6 --duration 300 --set workload.synthetic_sessions=40 --json"
+    assert short.overrides() == ["workload.synthetic_sessions=40", "workload.duration_s=300.0", 'workload.mode="replay"']
 
 
 def test_override_text_round_trips_through_the_cli_parser():

@@ -66,11 +66,13 @@ def _shown_json(app) -> dict:
 
 def test_plan_page_opens_with_inputs_and_no_results(app):
     _plan_page(app)
-    assert by_label(app.text_area, "Targets").value == "reuse>=0.9\nttft_p90_s<=5"
+    assert by_label(app.text_area, "Targets").value == "reuse>=0.95\nttft_p90_s<=5"  # the README's example
     assert by_label(app.selectbox, "Variable").value == "pool.gib_per_service"
     assert "workload.sessions" in by_label(app.selectbox, "Variable").options
     assert (by_label(app.number_input, "From (LO)").value, by_label(app.number_input, "To (HI)").value) == (64.0, 768.0)
     assert by_label(app.number_input, "Sessions per run").value == 56  # the scenario's load
+    assert by_label(app.number_input, "Seconds per run").value == 3600.0  # and its window
+    assert by_label(app.number_input, "Synthetic sessions").value == 200
     assert not errors(app) and not by_label(app.button, "Run search").disabled
     assert any("press **Run search**" in i.value for i in app.info)
     assert not app.get("vega_lite_chart")
@@ -137,7 +139,7 @@ def test_a_result_comes_back_from_the_cache(app, fake_sim):
     press(app, "Run search")
     assert len(fake_sim) == runs and _shown_json(app) == first
     by_label(app.number_input, "Max runs").set_value(5).run()  # another input: the shown result is marked old
-    assert any("earlier inputs" in c.value for c in app.caption)
+    assert any("of other inputs" in c.value for c in app.caption)
 
 
 @pytest.mark.parametrize(
@@ -155,7 +157,7 @@ def test_a_result_comes_back_from_the_cache(app, fake_sim):
         ({"field": "cluster.servers", "lo": 0},
          "Variable: --vary 'cluster.servers=0..4': mi355x-1p1d (cluster.servers=0): cluster.servers: value 0: Input should be greater than 0"),
         ({"load": 0}, "Sessions per run: value 0: must be > 0"),
-        ({"duration": 0}, "workload.duration_s: value 0.0"),
+        ({"duration": 0}, "Seconds per run 0: must be > 0"),
         ({"max_runs": 1}, "Max runs: value 1: must be at least 2"),
         ({"workers": 0}, "Points per round: value 0: must be at least 1"),
     ],
@@ -210,13 +212,14 @@ def test_a_simulator_failure_is_shown_not_raised(app, monkeypatch):
 
 def test_the_plan_summary_is_built_as_the_cli_builds_it():
     from kvpool.dashboard import results
+    from kvpool.sim.documents import plan_summary
     from kvpool.scenario import load_scenario
     from kvpool.sim import plan as pl
 
     base = load_scenario("mi355x-1p1d")
     res = pl.search(base, pl.parse_vary("pool.gib_per_service=0..768", base), [pl.parse_target("reuse>=0.5")],
                     load=8, workers=2, max_runs=8, evaluate=model)
-    summary = results.plan_summary(res)
+    summary = plan_summary(res)
     assert list(summary) == ["variable", "direction", "targets", "best", "runs", "curve"]
     assert summary["best"] == res.best and summary["runs"] == len(res.explored)
     assert all(set(c) >= {"value", "meets_targets", "reuse", "sessions"} and "timeline" not in c for c in summary["curve"])

@@ -50,6 +50,7 @@ def test_wheel_contains_every_module_scenario_and_preset(wheel):
     assert "kvpool/scenarios/mi355x-1p1d.toml" in names
     presets = sorted(p.name for p in (ROOT / "workload" / "presets").glob("*.json"))
     assert presets and all(f"kvpool/workload/presets/{p}" in names for p in presets), presets
+    assert {"kvpool/backend/serve/tokenizer/tokenizer.json", "kvpool/backend/serve/tokenizer/tokenizer_config.json"} <= names
 
 
 def test_fresh_venv_imports_everything_from_the_wheel(wheel, tmp_path):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvpool.backend.pool import EmbeddedPool, Status
 from kvpool.policy.eviction import ORDERS, GroupedPool, Put
-from kvpool.policy.grouptable import GroupTable
+from kvpool.policy.grouptable import GroupIds, GroupTable
 from kvpool.policy.hits import leading_run
 
 GROUPS = 24  # group ids 0..23: enough reuse for hits, re-puts and pinned victims
@@ -68,8 +68,9 @@ class TableWorld:
         return {key(g, s) for g, s in zip(*np.nonzero(self.t.present))}
 
     def put(self, gs: list[int], slots: list[int], now: float):
-        unique = len(set(gs)) == len(gs)
-        return self.t.put(gs, slots, now, unique=unique, max_gid=max(gs) if unique else None)
+        if len(set(gs)) == len(gs):  # one prompt's groups: distinct and bounded (sim.prompt)
+            return self.t.put(GroupIds(np.asarray(gs, dtype=np.int64), max(gs)), slots, now)
+        return self.t.put(gs, slots, now)
 
     def read(self, gs: list[int], slots: list[int], now: float, variant: int) -> list[list[bool]]:
         """Presence ``[slot][group]``, through one of the table's three read calls."""

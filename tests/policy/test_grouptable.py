@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.policy.grouptable import ORDERS, GroupTable
+from kvpool.policy.grouptable import ORDERS, GroupIds, GroupTable
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -132,21 +132,25 @@ class _GeneralPut(GroupTable):
        st.sampled_from(ORDERS), st.sampled_from([(0.9, 0.05), (1.0, 0.01), (0.5, 0.3)]))
 def test_new_group_puts_equal_the_general_path(ops, order, marks):
     """Batched puts of new groups (the simulator's saves) decide exactly as the general path:
-    same outcomes, contents, recency, insertion order and evictions."""
+    same outcomes, contents, recency, insertion order and evictions. The fast table is told what
+    is known of the ids (distinct, a bound) as keywords or as ``GroupIds``, turn about; the
+    reference checks them."""
     hw, ratio = marks
     fast, ref = (cls(900, [10, 20, 30, 40], order, high_watermark=hw, evict_ratio=ratio) for cls in (GroupTable, _GeneralPut))
     for i, (op, gids, slots) in enumerate(ops):
         now = float(i)
+        known = {"unique": True, "max_gid": 40} if i % 2 else {}  # a known bound: same decisions
+        told = gids if i % 2 else GroupIds(np.asarray(gids, dtype=np.int64), 40)
         if op == "put":
-            assert fast.put(gids, slots, now, unique=True, max_gid=40) == ref.put(gids, slots, now, unique=True)
+            assert fast.put(told, slots, now, **known) == ref.put(gids, slots, now)
         elif op == "read":
-            assert (fast.lookup_slots(gids, slots, now) == ref.lookup_slots(gids, slots, now)).all()
+            assert (fast.lookup_slots(told, slots, now) == ref.lookup_slots(gids, slots, now)).all()
         elif op == "pin":
-            fast.pin(gids, unique=True, max_gid=40)  # a known bound: same decisions
-            ref.pin(gids, unique=True)
+            fast.pin(told, **known)
+            ref.pin(gids)
         else:
-            fast.unpin(gids, unique=True, max_gid=40)
-            ref.unpin(gids, unique=True)
+            fast.unpin(told, **known)
+            ref.unpin(gids)
         for name in ("_mask", "_last", "_count", "_inserted", "_pins", "_listed"):
             assert np.array_equal(getattr(fast, name), getattr(ref, name)), name
         assert (fast.used_bytes, fast.evicted_groups, fast._seq) == (ref.used_bytes, ref.evicted_groups, ref._seq)

@@ -68,10 +68,10 @@ def replay(s, w: Workload, load: float) -> tuple[Simulation, list[Served]]:
         current[:] = [d]
         return build(d, prefill)
 
-    def recording_chunk_gids(scope, thread, block_ids, block_tokens, n_tokens, *, chain_scope=None):
-        gids = chunk_gids(scope, thread, block_ids, block_tokens, n_tokens, chain_scope=chain_scope)
+    def recording_chunk_gids(scope, chain, block_ids, block_tokens, n_tokens, *, chain_scope=None):
+        gids = chunk_gids(scope, chain, block_ids, block_tokens, n_tokens, chain_scope=chain_scope)
         (d,) = current
-        assert (scope, thread) == (d.scope, d.request.thread)
+        assert scope == d.scope and chain is prompts.play(d).threads[d.request.thread].chain
         served.append(Served(d, scope, np.array(block_ids), block_tokens, n_tokens, chain_scope, np.array(gids)))
         current.clear()
         return gids

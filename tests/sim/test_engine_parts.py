@@ -81,7 +81,7 @@ def test_play_prompts_extend_in_place_and_keep_earlier_views():
         named: list[dict[int, int]] = [{}, {}]  # per cache: block id -> its cache id
         for req in s.requests[:120]:
             c = int(req.index % 7 == 3)  # now and then on the other cache
-            prev = play.blocks.get(play.last_request.get(req.thread, -1))
+            prev = play.threads[req.thread].blocks if req.thread in play.threads else None
             blocks, gblocks, r, n = play.ids(store, req.index, req.thread, caches[c], f"s{k}", max_block, lists)
             want = store.block_ids(req.index)
             assert blocks.dtype == want.dtype and np.array_equal(blocks, want)
@@ -253,8 +253,9 @@ def _check_prompts(sim, shared_prefix_tokens: int) -> list[bool]:
         if shared_prefix_tokens and p.thread == 0:
             k = min(shared_prefix_tokens // bt, full)
             named[:k] = [(SHARED_PREFIX_SCOPE, j) for j in range(k)]
-        assert p.gpu_ids.size == full and (not full or 0 <= p.gpu_ids.min() and p.gpu_ids.max() <= p.max_gpu_id)
-        for block, gpu_id in zip(named, p.gpu_ids.tolist()):  # one id per block in each prefill's cache
+        gpu_ids = p.cache.ids
+        assert gpu_ids.size == full and (not full or 0 <= gpu_ids.min() and gpu_ids.max() <= p.cache.max_id)
+        for block, gpu_id in zip(named, gpu_ids.tolist()):  # one id per block in each prefill's cache
             assert names.setdefault((prefill, *block), gpu_id) == gpu_id
             assert blocks_of.setdefault((prefill, gpu_id), block) == block
         if shared_prefix_tokens:  # chunk keys chain ids unique across scopes
@@ -262,8 +263,9 @@ def _check_prompts(sim, shared_prefix_tokens: int) -> list[bool]:
             if p.thread == 0:
                 k = min(shared_prefix_tokens // bt, want.size)
                 key_ids[:k] = keys.block_offset(SHARED_PREFIX_SCOPE, shared_prefix_tokens) + np.arange(k)
-            assert np.array_equal(keys._threads[(d.scope, p.thread)].blocks, key_ids)
-        assert p.gids.size == np.unique(p.gids).size and (not p.gids.size or p.gids.max() <= p.max_gid)
+            assert np.array_equal(p.memory.chain.blocks, key_ids)
+        gids = p.groups.ids
+        assert gids.size == np.unique(gids).size and (not gids.size or gids.max() <= p.groups.max_gid)
         if p.copied:
             assert np.array_equal(want[:p.copied], store.block_ids(p.source)[:p.copied])
         seen.append(p.copied > 0)

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.sim.gpucache import GPUPrefixCache, first_occurrences, same
+from kvpool.sim.gpucache import Blocks, GPUPrefixCache, first_occurrences, same
 
 
 def test_hit_is_the_leading_run():
@@ -86,10 +86,12 @@ def test_matches_a_direct_lru_model(ops, frac):
                 min_size=1, max_size=50),
        st.sampled_from([0.0, 0.05, 0.25]))
 def test_replaced_entries_change_nothing(turns, frac):
-    """Threads whose prompts grow (sometimes diverging): a cache told which earlier entries each
-    insert replaces holds, hits and evicts exactly what a cache that is not told does."""
+    """Threads whose prompts grow (sometimes diverging): a cache told which earlier entry each
+    insert may replace (compared), and one told the prompt's lead and its use (prefixes by
+    construction) as the simulator tells it, hold, hit and evict exactly what a cache that is
+    not told does."""
     plain, told = GPUPrefixCache(40 * 64, evict_fraction=frac), GPUPrefixCache(40 * 64, evict_fraction=frac)
-    pre = GPUPrefixCache(40 * 64, evict_fraction=frac)  # told the hit through `prefixes`
+    pre = GPUPrefixCache(40 * 64, evict_fraction=frac)  # told the lead and the use
     prompts: dict[int, list[int]] = {}
     last: dict[int, object] = {}
     last_pre: dict[int, object] = {}
@@ -103,25 +105,27 @@ def test_replaced_entries_change_nothing(turns, frac):
         prompts[thread] = p
         ids = np.array(p)
         now = 2.0 * i
-        run, hit = told.use(ids, now)
+        got = told.use(ids, now)
+        run, hit = got.run, got.entry
         assert plain.hit_blocks(ids, now) == run
         lead = last_pre.get(thread)  # the thread's last insert, when it leads the prompt
         if lead is not None and not (lead.ids.size <= ids.size and same(lead.ids, ids[: lead.ids.size])):
             lead = None
-        assert pre.use(ids, now, lead=lead)[0] == run
-        hit_pre = pre._log[-1] if run else None
+        use_pre = pre.use(Blocks(ids, int(ids.max()), lead), now)
+        assert use_pre.run == run
+        hit_pre = use_pre.entry
+        assert hit_pre is (pre._log[-1] if run else None)
         if between:  # another prompt between the use and the insert (its evictions included)
             other = np.arange(5000 + 100 * i, 5000 + 100 * i + between)
             for c in (plain, told, pre):
                 c.insert(other, now + 0.5, 64)
         plain.insert(ids, now + 1, 64)
-        last[thread] = told.insert(ids, now + 1, 64, replaces=(hit, last.get(thread)))
-        if lead is not None:
-            last_pre[thread] = pre.insert(ids, now + 1, 64, prefixes=(hit_pre, lead))
-        else:
-            last_pre[thread] = pre.insert(ids, now + 1, 64, prefixes=(hit_pre,), replaces=(last_pre.get(thread),))
-        if hit is not None:
-            assert hit.dead == hit_pre.dead
+        earlier = last.get(thread) if i % 2 else hit  # the thread's last insert or the hit, compared
+        last[thread] = told.insert(ids, now + 1, 64, earlier)
+        earlier_pre = last_pre.get(thread)
+        last_pre[thread] = pre.insert(use_pre, now + 1, 64, None if earlier_pre is lead else earlier_pre)
+        if hit is not None and earlier is hit:  # compared or known, the hit is found stale
+            assert hit.dead and hit_pre.dead
         for c in (told, pre):
             assert np.array_equal(plain.held, c.held)
             assert np.array_equal(plain._last, c._last)
@@ -131,11 +135,11 @@ def test_replaced_entries_change_nothing(turns, frac):
 def test_a_replaced_entry_must_be_a_prefix():
     c = GPUPrefixCache(100 * 64)
     a = c.insert(np.array([1, 2, 3]), 0.0, 64)
-    b = c.insert(np.array([1, 2, 3, 4]), 1.0, 64, replaces=(a,))
+    b = c.insert(np.array([1, 2, 3, 4]), 1.0, 64, a)
     assert a.dead and not b.dead
-    d = c.insert(np.array([1, 9, 3, 4, 5]), 2.0, 64, replaces=(b,))
+    d = c.insert(np.array([1, 9, 3, 4, 5]), 2.0, 64, b)
     assert not b.dead and not d.dead  # [1, 2, 3, 4] is not a prefix: block 2 is still live there
-    e = c.insert(np.array([1, 9, 3, 4, 5]), 2.0, 64, replaces=(d,))
+    e = c.insert(np.array([1, 9, 3, 4, 5]), 2.0, 64, d)
     assert not d.dead and not e.dead  # same moment: nothing is stale yet
 
 

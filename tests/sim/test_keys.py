@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.policy.chunks import chain_seed, digests_from_blocks
-from kvpool.sim.keys import KeySpace
+from kvpool.sim.keys import KeyChain, KeySpace
 
 
 @pytest.mark.parametrize("block_tokens", [64, 512, 96])
@@ -23,6 +23,7 @@ def test_chunk_gids_number_the_digests_first_seen(block_tokens, requests):
     ref: dict[bytes, int] = {}
     prompts: dict[tuple[str, int], list[int]] = {}
     handed: list[tuple[np.ndarray, list[int]]] = []  # every list returned: it never changes later
+    chains: dict[tuple[str, int], KeyChain] = {}
     fresh = 100
     for scope, thread, cut, grow, short in requests:
         p = prompts.get((scope, thread), [1, 2, 3, 4])  # every thread starts with the same prefix
@@ -31,7 +32,7 @@ def test_chunk_gids_number_the_digests_first_seen(block_tokens, requests):
         prompts[(scope, thread)] = p
         blocks = np.asarray(p, dtype=np.uint32)
         n_tokens = max(0, blocks.size * block_tokens - short)
-        got = keys.chunk_gids(scope, thread, blocks, block_tokens, n_tokens)
+        got = keys.chunk_gids(scope, chains.setdefault((scope, thread), KeyChain()), blocks, block_tokens, n_tokens)
         want = [ref.setdefault(d, len(ref))
                 for d in digests_from_blocks(p, block_tokens, n_tokens, 256, chain_seed("ns", scope))]
         assert got.tolist() == want
@@ -45,10 +46,10 @@ def test_chunk_gids_two_block_sizes_in_one_scope():
     """The same block ids under two block sizes are different chunks (the head differs)."""
     keys = KeySpace("ns", 256)
     blocks = np.arange(1, 17, dtype=np.int64)
-    a = keys.chunk_gids("s", 0, blocks, 64, 16 * 64)
-    b = keys.chunk_gids("s", 1, blocks, 128, 16 * 128)
+    a = keys.chunk_gids("s", KeyChain(), blocks, 64, 16 * 64)
+    b = keys.chunk_gids("s", KeyChain(), blocks, 128, 16 * 128)
     assert set(a.tolist()).isdisjoint(b.tolist())
-    again = keys.chunk_gids("s", 2, blocks, 64, 16 * 64)
+    again = keys.chunk_gids("s", KeyChain(), blocks, 64, 16 * 64)
     assert again.tolist() == a.tolist()
 
 
@@ -63,6 +64,7 @@ def test_chunk_gids_prefixes_copied_across_threads(dtype, block_tokens, requests
     keys = KeySpace("ns", 256)
     ref: dict[bytes, int] = {}
     prompts: list[list[int]] = [[]]
+    chains = [KeyChain() for _ in range(5)]  # one per thread
     fresh = 1000
     for thread, src_cut, grow, src in requests:
         base = prompts[src % len(prompts)]
@@ -72,7 +74,7 @@ def test_chunk_gids_prefixes_copied_across_threads(dtype, block_tokens, requests
         fresh += grow
         prompts.append(p)
         n_tokens = len(p) * block_tokens
-        got = keys.chunk_gids("s", thread, np.asarray(p, dtype=dtype), block_tokens, n_tokens)
+        got = keys.chunk_gids("s", chains[thread], np.asarray(p, dtype=dtype), block_tokens, n_tokens)
         want = [ref.setdefault(d, len(ref))
                 for d in digests_from_blocks(p, block_tokens, n_tokens, 256, chain_seed("ns", "s"))]
         assert got.tolist() == want

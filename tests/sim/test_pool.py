@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvpool.policy.grouptable import GroupIds
 from kvpool.policy.hits import leading_run
 from kvpool.scenario import load_scenario
 from kvpool.sim.pool import SimPool
@@ -21,11 +22,12 @@ def test_lookup_runs_are_the_leading_runs_of_lookup(name):
     rng = np.random.default_rng(7)
     for i in range(200):
         k = int(rng.integers(1, 30))
-        gids = np.arange(k) if i % 2 else np.unique(rng.integers(0, 60, size=k))  # prompts, scattered groups
+        gids = GroupIds(np.arange(k) if i % 2 else np.unique(rng.integers(0, 60, size=k)), 59)  # prompts, scattered
         n = int(rng.integers(1, ranks + 1))
         a.save(0, n, gids, float(i))
         b.save(0, n, gids, float(i))
-        query = np.arange(int(rng.integers(1, 40))) if i % 3 else rng.permutation(60)[: int(rng.integers(1, 40))]
+        m = int(rng.integers(1, 40))
+        query = GroupIds(np.arange(m) if i % 3 else rng.permutation(60)[:m], 59)  # distinct groups below 60
         n = int(rng.integers(1, ranks + 1))
         rows = a.lookup(0, n, query, float(i) + 0.5)
         assert b.lookup_runs(0, n, query, float(i) + 0.5) == [leading_run(r) for r in rows]

@@ -8,7 +8,7 @@ from trace_builders import req, trace
 
 from kvpool.scenario import load_scenario
 from kvpool.sim.engine import Simulation
-from kvpool.sim.keys import KeySpace
+from kvpool.sim.keys import KeyChain, KeySpace
 from kvpool.workload.model import Workload
 from kvpool.workload.replay import AgentXReplay
 from kvpool.workload.weka import session_from_weka
@@ -92,11 +92,12 @@ def test_global_ids_under_one_chain_key_chunks_like_local_ids_under_their_scopes
     rng = np.random.default_rng(5)
     local, glob = KeySpace("ns", 256), KeySpace("ns", 256)
     for scope in ("p1", "p2", "p3"):
+        local_chain, glob_chain = KeyChain(), KeyChain()
         ids = np.arange(0, 200)
         for turn in range(4):
             ids = np.concatenate([ids[: int(rng.integers(50, ids.size))], np.arange(1000 * (turn + 1), 1000 * (turn + 1) + 60)])
-            a = local.chunk_gids(scope, 0, ids, 64, ids.size * 64)
+            a = local.chunk_gids(scope, local_chain, ids, 64, ids.size * 64)
             off = glob.block_offset(scope, 5000)
-            b = glob.chunk_gids(scope, 0, ids + off, 64, ids.size * 64, chain_scope="")
+            b = glob.chunk_gids(scope, glob_chain, ids + off, 64, ids.size * 64, chain_scope="")
             assert np.array_equal(a, b)
     assert local.groups == glob.groups

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from trace_builders import MOONCAKE, spawn_join_trace, write
+from trace_builders import KV_TRACES, MOONCAKE, req, spawn_join_trace, trace, write
 
 from kvpool.cli import main
 from kvpool.workload import load_workload, workload_stats
@@ -98,3 +98,29 @@ def test_convert_weka_to_mooncake_keeps_reuse_and_mooncake_roundtrips(tmp_path, 
     assert back == orig
     st = workload_stats(load_workload(tmp_path / "w.jsonl"))
     assert st["reuse_ceiling"] == pytest.approx(0.640, abs=0.0005)  # the reference's 64.0 % block reuse
+
+
+def _block_sizes(rows: list[dict], block: int = 512) -> dict[int, set[int]]:
+    """hash id -> the token counts it stands for (a prompt's last id covers what its blocks leave)."""
+    sizes: dict[int, set[int]] = {}
+    for r in rows:
+        m, n = len(r["hash_ids"]), r["input_length"]
+        last = n - (m - 1) * block if m * block > n else block
+        for i, h in enumerate(r["hash_ids"]):
+            sizes.setdefault(h, set()).add(last if i == m - 1 else block)
+    return sizes
+
+
+def test_convert_to_mooncake_gives_each_hash_id_one_block_size(tmp_path, capsys):
+    # two prompts with the same 64-token ids whose last 512-token blocks hold 88 and 108 tokens
+    write(tmp_path / "p.json", trace("pp", [req(0.0, 600, list(range(1, 11))), req(10.0, 620, list(range(1, 11)))]))
+    code, _, _ = _run(capsys, "trace", "convert", str(tmp_path / "p.json"), "--to", "mooncake", "--out", str(tmp_path / "m.jsonl"))
+    assert code == 0
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["hash_ids"][0] for r in rows] == [0, 0]  # the full first block is still shared
+    assert rows[0]["hash_ids"][1] != rows[1]["hash_ids"][1]
+    assert all(len(s) == 1 for s in _block_sizes(rows).values())
+    code, _, _ = _run(capsys, "trace", "convert", str(KV_TRACES), "--to", "mooncake", "--out", str(tmp_path / "kv.jsonl"))
+    assert code == 0
+    kv = [json.loads(x) for x in (tmp_path / "kv.jsonl").read_text().splitlines()]
+    assert len(kv) > 100 and all(len(s) == 1 for s in _block_sizes(kv).values())

@@ -1,0 +1,376 @@
+"""A prefill pipeline stage process: its layers' paged KV, compute, pool connector worker and hand-off sender.
+
+Started as ``python -m kvpool.backend.serve.prefill_stage --plan PLAN --name NAME`` (see
+``backend.serve.plan``). It holds, on its device (``Worker.devices[0]``):
+    * its layers' paged KV: ``serve.prefill_kv_tokens // model.page_tokens`` pages per layer; the
+      engine owns the page ids (one block table for every stage);
+    * the reference model (``RefModel``, weights seeded from ``serve.model_seed``: every process
+      builds the same model) and runs ``stage_forward`` over its layers;
+    * its own pool client: ``EmbeddedPool`` of ``cluster.servers * pool.services_per_server *
+      pool.gib_per_service / prefill.pp`` GiB for this stage's keys (``serve.pool = "embedded"``),
+      or a ``MooncakePool`` client (``serve.pool = "mooncake"``; the address is the plan's
+      ``pool_address``, ``mooncake://HOST:PORT?metrics=M``);
+    * the connector's worker side (``ConnectorWorker``: pool reads into registered buffers and
+      unpack, pack and pool writes with group ids);
+    * the hand-off sender (``backend.handoff.PrefillStage`` over ``make_transport("ipc")``),
+      attached to the ranks a decode engine listens to for this prefill instance (its ready file's
+      ``rank_endpoints_by_prefill[instance]``) the first time a hand-off goes to it, and again after
+      that decode instance's side channel was lost.
+
+Commands (``backend.serve.stage_link`` frames on a ROUTER socket bound to ``tcp://127.0.0.1:*``;
+the ready file is ``{"pid", "endpoint"}``). Every reply has ``"ok"``; failures carry ``"error"``.
+    ``ping``                          -> ``{"stage", "device", "num_blocks"}``
+    ``exists {keys}``                 -> ``{"present": [bool] | null}`` (null: the pool gave no answer)
+    ``load {plan, blocks}``           -> ``{"report": StageReport}`` (connector load thread)
+    ``save {plan, blocks}``           -> ``{"report": StageSaveReport}`` (connector save thread)
+    ``compute {items}`` + hidden      -> ``{"first_tokens": {rid: token}}`` + hidden
+        ``items``: ``[{"rid", "start", "end", "blocks", "tokens"?, "last"?}]`` in order: tokens
+        ``[start, end)`` of each request through its block table. Stage 0 embeds ``tokens`` (the
+        ids of ``[start, end)``); later stages take one float32 tensor ``[sum(end - start), d_model]``
+        (the previous stage's output, items back to back). A stage other than the last answers its
+        output the same way; the last stage answers, for each item with ``"last": true``, the
+        greedy first token (argmax of the logits of the item's last token). Hidden states go
+        through the engine (stage -> engine -> next stage).
+    ``handoff {rid, decode, blocks, plan, timeout_s}`` -> ``{"report": handoff StageReport}``
+        this stage's KV of the request's tokens to every rank of decode instance ``decode``.
+    ``stop``                          -> closes everything and exits 0.
+Compute runs on one compute thread (commands in arrival order), hand-offs on one hand-off
+thread (one at a time), loads and saves on the connector worker's threads, pool existence checks
+on a small pool of threads; the socket thread only moves messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import zmq
+
+from kvpool.backend.connector_worker import ConnectorWorker, WorkerConfig, slot_bytes_for
+from kvpool.backend.refmodel import RefModel
+from kvpool.backend.serve import stage_link as link
+from kvpool.backend.serve.model_config import ref_config
+from kvpool.backend.serve.plan import ServePlan, Worker, wait_ready, write_ready
+
+GIB = 1 << 30
+MIB = 1 << 20
+#: How long a hand-off waits for a decode engine's ready file before it fails.
+DECODE_READY_WAIT_S = 5.0
+
+
+def pool_capacity_bytes(scenario) -> int:
+    """This stage's share of the embedded pool: the deployment's pool DRAM split over the stages."""
+    p = scenario.pool
+    return int(scenario.cluster.servers * p.services_per_server * p.gib_per_service * GIB / scenario.prefill.pp)
+
+
+def make_pool(scenario, pool_address: str = ""):
+    """This stage's pool client: the embedded pool, or a client of the Mooncake pool at ``pool_address``."""
+    if scenario.serve.pool == "mooncake":
+        from kvpool.backend.pool.mooncake import MooncakePool, PoolUnavailable
+        from kvpool.backend.pool.netns import PublicListenersRefused
+
+        if not pool_address:
+            raise SystemExit("error: serve.pool is mooncake but the plan names no pool_address")
+        try:
+            return MooncakePool(pool_address)
+        except (ValueError, PoolUnavailable, PublicListenersRefused) as e:
+            raise SystemExit(f"error: serve.pool is mooncake, pool_address {pool_address}: {e}") from None
+    from kvpool.backend.pool.embedded import EmbeddedPool
+
+    cap = pool_capacity_bytes(scenario)
+    if cap <= 0:
+        raise SystemExit("error: pool: cluster.servers * pool.services_per_server * pool.gib_per_service is 0")
+    return EmbeddedPool(cap, scenario.pool.eviction_policy, high_watermark=scenario.pool.high_watermark,
+                        evict_ratio=scenario.pool.evict_ratio)
+
+
+def handoff_staging_bytes(scenario, layers: int, record_bytes: int) -> int:
+    """Staging for the largest request one hand-off carries: min(KV room, gate input cap) tokens."""
+    tokens = scenario.serve.prefill_kv_tokens
+    if scenario.gate.enabled:
+        tokens = min(tokens, scenario.gate.max_input_tokens)
+    return max(1, tokens * layers * record_bytes)
+
+
+class StageServer:
+    """One stage's state and its threads (see the module docstring)."""
+
+    def __init__(self, plan: ServePlan, worker: Worker) -> None:
+        self.plan = plan
+        self.worker = worker
+        sc = self.scenario = plan.scenario_model()
+        self.stage = worker.stage
+        self.device = torch.device(worker.devices[0])
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        else:
+            torch.set_num_threads(1)  # shared cores; the same op order in every process
+        self.config = ref_config(sc)
+        self.model = RefModel(self.config, device=self.device)
+        self.spec = self.model.kv_spec(sc.model.name)
+        self.last = self.stage == len(self.config.stage_layers) - 1
+        self.num_blocks = sc.serve.prefill_kv_tokens // self.config.page_tokens
+        c = self.config
+        self.caches = [torch.zeros(self.num_blocks, c.page_tokens, c.record_elems, dtype=c.cache_dtype, device=self.device)
+                       for _ in self.model.stage_layer_ids(self.stage)]
+        self.pool = make_pool(sc, plan.pool_address)
+        chunk = sc.pool.chunk_tokens
+        slot = slot_bytes_for(self.spec.chunk_object_bytes(self.stage, chunk))
+        chunks_room = max(4, self.num_blocks * c.page_tokens // chunk)
+        wc = WorkerConfig(load_buffer_bytes=min(1024 * MIB, chunks_room * slot), save_buffer_bytes=min(256 * MIB, max(4, chunks_room // 2) * slot),
+                          chunk_tokens=chunk, load_timeout_s=10.0, save_timeout_s=30.0)
+        self.connector = ConnectorWorker(self.pool, self.spec, self.stage, self.caches, wc).start()
+        from kvpool.backend.handoff import PrefillStage, make_transport
+
+        self.sender = PrefillStage(self.stage, make_transport("ipc"), device=self.device,
+                                   staging_bytes=handoff_staging_bytes(sc, len(self.caches), c.record_bytes))
+        self.targets: dict[int, object] = {}
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.waker = link.Waker(self.ctx)
+        self.replies: queue.Queue = queue.Queue()
+        init = (lambda: torch.cuda.set_device(self.device)) if self.device.type == "cuda" else None  # per-thread device
+        self.compute_exec = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}-compute", initializer=init)
+        self.handoff_exec = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}-handoff", initializer=init)
+        self.pool_exec = ThreadPoolExecutor(2, thread_name_prefix=f"stage{self.stage}-pool", initializer=init)
+        self.stopping = threading.Event()
+
+    # -- socket thread -----------------------------------------------------------------------
+    def reply(self, ident: bytes, header: dict, body: dict, tensors=()) -> None:
+        """Queue a reply (any thread); the socket thread sends it."""
+        self.replies.put((ident, {"id": header["id"], "cmd": header["cmd"], **body}, list(tensors)))
+        self.waker.wake()
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.waker.socket, zmq.POLLIN)
+        while not self.stopping.is_set():
+            events = dict(poller.poll(200))
+            if self.waker.socket in events:
+                self.waker.drain()
+            self._flush()
+            if self.sock in events:
+                while True:
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._dispatch(frames[0].bytes, frames[1:])
+        self._flush()
+
+    def _flush(self) -> None:
+        while True:
+            try:
+                ident, header, tensors = self.replies.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.sock.send_multipart([ident, *link.encode(header, tensors)], copy=False)
+            except zmq.ZMQError:
+                pass  # the engine is gone
+
+    def _dispatch(self, ident: bytes, frames) -> None:
+        try:
+            header, tensors = link.decode([f.bytes for f in frames])
+        except link.LinkError as e:
+            return self.reply(ident, {"id": -1, "cmd": "?"}, {"ok": False, "error": str(e)})
+        handler = getattr(self, f"cmd_{header['cmd']}", None)
+        if handler is None:
+            return self.reply(ident, header, {"ok": False, "error": f"unknown command {header['cmd']!r}"})
+        try:
+            handler(ident, header, tensors)
+        except (link.LinkError, ValueError) as e:
+            self.reply(ident, header, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+    def _in_thread(self, executor: ThreadPoolExecutor, ident: bytes, header: dict, fn) -> None:
+        """Run ``fn() -> (body, tensors)`` on ``executor`` and reply with its result (or its error)."""
+        def run() -> None:
+            try:
+                body, tensors = fn()
+                self.reply(ident, header, {"ok": True, **body}, tensors)
+            except Exception as e:  # a reply naming the failure, never a silent stage
+                traceback.print_exc()
+                self.reply(ident, header, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        executor.submit(run)
+
+    def _blocks(self, header: dict) -> torch.Tensor:
+        ids = link.int_list(header, "blocks")
+        if any(not 0 <= b < self.num_blocks for b in ids):
+            raise link.LinkError(f"blocks: ids must be in [0, {self.num_blocks})")
+        return torch.tensor(ids, dtype=torch.int32, device=self.device)
+
+    # -- commands ----------------------------------------------------------------------------
+    def cmd_ping(self, ident, header, tensors) -> None:
+        self.reply(ident, header, {"ok": True, "stage": self.stage, "device": str(self.device), "num_blocks": self.num_blocks})
+
+    def cmd_stop(self, ident, header, tensors) -> None:
+        self.reply(ident, header, {"ok": True})
+        self.stopping.set()
+
+    def cmd_exists(self, ident, header, tensors) -> None:
+        keys = link._need(header, "keys", list)
+        if not all(isinstance(k, str) for k in keys):
+            raise link.LinkError("keys: expected strings")
+        self._in_thread(self.pool_exec, ident, header, lambda: ({"present": self.pool.exists(keys)}, ()))
+
+    def cmd_load(self, ident, header, tensors) -> None:
+        plan = link.load_plan_from_json(header.get("plan"))
+        fut = self.connector.submit_load(plan, self._blocks(header))
+        self._on_done(fut, ident, header)
+
+    def cmd_save(self, ident, header, tensors) -> None:
+        plan = link.save_plan_from_json(header.get("plan"))
+        fut = self.connector.submit_save(plan, self._blocks(header))
+        self._on_done(fut, ident, header)
+
+    def _on_done(self, fut: Future, ident: bytes, header: dict) -> None:
+        def done(f: Future) -> None:
+            try:
+                self.reply(ident, header, {"ok": True, "report": asdict(f.result())})
+            except Exception as e:
+                self.reply(ident, header, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+        fut.add_done_callback(done)
+
+    def cmd_compute(self, ident, header, tensors) -> None:
+        items = link._need(header, "items", list)
+        parsed = []
+        total = 0
+        for it in items:
+            start, end = link._need(it, "start", int), link._need(it, "end", int)
+            if not 0 <= start < end or start % self.config.page_tokens:
+                raise link.LinkError(f"items: range [{start}, {end}) must be non-empty and start on a page boundary")
+            blocks = self._blocks(it)
+            if blocks.numel() * self.config.page_tokens < end:
+                raise link.LinkError(f"items: {blocks.numel()} blocks cannot hold {end} tokens")
+            toks = None
+            if self.stage == 0:
+                toks = link.int_list(it, "tokens")
+                if len(toks) != end - start or any(not 0 <= t < self.config.vocab for t in toks):
+                    raise link.LinkError(f"items: tokens must be {end - start} ids in [0, {self.config.vocab})")
+            parsed.append((link._need(it, "rid", str), start, end, blocks, toks, bool(it.get("last", False))))
+            total += end - start
+        if self.stage > 0:
+            if len(tensors) != 1 or tuple(tensors[0].shape) != (total, self.config.d_model) or tensors[0].dtype != torch.float32:
+                raise link.LinkError(f"compute: expected one float32 tensor [{total}, {self.config.d_model}]")
+        self._in_thread(self.compute_exec, ident, header, lambda: self._compute(parsed, tensors))
+
+    def _compute(self, items, tensors):
+        x_in = tensors[0].to(self.device) if self.stage > 0 else None
+        outs, first = [], {}
+        off = 0
+        for rid, start, end, blocks, toks, last in items:
+            n = end - start
+            x = self.model.embed_tokens(toks) if x_in is None else x_in[off:off + n]
+            off += n
+            h = self.model.stage_forward(self.stage, x, start, self.caches, blocks)
+            if self.last:
+                if last:
+                    first[rid] = int(torch.argmax(self.model.logits(h[-1:]), dim=-1).item())
+            else:
+                outs.append(h)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        if self.last:
+            return {"first_tokens": first}, ()
+        return {}, (torch.cat(outs).float(),)
+
+    def cmd_handoff(self, ident, header, tensors) -> None:
+        rid = link._need(header, "rid", str)
+        decode = link._need(header, "decode", int)
+        names = {w.instance: w for w in self.plan.by_role("decode_engine")}
+        if decode not in names:
+            raise link.LinkError(f"decode: no decode instance {decode} in the plan")
+        hplan = link.handoff_plan_from_json(header.get("plan"))
+        if hplan.layers != len(self.caches) or hplan.record_bytes != self.config.record_bytes:
+            raise link.LinkError("plan: layers or record size differ from this stage's")
+        blocks = self._blocks(header)
+        timeout_s = float(link._need(header, "timeout_s", (int, float)))
+        self._in_thread(self.handoff_exec, ident, header,
+                        lambda: ({"report": asdict(self._handoff(rid, names[decode], blocks, hplan, timeout_s))}, ()))
+
+    def _target(self, decode_worker: Worker):
+        from kvpool.backend.handoff import HandoffError
+
+        target = self.targets.get(decode_worker.instance)
+        if target is not None and target.alive:
+            return target
+        if target is not None:
+            self.sender.disconnect(target)
+            del self.targets[decode_worker.instance]
+        try:
+            ready = wait_ready(self.plan.ready_path(decode_worker.name), DECODE_READY_WAIT_S)
+        except TimeoutError as e:
+            raise HandoffError(f"decode instance {decode_worker.instance} ({decode_worker.name}) is not ready: {e}") from None
+        # the ranks this prefill instance writes to (a decode engine listens to each instance apart)
+        by_prefill = ready.get("rank_endpoints_by_prefill")
+        eps = by_prefill[self.worker.instance] if isinstance(by_prefill, list) and len(by_prefill) > self.worker.instance \
+            else ready.get("rank_endpoints")
+        if not isinstance(eps, list) or not eps or not all(isinstance(e, str) for e in eps):
+            raise HandoffError(f"{decode_worker.name}'s ready file has no rank endpoints for prefill instance "
+                               f"{self.worker.instance}")
+        target = self.targets[decode_worker.instance] = self.sender.connect(eps)
+        return target
+
+    def _handoff(self, rid, decode_worker, blocks, hplan, timeout_s):
+        t0 = time.monotonic()
+        target = self._target(decode_worker)
+        left = max(0.1, timeout_s - (time.monotonic() - t0))
+        return self.sender.send(rid, target, self.caches, blocks, hplan, timeout_s=left)
+
+    def close(self) -> None:
+        for ex in (self.compute_exec, self.handoff_exec, self.pool_exec):
+            ex.shutdown(wait=False, cancel_futures=True)
+        try:
+            self.connector.close()
+        finally:
+            self.sender.close()
+            self.pool.close()
+            self.sock.close(0)
+            self.waker.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvpool.backend.serve.prefill_stage")
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--name", required=True)
+    args = ap.parse_args(argv)
+    try:
+        plan = ServePlan.read(args.plan)
+        worker = plan.worker(args.name)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: --plan {args.plan} --name {args.name}: {e}", file=sys.stderr)
+        return 2
+    if worker.role != "prefill_stage":
+        print(f"error: --name {args.name} is a {worker.role}, not a prefill_stage", file=sys.stderr)
+        return 2
+    server = StageServer(plan, worker)
+    signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: server.stopping.set())
+    write_ready(plan.ready_path(worker.name), {"endpoint": server.endpoint, "stage": worker.stage})
+    print(json.dumps({"serving": worker.name, "endpoint": server.endpoint, "device": str(server.device)}), flush=True)
+    try:
+        server.serve()
+    finally:
+        server.close()
+    sys.stdout.flush()
+    os._exit(0)  # no slow interpreter teardown of the transports' threads
+
+
+if __name__ == "__main__":
+    sys.exit(main())

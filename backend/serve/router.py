@@ -1,0 +1,660 @@
+"""The router of production mode: the OpenAI-compatible front door, the admission gate and the routing.
+
+Routes (aiohttp; the supervisor binds it on 127.0.0.1 only):
+    POST /v1/completions   ``model``, ``prompt`` (text or a list of token ids), ``max_tokens``
+                           (required, 1 .. ``gate.max_output_tokens``), ``ignore_eos`` (false),
+                           ``stream`` (false), ``stream_options``, ``user`` / ``kvpool_session``
+                           (the session, for session-affinity routing); ``stop`` is not supported
+                           (400) and so is any other field (400).
+    GET /v1/models         the one model served (``model.name`` of the scenario).
+    GET /health            200 when every engine answers its ``/health`` with ``ok`` (and the
+                           supervisor's children run), else 503 naming the ones that do not.
+    GET /metrics           Prometheus text (``backend.serve.metrics``).
+
+A completion (``protocol`` holds the engine messages):
+    1. parse and check the body (400 naming the field), ``gate.check`` (400 naming the verdict);
+    2. gate: ``AdmissionGate.arrive``: admitted on a decode instance, or wait on an asyncio future
+       until a ``release`` admits it or ``expire`` at its deadline rejects it (429
+       ``reject_admission_timeout``). Without a gate (``gate.enabled = false``) the decode instance
+       is ``policy.routing.choose_decode`` over the decode KV the router has not handed out;
+    3. route: the scenario's prefill router (``policy.routing``, seeded ``random.Random(seed)``)
+       over the prompt tokens each prefill instance has outstanding;
+    4. POST decode /expect, POST prefill /prefill (the first token), POST decode /generate (an NDJSON
+       stream of ``TokenEvent``); every engine call ends by the request's deadline,
+       ``serve.request_timeout_s`` after admission (504 when it passes);
+    5. the gate's reservation goes back however the request ends. On a failure after /expect the
+       router sends decode /abort (bounded by ``ABORT_TIMEOUT_S``) and answers 502 (504 for a
+       deadline; an engine's own 413, 503 or 504 keeps its status) with a reason naming the engine
+       and the cause; after a stream has begun, the
+       stream ends with an ``{"error": ...}`` chunk instead of ``[DONE]``.
+
+Answers: ``choices[0].text`` and ``choices[0].token_ids``, ``usage`` with
+``prompt_tokens_details.cached_tokens`` (GPU prefix cache + pool tokens), and ``kvpool.record``:
+the request's ``RequestRecord`` (times in seconds since the router started). A stream sends
+OpenAI completion chunks (``data: {...}``), then a chunk with ``choices: []``, ``usage`` and
+``kvpool``, then ``data: [DONE]``. Errors are ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, fields
+
+import aiohttp
+from aiohttp import web
+
+from kvpool.backend.serve import tokens as tok
+from kvpool.backend.serve.metrics import CONTENT_TYPE, RouterMetrics
+from kvpool.backend.serve.protocol import (
+    AbortRequest,
+    ExpectRequest,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResult,
+    ProtocolError,
+    TokenEvent,
+)
+from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
+from kvpool.policy.routing import choose_decode, make_router
+from kvpool.scenario.model import Scenario
+from kvpool.workload.records import RequestRecord
+
+#: Longest the router waits for decode to confirm an /abort, s.
+ABORT_TIMEOUT_S = 5.0
+#: Longest one engine's /health may take before the router counts it unhealthy, s.
+HEALTH_TIMEOUT_S = 2.0
+#: How the router's aiohttp runner is built: a client that goes away cancels its request's handler, so
+#: a request waiting at the gate leaves the queue and a running one is aborted on decode at once.
+RUNNER_OPTIONS = {"handler_cancellation": True}
+#: Fields a completion request may carry.
+FIELDS = frozenset({"model", "prompt", "max_tokens", "ignore_eos", "stream", "stream_options", "user",
+                    "kvpool_session", "stop"})
+#: Record fields the router owns; an engine's record never overrides them.
+ROUTER_FIELDS = frozenset({"key", "session", "thread", "measured", "arrival_s", "in_tokens", "out_tokens", "prefill",
+                           "decode", "first_token_s", "end_s", "rejected"})
+RECORD_FIELDS = frozenset(f.name for f in fields(RequestRecord))
+#: Engine record fields measured from the engine's receipt of the request (shifted to the router's clock).
+ENGINE_RELATIVE = ("prefill_start_s", "prefill_end_s")
+
+
+class ApiError(Exception):
+    """An answer other than 200: HTTP ``status`` and the OpenAI error object."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 outcome: str = "bad_request") -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.outcome = status, message, type_, param, outcome
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status)
+
+
+#: Engine answers the router passes on with their own status (the prompt does not fit the prefill KV,
+#: the engine is out of room or stopping, its deadline passed); any other failure is a 502.
+PASSED_ON = frozenset({413, 503, 504})
+
+
+class EngineError(ApiError):
+    """An engine failed (502, or its own 413/503/504) or the request's deadline passed (504); the
+    message names the engine and the cause."""
+
+    def __init__(self, engine: str, cause: str, timeout: bool = False, status: int = 502) -> None:
+        status = 504 if timeout else status
+        super().__init__(status, f"{engine}: {cause}", "timeout" if status == 504 else "engine_error", None, "error")
+        self.engine = engine
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A checked completion request."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    ignore_eos: bool
+    stream: bool
+    session: str
+
+
+@dataclass(frozen=True)
+class Engines:
+    """Where the engines listen: ``(name, url)`` per prefill instance and per decode instance, in order."""
+
+    prefill: tuple[tuple[str, str], ...]
+    decode: tuple[tuple[str, str], ...]
+
+    def all(self) -> tuple[tuple[str, str], ...]:
+        return self.decode + self.prefill
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+def _opt_str(body: dict, name: str) -> str:
+    v = body.get(name)
+    if v is None:
+        return ""
+    if not isinstance(v, str) or len(v) > 256:
+        raise _bad(name, f"expected a string of at most 256 characters, got {v!r:.80}")
+    return v
+
+
+def _opt_bool(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(name, f"expected true or false, got {v!r:.80}")
+    return v
+
+
+def parse_completion(body: object, *, model: str, vocab: int) -> Completion:
+    """The checked request, or ``ApiError`` (400; 404 for another model) naming the field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "expected a JSON object")
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise ApiError(400, f"unknown field(s): {', '.join(unknown)} (allowed: {', '.join(sorted(FIELDS))})",
+                       param=unknown[0])
+    if body.get("stop") not in (None, [], ""):
+        raise _bad("stop", "not supported: a generation ends after max_tokens, or at the end-of-sequence token "
+                           "unless ignore_eos")
+    m = body.get("model")
+    if not isinstance(m, str):
+        raise _bad("model", f"required: the model's name ({model!r})")
+    if m != model:
+        raise ApiError(404, f"model: {m!r:.80} is not served here; the model is {model!r}", param="model",
+                       type_="invalid_request_error")
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("prompt", "expected a non-empty string or list of token ids")
+        ids = tuple(tok.encode(prompt))
+    elif isinstance(prompt, list) and prompt:
+        if isinstance(prompt[0], (list, str)):
+            raise _bad("prompt", "one prompt per request: a string or one list of token ids")
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise _bad("prompt", f"prompt[{i}]: expected an integer token id in [0, {vocab - 1}], got {t!r:.80}")
+        ids = tuple(prompt)
+    else:
+        raise _bad("prompt", "expected a non-empty string or list of token ids")
+    mt = body.get("max_tokens")
+    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+        raise _bad("max_tokens", f"required: an integer >= 1, got {mt!r:.80}")
+    so = body.get("stream_options")
+    if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}
+                           or any(not isinstance(v, bool) for v in so.values())):
+        raise _bad("stream_options", "expected {\"include_usage\": true|false}")
+    session = _opt_str(body, "kvpool_session") or _opt_str(body, "user")
+    return Completion(ids, mt, _opt_bool(body, "ignore_eos"), _opt_bool(body, "stream"), session)
+
+
+def _verdict_error(verdict: Verdict, c: Completion, gate: GateConfig) -> ApiError:
+    n_in, n_out = len(c.prompt_ids), c.max_tokens
+    if verdict is Verdict.REJECT_INPUT:
+        return ApiError(400, f"{verdict.value}: the prompt has {n_in} tokens; gate.max_input_tokens is "
+                             f"{gate.max_input_tokens}", verdict.value, "prompt", "rejected")
+    if verdict is Verdict.REJECT_OUTPUT:
+        return ApiError(400, f"{verdict.value}: max_tokens is {n_out}; gate.max_output_tokens is "
+                             f"{gate.max_output_tokens}", verdict.value, "max_tokens", "rejected")
+    if verdict is Verdict.REJECT_BUDGET:
+        return ApiError(400, f"{verdict.value}: prompt + max_tokens = {n_in + n_out} tokens; one decode instance "
+                             f"admits {gate.budget_tokens}", verdict.value, None, "rejected")
+    return ApiError(429, f"{verdict.value}: no decode instance had room for {n_in + n_out} tokens within "
+                         f"gate.max_wait_s = {gate.max_wait_s:g} s", verdict.value, None, "rejected")
+
+
+class Router:
+    """One router over ``engines`` for ``scenario``; ``app`` is its aiohttp application.
+
+    ``healthy_children``: the supervisor's check that its processes run (``/health`` fails without it).
+    """
+
+    def __init__(self, scenario: Scenario, engines: Engines,
+                 healthy_children: Callable[[], str | None] = lambda: None) -> None:
+        if len(engines.decode) != scenario.decode.instances or len(engines.prefill) != scenario.prefill.instances:
+            raise ValueError("engines: one per prefill and decode instance of the scenario")
+        self.scenario, self.engines = scenario, engines
+        self.model = scenario.model.name
+        self.vocab = scenario.serve.vocab
+        self.request_timeout_s = scenario.serve.request_timeout_s
+        g = scenario.gate
+        self.gate_config = GateConfig(g.tokens_per_decode, g.budget_fraction, g.max_input_tokens, g.max_output_tokens,
+                                      g.max_wait_s)
+        self.gate = AdmissionGate(self.gate_config, scenario.decode.instances) if g.enabled else None
+        self.prefill_router = make_router(scenario.routing.prefill, random.Random(scenario.seed))
+        self.prefill_outstanding = [0] * scenario.prefill.instances
+        #: without a gate: tokens handed to each decode instance and not yet given back
+        self.decode_outstanding = [0] * scenario.decode.instances
+        self.metrics = RouterMetrics()
+        self.healthy_children = healthy_children
+        self.in_flight = 0
+        self.draining = False
+        self._cut = False  # cut_in_flight was called
+        self._tasks: set[asyncio.Task] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._held: dict[str, tuple[int, int]] = {}  # request id -> (decode, tokens), admitted
+        self._waiters: dict[str, asyncio.Future] = {}
+        self._t0 = time.monotonic()
+        self._ids = 0
+        self._http: aiohttp.ClientSession | None = None
+        max_body = max(1 << 20, g.max_input_tokens * 12 + (1 << 20))
+        self.app = web.Application(client_max_size=max_body)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metrics", self.metrics_text)
+        self.app.on_startup.append(self._start)
+        self.app.on_cleanup.append(self._stop)
+
+    # lifecycle ----------------------------------------------------------------------------------
+    async def _start(self, _app: web.Application) -> None:
+        self._t0 = time.monotonic()
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Refuse new requests (503) and wait up to ``timeout_s`` for the in-flight ones; ``True`` if none is left."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def now_s(self) -> float:
+        """Seconds since the router started (the records' clock and the gate's)."""
+        return time.monotonic() - self._t0
+
+    # small routes -------------------------------------------------------------------------------
+    async def models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": 0, "owned_by": "kvpool",
+            "max_model_len": self.gate_config.max_input_tokens + self.gate_config.max_output_tokens}]})
+
+    async def metrics_text(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        async def one(name: str, url: str) -> tuple[str, str]:
+            try:
+                async with self._session().get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
+                    body = await r.json(content_type=None)
+                    status = body.get("status", "?") if isinstance(body, dict) else "?"
+                    return name, status if r.status == 200 else f"HTTP {r.status} ({status})"
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                return name, f"unreachable ({type(e).__name__}: {e})"
+
+        engines = dict(await asyncio.gather(*(one(n, u) for n, u in self.engines.all())))
+        problem = self.healthy_children()
+        ok = problem is None and not self.draining and all(s == "ok" for s in engines.values())
+        body = {"status": "ok" if ok else ("draining" if self.draining else "unhealthy"), "engines": engines}
+        if problem is not None:
+            body["processes"] = problem
+        return web.json_response(body, status=200 if ok else 503)
+
+    # completions --------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        arrival_s = self.now_s()
+        if self.draining:
+            return self._fail(ApiError(503, "the server is shutting down", "unavailable", outcome="error"))
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError) as e:
+            return self._fail(ApiError(400, f"the body is not JSON: {e}"))
+        try:
+            c = parse_completion(body, model=self.model, vocab=self.vocab)
+        except ApiError as e:
+            return self._fail(e)
+        self._ids += 1
+        rid = f"cmpl-{self._ids}"
+        self.in_flight += 1
+        self._idle.clear()
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            return await self._serve(request, rid, c, arrival_s)
+        except asyncio.CancelledError:
+            if not self._cut:
+                raise
+            task.uncancel()  # cut_in_flight's: answer, as a waiting request's cut ends here
+            return self._fail(self._cut_error())
+        finally:
+            self._tasks.discard(task)
+            if rid in self._held:
+                self._release(rid)
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    def _fail(self, e: ApiError) -> web.Response:
+        self.metrics.requests.labels(outcome=e.outcome).inc()
+        return e.response()
+
+    async def _serve(self, request: web.Request, rid: str, c: Completion, arrival_s: float) -> web.StreamResponse:
+        try:
+            decode = await self._admit(rid, c)
+        except asyncio.CancelledError:
+            if not self._cut:
+                self.metrics.requests.labels(outcome="cancelled").inc()
+            raise
+        except ApiError as e:
+            if e.outcome == "rejected":
+                self.metrics.gate_rejected.labels(reason=e.type).inc()
+            return self._fail(e)
+        self.metrics.running.inc()
+        try:
+            return await self._answer(request, rid, c, arrival_s, decode)
+        finally:
+            self.metrics.running.dec()
+
+    # gate ---------------------------------------------------------------------------------------
+    async def _admit(self, rid: str, c: Completion) -> int:
+        """The decode instance ``rid`` is admitted on (``_held`` records it), or ``ApiError``."""
+        n_in, n_out = len(c.prompt_ids), c.max_tokens
+        need = n_in + n_out
+        if self.gate is None:
+            bad = self._caps(n_in, n_out)
+            if bad is not None:
+                raise _verdict_error(bad, c, self.gate_config)
+            cap = self.scenario.serve.decode_kv_tokens
+            decode = choose_decode([cap - t for t in self.decode_outstanding])
+            self.decode_outstanding[decode] += need
+            self._held[rid] = (decode, need)
+            return decode
+        adm = self.gate.arrive(rid, n_in, n_out, self.now_s())
+        if adm.verdict is Verdict.ADMITTED:
+            self._held[rid] = (adm.decode, need)
+            self.metrics.gate_admitted.inc()
+            return adm.decode
+        if adm.verdict is not Verdict.WAIT:
+            raise _verdict_error(adm.verdict, c, self.gate_config)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._waiters[rid] = fut
+        self.metrics.gate_waiting.set(self.gate.waiting)
+        timer = loop.call_later(max(0.0, adm.deadline_s - self.now_s()), self._expire, rid)
+        try:
+            decode = await fut
+        finally:
+            timer.cancel()
+            self._waiters.pop(rid, None)
+            self.gate.expire(rid)  # a no-op unless the wait ended otherwise (the client went away)
+            self.metrics.gate_waiting.set(self.gate.waiting)
+        self.metrics.gate_admitted.inc()
+        return decode
+
+    def _caps(self, n_in: int, n_out: int) -> Verdict | None:
+        g = self.gate_config
+        if n_in > g.max_input_tokens:
+            return Verdict.REJECT_INPUT
+        if n_out > g.max_output_tokens:
+            return Verdict.REJECT_OUTPUT
+        return None
+
+    def _expire(self, rid: str) -> None:
+        fut = self._waiters.get(rid)
+        if self.gate is not None and self.gate.expire(rid) and fut is not None and not fut.done():
+            fut.set_exception(self._timeout_error())
+        self.metrics.gate_waiting.set(self.gate.waiting if self.gate else 0)
+
+    def _timeout_error(self) -> ApiError:
+        g = self.gate_config
+        v = Verdict.REJECT_TIMEOUT.value
+        return ApiError(429, f"{v}: no decode instance had room for the request within gate.max_wait_s = "
+                             f"{g.max_wait_s:g} s", v, None, "rejected")
+
+    def _release(self, rid: str) -> None:
+        """Give ``rid``'s reservation back and hand the freed budget to the waiters the gate admits."""
+        decode, need = self._held.pop(rid)
+        if self.gate is None:
+            self.decode_outstanding[decode] -= need
+            return
+        queue = [rid]
+        while queue:
+            for wid, d in self.gate.release(queue.pop()):
+                fut = self._waiters.get(wid)
+                self._held[wid] = (d, 0)  # the gate holds its tokens
+                if fut is not None and not fut.done():
+                    fut.set_result(d)
+                else:  # its client went away while the release was on its way: give it straight back
+                    del self._held[wid]
+                    queue.append(wid)
+        self.metrics.gate_waiting.set(self.gate.waiting)
+
+    # engines ------------------------------------------------------------------------------------
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            raise RuntimeError("the router has not started")
+        return self._http
+
+    async def _post(self, engine: str, url: str, path: str, message: dict, deadline: float) -> dict:
+        """POST ``message`` to ``url + path`` and return the JSON answer; ``EngineError`` naming ``engine``."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                async with self._session().post(f"{url}{path}", json=message) as r:
+                    text = await r.text()
+        except TimeoutError:
+            raise EngineError(engine, f"POST {path} did not answer within serve.request_timeout_s = "
+                                      f"{self.request_timeout_s:g} s", timeout=True) from None
+        except aiohttp.ClientError as e:
+            raise EngineError(engine, f"POST {path} failed: {type(e).__name__}: {e}") from None
+        if r.status != 200:
+            raise EngineError(engine, f"POST {path} answered HTTP {r.status}: {_reason(text)}",
+                              status=r.status if r.status in PASSED_ON else 502)
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise EngineError(engine, f"POST {path} answered something other than JSON: {text[:200]!r}") from None
+
+    async def _abort(self, decode: int, rid: str) -> None:
+        name, url = self.engines.decode[decode]
+        try:
+            async with self._session().post(f"{url}/abort", json=AbortRequest(rid).to_json(),
+                                            timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as r:
+                await r.read()
+        except (aiohttp.ClientError, TimeoutError):
+            pass  # the engine is gone or hung: nothing of the request survives there that matters
+
+    async def _tokens(self, rid: str, c: Completion, rec: RequestRecord,
+                      deadline: float) -> AsyncIterator[tuple[list[int], str]]:
+        """The request's tokens as they come: ``(tokens, finish_reason)``, the reason on the last item."""
+        d = rec.decode
+        # route now, before anything is awaited, so concurrent requests see each other's tokens
+        p = rec.prefill = self.prefill_router.choose(c.session, self.prefill_outstanding)
+        dname, durl = self.engines.decode[d]
+        pname, purl = self.engines.prefill[p]
+        n = len(c.prompt_ids)
+        self.prefill_outstanding[p] += n
+        try:
+            await self._post(dname, durl, "/expect", ExpectRequest(rid, n, c.max_tokens).to_json(), deadline)
+            sent_s = self.now_s()
+            answer = await self._post(pname, purl, "/prefill",
+                                      PrefillRequest(rid, c.prompt_ids, d, c.session).to_json(), deadline)
+        finally:
+            self.prefill_outstanding[p] -= n
+        try:
+            result = PrefillResult.from_json(answer)
+        except ProtocolError as e:
+            raise EngineError(pname, f"POST /prefill answered a malformed PrefillResult: {e}") from None
+        rec.first_token_s = self.now_s()
+        _merge(rec, result.record, sent_s, overwrite=True)
+        first = result.first_token
+        if c.max_tokens == 1 or (first == tok.EOS_TOKEN and not c.ignore_eos):
+            await self._abort(d, rid)  # nothing to generate: decode frees the pages it set aside
+            yield [first], "length" if c.max_tokens == 1 and (first != tok.EOS_TOKEN or c.ignore_eos) else "stop"
+            return
+        yield [first], ""
+        async for event in self._generate(dname, durl, GenerateRequest(rid, first, c.max_tokens, result.descriptor,
+                                                                       c.ignore_eos), deadline):
+            if event.done:
+                _merge(rec, event.record, sent_s, overwrite=False)
+                yield list(event.tokens), event.finish_reason or "length"
+                return
+            yield list(event.tokens), ""
+
+    async def _generate(self, engine: str, url: str, req: GenerateRequest, deadline: float) -> AsyncIterator[TokenEvent]:
+        path = "/generate"
+        try:
+            async with asyncio.timeout_at(deadline):
+                async with self._session().post(f"{url}{path}", json=req.to_json()) as r:
+                    if r.status != 200:
+                        raise EngineError(engine, f"POST {path} answered HTTP {r.status}: {_reason(await r.text())}",
+                                          status=r.status if r.status in PASSED_ON else 502)
+                    while True:
+                        line = await r.content.readline()
+                        if not line:
+                            raise EngineError(engine, f"POST {path}: the stream ended before its last event")
+                        if not line.strip():
+                            continue
+                        try:
+                            event = TokenEvent.from_json(json.loads(line))
+                        except (ValueError, ProtocolError) as e:
+                            raise EngineError(engine, f"POST {path}: a malformed TokenEvent: {e}") from None
+                        if event.error:
+                            raise EngineError(engine, f"POST {path}: {event.error}")
+                        yield event
+                        if event.done:
+                            return
+        except TimeoutError:
+            raise EngineError(engine, f"POST {path} did not finish within serve.request_timeout_s = "
+                                      f"{self.request_timeout_s:g} s", timeout=True) from None
+        except aiohttp.ClientError as e:
+            raise EngineError(engine, f"POST {path} failed: {type(e).__name__}: {e}") from None
+
+    # answers ------------------------------------------------------------------------------------
+    async def _answer(self, request: web.Request, rid: str, c: Completion, arrival_s: float,
+                      decode: int) -> web.StreamResponse:
+        rec = RequestRecord(key=rid, session=c.session, arrival_s=arrival_s, in_tokens=len(c.prompt_ids), decode=decode)
+        deadline = asyncio.get_running_loop().time() + self.request_timeout_s
+        out: list[int] = []
+        text = tok.TextStream()
+        resp: web.StreamResponse | None = None
+        finish = ""
+        last_s = 0.0
+        gen = self._tokens(rid, c, rec, deadline)
+        try:
+            async for ids, finish in gen:
+                now = self.now_s()
+                if not out:
+                    self.metrics.ttft.observe(now - arrival_s)
+                else:
+                    self.metrics.observe_gaps(now - last_s, len(ids))
+                last_s = now
+                out.extend(ids)
+                if c.stream:
+                    if resp is None:
+                        resp = await self._open_stream(request)
+                    piece = text.feed(ids) + (text.flush() if finish else "")
+                    await _send(resp, self._chunk(rid, piece, ids, finish or None))
+        except asyncio.CancelledError:
+            await gen.aclose()
+            if not self._cut:
+                await asyncio.shield(self._abort(decode, rid))
+                self.metrics.requests.labels(outcome="cancelled").inc()
+                raise
+            asyncio.current_task().uncancel()
+            return await self._failed(self._cut_error(), resp, decode, rid)
+        except ApiError as e:
+            return await self._failed(e, resp, decode, rid)
+        except ConnectionError:
+            await gen.aclose()
+            await self._abort(decode, rid)
+            self.metrics.requests.labels(outcome="cancelled").inc()
+            raise
+        rec.end_s = self.now_s()
+        rec.out_tokens = len(out)
+        self.metrics.e2e.observe(rec.end_s - arrival_s)
+        self.metrics.observe_record(rec)
+        self.metrics.requests.labels(outcome="ok").inc()
+        usage = {"prompt_tokens": rec.in_tokens, "completion_tokens": len(out), "total_tokens": rec.in_tokens + len(out),
+                 "prompt_tokens_details": {"cached_tokens": rec.gpu_tokens + rec.pool_tokens + rec.ssd_tokens}}
+        extension = {"record": rec.as_dict()}
+        if resp is not None:
+            try:
+                await _send(resp, {**self._head(rid, "text_completion"), "choices": [], "usage": usage,
+                                   "kvpool": extension})
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+            except ConnectionError:
+                pass
+            return resp
+        return web.json_response({**self._head(rid, "text_completion"), "choices": [{
+            "index": 0, "text": tok.decode(out), "token_ids": out, "logprobs": None, "finish_reason": finish}],
+            "usage": usage, "kvpool": extension})
+
+    async def _failed(self, e: ApiError, resp: web.StreamResponse | None, decode: int, rid: str) -> web.StreamResponse:
+        """Abort on decode, then answer ``e``: an error response, or an error chunk ending a begun stream."""
+        await self._abort(decode, rid)
+        if resp is None:
+            return self._fail(e)
+        self.metrics.requests.labels(outcome=e.outcome).inc()
+        try:
+            await _send(resp, e.body())
+            await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return resp
+
+    def _cut_error(self) -> ApiError:
+        return ApiError(503, f"the server stopped: the request did not finish within serve.drain_s = "
+                             f"{self.scenario.serve.drain_s:g} s of the stop", "unavailable", outcome="error")
+
+    def cut_in_flight(self) -> None:
+        """End every in-flight request now (after the drain): each answers 503 ``unavailable``."""
+        self._cut = True
+        for t in list(self._tasks):
+            t.cancel()
+
+    def _head(self, rid: str, obj: str) -> dict:
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model}
+
+    def _chunk(self, rid: str, text: str, ids: list[int], finish: str | None) -> dict:
+        return {**self._head(rid, "text_completion"), "choices": [
+            {"index": 0, "text": text, "token_ids": ids, "logprobs": None, "finish_reason": finish}]}
+
+    async def _open_stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        return resp
+
+
+async def _send(resp: web.StreamResponse, obj: dict) -> None:
+    await resp.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _reason(text: str) -> str:
+    """An engine's ``{"error": reason}`` answer as its reason (else the text, shortened)."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:200]
+    if isinstance(body, dict) and "error" in body:
+        e = body["error"]
+        return e.get("message", str(e)) if isinstance(e, dict) else str(e)
+    return text[:200]
+
+
+def _merge(rec: RequestRecord, part: dict, sent_s: float, overwrite: bool) -> None:
+    """Copy an engine's record fields into ``rec`` (never the router's own; engine-relative times shifted)."""
+    for k, v in part.items():
+        if k not in RECORD_FIELDS or k in ROUTER_FIELDS:
+            continue
+        if not overwrite and getattr(rec, k) != getattr(RequestRecord(key=""), k):
+            continue
+        if k in ENGINE_RELATIVE and isinstance(v, (int, float)):
+            v = sent_s + v
+        setattr(rec, k, v)
+

@@ -1,0 +1,270 @@
+#!/usr/bin/env python3
+"""Production mode on one GPU: ``kvpool serve`` driven by ``kvpool replay`` at several loads.
+
+One run, in order:
+
+    serve     ``kvpool serve SCENARIO`` (default ``h200-tiny``: every worker on cuda:0, the
+              embedded pool), started and stopped by this script
+    loads     ``kvpool replay`` of real traces at each ``--loads`` sessions for ``--duration`` s,
+              prompts scaled by ``--token-scale`` (workload.token_scale): throughput per GPU,
+              TTFT p50/p90, token sources, restore per stage, hand-off GB/s (from the records'
+              hand-off bytes and seconds)
+    check     the GPU correctness check: a multi-turn session (each turn = the previous prompt, its
+              answer and new tokens) whose answers must equal ``reference_generate`` on the same
+              device, the no-cache recompute (no GPU prefix cache, no pool, no hand-off)
+    limits    measured in the same run after the server stopped: pinned host -> device copy and a
+              device copy (GB/s, 256 MiB), and the bare model forward pass over the work of the
+              highest load: prefill of its requests' computed tokens (a sample of them, the
+              cached prefix computed first and not timed) and decode steps at its concurrency.
+              ``stack_ratio`` = served throughput / bare-forward throughput of the same tokens:
+              what HTTP, routing, scheduling, the connector and the hand-off leave of the model's
+              own speed (the bare forward runs prefill and decode one after the other, the
+              server overlaps them, so the ratio can exceed 1 below saturation).
+
+Prints one JSON document (and writes it to ``--out``). Usage, on a machine with a GPU:
+    python bench/serve.py [--loads 2,4,8] [--duration 60] [--token-scale 1/16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+KVPOOL = [sys.executable, "-m", "kvpool.cli"]
+
+
+def log(msg: str) -> None:
+    print(f"[serve-bench] {msg}", file=sys.stderr, flush=True)
+
+
+def start_server(scenario: str, port: int, run_dir: Path, sets: list[str]) -> tuple[subprocess.Popen, str]:
+    args = [*KVPOOL, "serve", scenario, "--port", str(port), "--run-dir", str(run_dir)]
+    for s in sets:
+        args += ["--set", s]
+    log("starting " + " ".join(args[2:]))
+    proc = subprocess.Popen(args, stdout=(run_dir.parent / "serve.out").open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    ready = run_dir / "router.ready.json"
+    deadline = time.monotonic() + 600
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise SystemExit(f"kvpool serve exited {proc.returncode}:\n" + (run_dir.parent / "serve.out").read_text()[-4000:])
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("kvpool serve not ready within 600 s")
+        time.sleep(0.5)
+    return proc, json.loads(ready.read_text())["url"]
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait()
+
+
+def replay(scenario: str, url: str, traces: str, sessions: int, duration_s: float, token_scale: str,
+           out: Path, sets: list[str]) -> tuple[dict, list[dict]]:
+    args = [*KVPOOL, "replay", scenario, "--url", url, "--traces", traces, "--sessions", str(sessions),
+            "--duration", str(duration_s), "--token-scale", token_scale, "--out", str(out), "--json"]
+    for s in sets:
+        args += ["--set", s]
+    log(f"replay: {sessions} sessions for {duration_s:g} s")
+    done = subprocess.run(args, capture_output=True, text=True, timeout=duration_s + 400)
+    if done.returncode != 0:
+        raise SystemExit(f"kvpool replay failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    doc = json.loads(done.stdout)
+    (jsonl,) = sorted(out.glob(f"replay-*-sessions-{sessions}-*.jsonl"))
+    records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    return doc["results"][0], records
+
+
+def handoff_gb_s(records: list[dict]) -> float:
+    ok = [r for r in records if not r.get("error") and r.get("handoff_s", 0) > 0]
+    secs = sum(r["handoff_s"] for r in ok)
+    return sum(r["handoff_bytes"] for r in ok) / secs / 1e9 if secs else 0.0
+
+
+def post(url: str, body: dict, timeout_s: float = 300) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def correctness_session(url: str, model: str, vocab: int, turns: int, first_tokens: int, grow_tokens: int,
+                        out_tokens: int, seed: int) -> list[dict]:
+    """A multi-turn session; each turn's prompt, the server's answer and its record."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(256) for _ in range(first_tokens)]
+    session = []
+    for t in range(turns):
+        ans = post(url, {"model": model, "prompt": prompt, "max_tokens": out_tokens, "ignore_eos": True})
+        ids = ans["choices"][0]["token_ids"]
+        session.append({"turn": t, "prompt": list(prompt), "answer": ids, "record": ans["kvpool"]["record"]})
+        prompt = prompt + ids + [rng.randrange(256) for _ in range(grow_tokens)]
+    return session
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        sync(dev)
+
+
+def gb_s(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def copy_limits(dev: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> dict:
+    if dev.type != "cuda":
+        return {}
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(reps):
+            sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return {"h2d_pinned_gb_s": gb_s(nbytes, best(lambda: a.copy_(host, non_blocking=True))),
+            "device_copy_gb_s": gb_s(nbytes, best(lambda: b.copy_(a)))}
+
+
+def bare_forward(config, records: list[dict], sessions: int, max_seqs: int, dcp: int, dev: torch.device,
+                 sample: int = 12) -> dict:
+    """The model's own speed on the work of ``records`` (see the module docstring)."""
+    from kvpool.backend.refmodel import RefModel
+    from kvpool.backend.serve.decode_model import DcpCaches, DecodeModel, DecodeSeq, rank_pages
+
+    model = RefModel(config, dev)
+    P = config.page_tokens
+    done = [r for r in records if not r.get("error") and r.get("end_s", 0) > 0]
+    if not done:
+        return {}
+    rng = random.Random(0)
+    picked = rng.sample(done, min(sample, len(done)))
+    computed_s, computed_tokens = 0.0, 0
+    for r in picked:
+        n, new = r["in_tokens"], r["computed_tokens"]
+        start = ((n - new) // P) * P  # the cached prefix, whole pages
+        toks = [rng.randrange(256) for _ in range(n)]
+        table = torch.arange(-(-n // P), device=dev)
+        caches = model.new_caches(table.numel())
+        if start:
+            model.prefill(toks[:start + 1], caches, table)  # fill the prefix's pages, not timed
+        sync(dev)
+        t0 = time.perf_counter()
+        model.prefill(toks, caches, table, start_token=start)
+        sync(dev)
+        computed_s += time.perf_counter() - t0
+        computed_tokens += n - start
+    prefill_tok_s = computed_tokens / computed_s
+    batch = max(1, min(sessions, max_seqs))
+    ctx = int(statistics.median(r["in_tokens"] for r in done))
+    pages = max(rank_pages(ctx + 64, rk, dcp, P) for rk in range(dcp))
+    kv = DcpCaches(config, dcp, pages * batch, [dev])
+    tables = [[torch.arange(b * pages, (b + 1) * pages, device=dev) for _ in range(dcp)] for b in range(batch)]
+    step = DecodeModel(model, kv, [dev])
+    seqs = [DecodeSeq(1, ctx, t, [x.tolist() for x in t]) for t in tables]
+    step.step(seqs)
+    sync(dev)
+    t0 = time.perf_counter()
+    reps = 10
+    for _ in range(reps):
+        step.step(seqs)
+    sync(dev)
+    step_s = (time.perf_counter() - t0) / reps
+    prompt = sum(r["in_tokens"] for r in done)
+    out = sum(r["out_tokens"] for r in done)
+    bare_s = sum(r["computed_tokens"] for r in done) / prefill_tok_s + out / batch * step_s
+    return {"prefill_tok_s": prefill_tok_s, "prefill_sample_requests": len(picked),
+            "decode_step_s": step_s, "decode_batch": batch, "decode_context_tokens": ctx,
+            "bare_s": bare_s, "bare_throughput_tok_s": (prompt + out) / bare_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", default="h200-tiny")
+    ap.add_argument("--loads", default="2,4,8", help="AgentX sessions per load, comma-separated")
+    ap.add_argument("--duration", type=float, default=60.0, help="measured window per load, s")
+    ap.add_argument("--token-scale", default="1/16")
+    ap.add_argument("--traces", default=str(ROOT / "tests/data/traces/kv-cache-tester"))
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="scenario override (repeatable)")
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--turns", type=int, default=3, help="turns of the correctness session")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/serve-h200.json"))
+    a = ap.parse_args()
+
+    from kvpool.backend.serve.model_config import ref_config
+    from kvpool.backend.serve.reference import reference_generate
+    from kvpool.scenario.load import load_scenario
+
+    s = load_scenario(a.scenario, a.sets)
+    config = ref_config(s)
+    dev = torch.device(s.serve.devices[0])
+    work = Path(tempfile.mkdtemp(prefix="kvpool-serve-bench-"))
+    loads = [int(x) for x in a.loads.split(",")]
+    proc, url = start_server(a.scenario, a.port, work / "run", a.sets)
+    results, records_by_load = [], {}
+    try:
+        session = correctness_session(url, s.model.name, s.serve.vocab, a.turns, first_tokens=600,
+                                      grow_tokens=300, out_tokens=16, seed=s.seed)
+        for n in loads:
+            summary, records = replay(a.scenario, url, a.traces, n, a.duration, a.token_scale, work / f"load{n}", a.sets)
+            summary["handoff_gb_s"] = handoff_gb_s(records)
+            results.append(summary)
+            records_by_load[n] = records
+            log(f"{n} sessions: {summary['throughput_per_gpu_tok_s']:.0f} tok/s/GPU, TTFT p50 "
+                f"{summary['ttft_p50_s']:.2f} s p90 {summary['ttft_p90_s']:.2f} s, gpu/pool/computed "
+                f"{summary['share_gpu']:.2f}/{summary['share_pool']:.2f}/{summary['share_computed']:.2f}")
+    finally:
+        status = stop_server(proc)
+    check = []
+    for turn in session:
+        want = reference_generate(config, turn["prompt"], len(turn["answer"]), s.decode.dcp, device=str(dev))
+        r = turn["record"]
+        check.append({"turn": turn["turn"], "prompt_tokens": len(turn["prompt"]), "equal": want == turn["answer"],
+                      "gpu_tokens": r["gpu_tokens"], "pool_tokens": r["pool_tokens"],
+                      "computed_tokens": r["computed_tokens"]})
+    limits = copy_limits(dev)
+    top = loads[-1]
+    bare = bare_forward(config, records_by_load[top], top, s.decode.max_seqs, s.decode.dcp, dev)
+    if bare:
+        bare["stack_ratio"] = results[-1]["throughput_tok_s"] / bare["bare_throughput_tok_s"]
+    doc = {"bench": "serve", "scenario": a.scenario, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "date": time.strftime("%Y-%m-%d"), "loads": loads, "duration_s": a.duration,
+           "token_scale": str(Fraction(a.token_scale)), "traces": os.path.relpath(a.traces, ROOT),
+           "sets": a.sets, "results": results, "gpu_correctness": {"all_equal": all(c["equal"] for c in check),
+                                                                   "turns": check},
+           "limits": limits, "bare_forward": bare, "serve_exit_status": status}
+    text = json.dumps(doc, indent=1)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

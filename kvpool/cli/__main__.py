@@ -1,0 +1,5 @@
+"""``python -m kvpool.cli``: the ``kvpool`` command (for machines where the script is not on PATH)."""
+
+from kvpool.cli import main
+
+main()
