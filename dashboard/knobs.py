@@ -14,7 +14,6 @@ Contract:
 from __future__ import annotations
 
 import re
-import tomllib
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,7 +21,7 @@ from typing import Any, Literal
 import tomli_w
 from pydantic import BaseModel
 
-from kvpool.scenario.load import ScenarioError, apply_overrides, validate
+from kvpool.scenario.load import ScenarioError, apply_overrides, read_toml_bytes, validate
 from kvpool.scenario.model import Scenario
 
 Kind = Literal["int", "float", "bool", "choice", "text", "int_list", "optional_text"]
@@ -195,15 +194,11 @@ def field_errors(lines: list[str], path: str) -> list[str]:
 
 
 def parse_upload(data: bytes, filename: str) -> tuple[dict, str]:
-    """An uploaded TOML file as (raw table, source label); ``ScenarioError`` naming the file."""
+    """An uploaded TOML file as (raw table, source label); ``ScenarioError`` naming the file.
+
+    The bytes are read as a scenario file is (``kvpool.scenario.load.read_toml_bytes``: size, UTF-8,
+    TOML, nesting depth, integer width), then validated."""
     label = f"upload {filename}"
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ScenarioError(f"{label}: not UTF-8 text: {e}") from None
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ScenarioError(f"{label}: not valid TOML: {e}") from None
+    raw = read_toml_bytes(data, label)
     validate(raw, label)
     return raw, label

@@ -5,9 +5,13 @@ Contract (stdlib only; shared by the CLI and the simulator's report writer):
       path): letters, digits and ``. _ + -`` kept, anything else ``_``; no leading dot, no ``..``;
       at most ``MAX_NAME_CHARS`` characters (a longer label is cut and keeps a short digest of the
       whole). A label already made of those characters and short enough is returned unchanged.
-    * ``output_dir(path, flag)``: ``path`` as a folder that exists and is writable (created when
-      missing), or a ``UserError`` naming ``flag``: an existing file, a folder that cannot be created
-      or written.
+    * ``output_dir(path, flag, create=True)``: ``path`` as a folder that exists and is writable
+      (created when missing), or a ``UserError`` naming ``flag``: an existing file, a folder that
+      cannot be created or written. With ``create=False`` nothing is created: the check is that
+      ``path`` is a writable folder or that its nearest existing ancestor is one (a command checks
+      ``--out`` so before it reads its inputs, and creates it once it has something to write, so a
+      run that fails leaves no folder behind). ``output_file(path, flag, create=True)`` does the same
+      for a file's folder.
     * ``atomic_path(final)``: a context manager giving a temporary path in ``final``'s folder (same
       suffixes, so writers that pick a format by suffix still do); on a clean exit it is renamed onto
       ``final`` in one step, on any exception (Ctrl-C included) it is removed: an interrupted or
@@ -44,10 +48,21 @@ def safe_name(label: str) -> str:
     return name
 
 
-def output_dir(path: Path, flag: str = "--out") -> Path:
-    """``path`` created if missing; a ``UserError`` naming ``flag`` if it is not a writable folder."""
+def output_dir(path: Path, flag: str = "--out", create: bool = True) -> Path:
+    """``path`` created if missing (``create``); a ``UserError`` naming ``flag`` if it is not, or cannot
+    become, a writable folder."""
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path}: exists and is not a directory; give a directory for the outputs")
+    if not create:
+        ancestor = path
+        while not ancestor.exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise UserError(f"{flag} {path}: cannot create the directory: {ancestor} is not a directory")
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            what = "the directory is not writable" if ancestor == path else f"cannot create it in {ancestor}"
+            raise UserError(f"{flag} {path}: {what}")
+        return path
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -57,11 +72,11 @@ def output_dir(path: Path, flag: str = "--out") -> Path:
     return path
 
 
-def output_file(path: Path, flag: str = "--out") -> Path:
+def output_file(path: Path, flag: str = "--out", create: bool = True) -> Path:
     """``path`` as a file to write: its folder is made writable (``output_dir``), and it is not a folder."""
     if path.is_dir():
         raise UserError(f"{flag} {path}: is a directory; give a file name")
-    output_dir(path.parent if str(path.parent) else Path("."), flag)
+    output_dir(path.parent if str(path.parent) else Path("."), flag, create)
     return path
 
 

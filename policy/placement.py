@@ -2,12 +2,13 @@
 
 Contract:
     * Servers -> NUMA nodes -> GPUs; each instance takes whole, consecutive NUMA nodes of one server
-      (``gpus_per_server // numa_per_server`` GPUs each). Decode instance ``g`` goes to server
+      (``gpus_per_server / numa_per_server`` GPUs each, a whole number). Decode instance ``g`` goes to server
       ``g mod servers``; prefill instances fill the remaining NUMA nodes server by server, assigned
       round-robin to the decode groups and, where the cluster allows, never on their own group's
       decode server (the seed's placement).
     * ``place(...)`` returns the ``Layout``; ``PlacementError`` (a ``ValueError``) when there are
-      more NUMA nodes than GPUs per server or the instances do not fit. The scenario model calls it
+      more NUMA nodes than GPUs per server, when they do not divide the GPUs of a server evenly, or
+      when the instances do not fit. The scenario model calls it
       to refuse a deployment that cannot be placed; the simulator calls it to build the cluster.
 """
 
@@ -40,11 +41,18 @@ def place(servers: int, gpus_per_server: int, numa_per_server: int,
     if numa_per_server > gpus_per_server:
         raise PlacementError(f"cluster.numa_per_server ({numa_per_server}) exceeds cluster.gpus_per_server "
                              f"({gpus_per_server}): every NUMA node holds at least one GPU")
+    if gpus_per_server % numa_per_server:
+        raise PlacementError(f"cluster.numa_per_server ({numa_per_server}) must divide cluster.gpus_per_server "
+                             f"({gpus_per_server}): every NUMA node of a server holds the same number of GPUs")
     per_numa = gpus_per_server // numa_per_server
     free = [(srv, n) for srv in range(servers) for n in range(numa_per_server)]
 
     def take(role: str, gpus: int, prefer: list[tuple[int, int]]) -> Placement:
         need = max(1, -(-gpus // per_numa))
+        if need > numa_per_server:
+            raise PlacementError(
+                f"a {role} instance of {gpus} GPUs is larger than one server (cluster.gpus_per_server = "
+                f"{gpus_per_server}); an instance runs on the GPUs of one server")
         for srv, n in prefer:
             run = [(srv, n + k) for k in range(need)]
             if all(r in free for r in run):

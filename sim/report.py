@@ -78,6 +78,12 @@ def degenerate_reason(row: dict) -> str | None:
     """Why one load's result is no measurement (docs/metrics.md, "Degenerate runs"), or None."""
     window = row.get("duration_s", 0.0)
     n = row.get("requests", 0)
+    rejected = row.get("rejected", 0)
+    if n < MIN_REQUESTS and rejected:
+        return (f"the admission gate rejected {rejected} request{'s' if rejected > 1 else ''} and {n} finished inside "
+                f"the {window:g} s window: a request is admitted when its input + output tokens fit "
+                "gate.tokens_per_decode x gate.budget_fraction on a decode instance within gate.max_wait_s "
+                "(and gate.max_input_tokens / max_output_tokens); raise the budget or the wait, or set gate.enabled=false")
     if n == 0:
         return (f"no request finished inside the {window:g} s window (the simulation ran {row.get('simulated_s', 0):.0f} s): "
                 "the window is shorter than one request takes; give a longer --duration")

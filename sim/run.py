@@ -6,7 +6,9 @@ Contract:
       (keys in docs/metrics.md) plus time series for the plots. Deterministic: the same scenario
       (seed included), load and traces give identical results, in any process.
     * The workload is the scenario's trace set (``workload.traces``, or ``traces=`` here), else its
-      synthetic preset (``workload.preset`` x ``workload.synthetic_sessions``, generated in memory).
+      synthetic preset (``workload.preset`` x ``workload.synthetic_sessions``, generated in memory
+      and kept as a pickle in ``cache_dir()``; a kept file is read back only when it is a regular
+      file of this user that nobody else may write, and only a ``Workload`` in it is used).
     * ``sweep`` runs several loads through ``sim.executor``: in worker processes (``workers``; 1 runs
       in-process) or on a Ray cluster (``executor="ray"``, ``address``; none starts a local runtime),
       with an optional progress callback per finished load; results come back in load order and are
@@ -16,6 +18,7 @@ Contract:
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 from collections.abc import Callable, Sequence
@@ -99,12 +102,14 @@ def _load_or_generate(preset: str, sessions: int, seed: int, context_scale: floa
 
     root = cache_dir()
     path = _synthetic_path(preset, sessions, seed, context_scale)
-    if path.is_file():
+    if _own_file(path):
         try:
             with path.open("rb") as f:
-                return pickle.load(f)
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError):
-            pass  # unreadable cache entry: generate again
+                kept = pickle.load(f)
+            if isinstance(kept, Workload):
+                return kept
+        except Exception:  # noqa: BLE001 - a truncated or foreign cache entry: generate again
+            pass
     w = synth.synthetic_workload(preset, sessions, seed, context_scale=context_scale, on_session=on_session)
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -115,6 +120,17 @@ def _load_or_generate(preset: str, sessions: int, seed: int, context_scale: floa
     except OSError:
         pass  # a read-only home still runs, just slower
     return w
+
+
+def _own_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file (not a link) of this user that nobody else may write: a
+    cache entry is unpickled only then (a pickle runs code; a shared ``KVPOOL_CACHE_DIR`` must not
+    let another user's file in)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def workload_for(s: Scenario, traces: str | None = None) -> Workload:

@@ -14,8 +14,13 @@ Contract:
     so peak memory is the compact workload plus one parsed file.
 
     Limits: only regular files are read (a FIFO, a device or a socket is an error, never a read
-    that blocks or never ends), each at most ``MAX_FILE_BYTES`` on disk and after gzip; JSON nested
-    too deeply is an error. Weka trace ids are distinct across the whole workload.
+    that blocks or never ends), each at most ``MAX_FILE_BYTES`` on disk. A gzip file is inflated in
+    pieces and stops at ``inflated_bound_bytes(size on disk)``: at most ``MAX_GZIP_RATIO`` times its
+    size on disk (real traces inflate 2-75x, a gzip bomb about 1000x), never less than
+    ``MIN_INFLATED_BOUND_BYTES`` and never more than ``MAX_FILE_BYTES``; a truncated or corrupt one is
+    an error. JSON nested too deeply, a key given twice in one object and text that is not UTF-8 are
+    errors; a UTF-8 byte-order mark and CRLF line ends are read as the text they frame. Weka trace
+    ids are distinct across the whole workload.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from kvpool.workload.weka import session_from_weka, session_to_weka
 
 SUFFIXES = (".json", ".json.gz", ".jsonl", ".jsonl.gz")
 MAX_FILE_BYTES = 4 << 30  # 4 GiB per trace file, compressed or not
+MAX_GZIP_RATIO = 200  # inflated size over size on disk
+MIN_INFLATED_BOUND_BYTES = 64 << 20  # a small gzip file may always inflate this far
+_INFLATE_STEP_BYTES = 16 << 20
 Progress = Callable[[int, int], None]
 
 
@@ -59,6 +67,18 @@ def trace_files(path: str | Path) -> list[Path]:
     return [p]
 
 
+def inflated_bound_bytes(compressed_bytes: int) -> int:
+    """The most bytes a gzip trace file of ``compressed_bytes`` on disk may inflate to."""
+    return min(MAX_FILE_BYTES, max(MIN_INFLATED_BOUND_BYTES, MAX_GZIP_RATIO * compressed_bytes))
+
+
+def _size(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{n} bytes"
+
+
 def _read_bytes(f: Path) -> bytes:
     try:
         if not f.is_file():
@@ -68,29 +88,75 @@ def _read_bytes(f: Path) -> bytes:
         raw = f.read_bytes()
     except OSError as e:
         raise TraceError(f"cannot read: {e.strerror or e}", file=str(f)) from None
+    return _gunzip(raw, str(f)) if raw[:2] == b"\x1f\x8b" else raw
+
+
+def _gunzip(raw: bytes, file: str) -> bytes:
+    """The inflated content of a gzip file, read in pieces up to ``inflated_bound_bytes``."""
+    bound = inflated_bound_bytes(len(raw))
+    pieces: list[bytes] = []
+    total = 0
     try:
-        if raw[:2] == b"\x1f\x8b":
-            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as g:
-                data = g.read(MAX_FILE_BYTES + 1)
-            if len(data) > MAX_FILE_BYTES:
-                raise TraceError(f"larger than {MAX_FILE_BYTES >> 30} GiB after gzip", file=str(f))
-            return data
-        return raw
+        with gzip.GzipFile(fileobj=io.BytesIO(raw)) as g:
+            while piece := g.read(min(_INFLATE_STEP_BYTES, bound + 1 - total)):
+                pieces.append(piece)
+                total += len(piece)
+                if total > bound:
+                    raise TraceError(
+                        f"inflates past {_size(bound)} after gzip; allowed: {MAX_GZIP_RATIO} times its "
+                        f"{_size(len(raw))} on disk, at least {_size(MIN_INFLATED_BOUND_BYTES)}, at most "
+                        f"{_size(MAX_FILE_BYTES)} (a gzip bomb is not a trace)", file=file)
     except (EOFError, OSError, zlib.error) as e:
-        raise TraceError(f"truncated or corrupt gzip file ({e or type(e).__name__})", file=str(f)) from None
+        raise TraceError(f"truncated or corrupt gzip file ({e or type(e).__name__})", file=file) from None
+    return b"".join(pieces)
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object that names one key twice (``json`` would keep the last silently)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return obj
+
+
+def _loads(text: bytes) -> Any:
+    """``json.loads`` refusing a key given twice in one object."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
 
 
 def _json(text: bytes, file: str, line: int | None = None) -> Any:
+    where = None if line is None else f"line {line}"
     try:
-        return json.loads(text)
+        return _loads(text)
     except RecursionError:
-        raise TraceError("JSON nested too deeply", file=file, request=None if line is None else f"line {line}") from None
+        raise TraceError("JSON nested too deeply", file=file, request=where) from None
+    except _DuplicateKey as e:
+        raise TraceError(f"key {_shown_key(e.key)} given twice in one JSON object; each key at most once",
+                         file=file, request=where) from None
+    except UnicodeDecodeError as e:
+        raise TraceError(f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                         "a trace is JSON in UTF-8", file=file, request=where) from None
     except ValueError as e:
-        if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+        if isinstance(e, json.JSONDecodeError):
             raise _invalid(e, file, line) from None
         # Python refuses to convert an integer of thousands of digits: no field allows one
-        raise TraceError("invalid JSON (a number of more than 4300 digits)", file=file,
-                         request=None if line is None else f"line {line}") from None
+        raise TraceError("invalid JSON (a number of more than 4300 digits)", file=file, request=where) from None
+
+
+def _shown_key(key: str) -> str:
+    text = repr(key)
+    return text if len(text) <= 60 else text[:50] + f"... ({len(key)} characters)"
 
 
 def _invalid(e: ValueError, file: str, line: int | None) -> TraceError:
@@ -186,7 +252,7 @@ def _weka_doc(data: bytes, file: str, line: int | None = None) -> tuple[Any, lis
     fast = _split_hash_ids(data)
     if fast is not None:
         try:
-            return json.loads(fast[0]), fast[1]
+            return _loads(fast[0]), fast[1]
         except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, too many digits
             pass
     return _json(data, file, line), None

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvpool.workload.errors import TraceError
 from kvpool.workload.model import BlockStoreBuilder, Request, Session, Thread
-from kvpool.workload.weka import MAX_TOKENS
+from kvpool.workload.weka import MAX_TIME_S, MAX_TOKENS
 
 MOONCAKE_BLOCK_TOKENS = 512
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -41,8 +41,8 @@ def session_from_mooncake_row(row: Any, line: int, *, prev_ms: float | None = No
         if key not in row:
             raise _bad(f"field '{key}' is missing", line)
     ts, n_in, n_out, ids = (row[k] for k in MOONCAKE_FIELDS)
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) or ts < 0:
-        raise _bad(f"field 'timestamp' must be a number >= 0 (ms), got {ts!r}", line)
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) or not 0 <= ts <= MAX_TIME_S * 1000:
+        raise _bad(f"field 'timestamp' must be a number >= 0 and <= {MAX_TIME_S * 1000:g} (ms), got {ts!r}", line)
     if prev_ms is not None and ts < prev_ms:
         raise _bad(f"timestamp decreases ({ts} ms after {prev_ms} ms)", line)
     for key, v in (("input_length", n_in), ("output_length", n_out)):

@@ -75,6 +75,7 @@ def _int(v: Any) -> bool:
 
 MAX_TOKENS = 1 << 24          # tokens of one request's input or output: longer than any model's context
 MAX_API_TIME_S = 86_400.0     # one model call (api_time) or one pause (think_time): at most a day
+MAX_TIME_S = 1e10             # a time in a trace (t, duration_ms / 1000): past any session; epoch seconds fit
 
 
 def _lcp(a: np.ndarray, b: np.ndarray) -> int:
@@ -119,8 +120,8 @@ class _Parser:
             if key not in r:
                 raise TraceError(f"field '{key}' is missing", request=path)
         t, n_in, n_out, ids = r["t"], r["in"], r["out"], r["hash_ids"]
-        if not _num(t) or t < 0:
-            raise TraceError(f"field 't' must be a number >= 0, got {t!r}", request=path)
+        if not _num(t) or not 0 <= t <= MAX_TIME_S:
+            raise TraceError(f"field 't' must be a number >= 0 and <= {MAX_TIME_S:g} s, got {t!r}", request=path)
         for key, v in (("in", n_in), ("out", n_out)):
             if not _int(v) or not 0 <= v <= MAX_TOKENS:
                 raise TraceError(f"field '{key}' must be an integer >= 0 and <= {MAX_TOKENS}, got {v!r}", request=path)
@@ -173,8 +174,8 @@ class _Parser:
 
     def subagent(self, e: dict, parent: int, path: str, base_s: float) -> None:
         t = e.get("t")
-        if not _num(t) or t < 0:
-            raise TraceError(f"field 't' must be a number >= 0, got {t!r}", request=path)
+        if not _num(t) or not 0 <= t <= MAX_TIME_S:
+            raise TraceError(f"field 't' must be a number >= 0 and <= {MAX_TIME_S:g} s, got {t!r}", request=path)
         inner = e.get("requests")
         if not isinstance(inner, list):
             raise TraceError("subagent field 'requests' must be a list", request=path)
@@ -187,8 +188,9 @@ class _Parser:
         relative = _num(first_t) and first_t < float(t) - TIME_EPS_S
         inner_base = t_abs if relative else base_s
         dur_ms = e.get("duration_ms")
-        if dur_ms is not None and (not _num(dur_ms) or dur_ms < 0):
-            raise TraceError(f"field 'duration_ms' must be a number >= 0, got {dur_ms!r}", request=path)
+        if dur_ms is not None and (not _num(dur_ms) or not 0 <= dur_ms <= MAX_TIME_S * 1000):
+            raise TraceError(f"field 'duration_ms' must be a number >= 0 and <= {MAX_TIME_S * 1000:g}, got {dur_ms!r}",
+                             request=path)
         index = len(self.threads)
         self.threads.append(
             _RawThread(

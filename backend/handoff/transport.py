@@ -35,7 +35,8 @@ Implementations:
         ``MC_FORCE_TCP`` is read by the engine itself (``force_tcp=True`` sets it before init).
         Host memory always; GPU memory only with a CUDA/ROCm build of the engine. The engine
         listens on every interface: outside a private network namespace the constructor refuses
-        (``PublicListenersRefused``) unless ``allow_public_listeners=True``.
+        (``PublicListenersRefused``) unless ``allow_public_listeners=True`` or the namespace holds
+        only ``lo`` and the interfaces ``KVPOOL_LISTEN_INTERFACES`` names.
     ``IpcTransport``       same host, other process: GPU tensors through CUDA/HIP IPC handles (torch's
         ``reduce_tensor``), CPU tensors through named POSIX shared memory. Copies are ``copy_`` on a
         side stream (GPU, completion by event) or synchronous (CPU).

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,12 +85,12 @@ class PoolSpec:
             raise ValueError(f"eviction_high_watermark must be in (0, 1], got {self.eviction_high_watermark}")
         if not 0.0 < self.eviction_ratio <= 1.0:
             raise ValueError(f"eviction_ratio must be in (0, 1], got {self.eviction_ratio}")
-        if self.lease_ttl_ms < 1:
-            raise ValueError(f"lease_ttl_ms must be >= 1, got {self.lease_ttl_ms}")
-        if self.client_ttl_s < 1:
-            raise ValueError(f"client_ttl_s must be >= 1, got {self.client_ttl_s}")
-        if self.rpc_timeout_ms < 100:
-            raise ValueError(f"rpc_timeout_ms must be >= 100, got {self.rpc_timeout_ms}")
+        if not 1 <= self.lease_ttl_ms <= 3_600_000:
+            raise ValueError(f"lease_ttl_ms must be in 1..3600000 (an hour), got {self.lease_ttl_ms}")
+        if not 1 <= self.client_ttl_s <= 86_400:
+            raise ValueError(f"client_ttl_s must be in 1..86400 (a day), got {self.client_ttl_s}")
+        if not 100 <= self.rpc_timeout_ms <= 600_000:
+            raise ValueError(f"rpc_timeout_ms must be in 100..600000 (ten minutes), got {self.rpc_timeout_ms}")
 
     @property
     def capacity_bytes(self) -> int:
@@ -344,17 +345,19 @@ def _wait_ready(proc: ManagedProcess, ready: Path, deadline: float, timeout_s: f
 
 
 def start_local_pool(
-    spec: PoolSpec, work_dir: Path | str | None = None, *, allow_public_listeners: bool = False
+    spec: PoolSpec, work_dir: Path | str | None = None, *, allow_public_listeners: bool = False,
+    listen_interfaces: Sequence[str] | None = None,
 ) -> LocalPool:
     """Start a master and ``spec.services`` store services on 127.0.0.1; return when all are ready.
 
     ``work_dir`` holds the logs and ready files (a new temporary directory if ``None``).
     Outside a private network namespace the store services' transfer engines would listen on every
     interface: ``PublicListenersRefused`` is raised before anything starts, unless
-    ``allow_public_listeners`` is true. On failure every process started is stopped and
+    ``allow_public_listeners`` is true or the namespace holds only ``lo`` and ``listen_interfaces``
+    (``None``: ``KVPOOL_LISTEN_INTERFACES``; ``netns.check_listeners``). On failure every process started is stopped and
     ``PoolStartError`` is raised.
     """
-    check_listeners(allow_public_listeners, "pass allow_public_listeners=True")
+    check_listeners(allow_public_listeners, "pass allow_public_listeners=True", listen_interfaces)
     wd = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="kvpool-pool-"))
     wd.mkdir(parents=True, exist_ok=True)
     rpc_port = free_port()

@@ -29,7 +29,8 @@ explicitly (``reference/mooncake-store.md`` sections 5-7):
       so ``PoolUnavailable`` comes at once instead of after Mooncake's ~90 s of setup retries.
     * **Listeners.** The client's transfer engine listens on every interface (0.0.0.0 and [::]):
       outside a private network namespace the constructor raises ``PublicListenersRefused``
-      (``netns.check_listeners``) before the engine starts, unless ``allow_public_listeners=True``.
+      (``netns.check_listeners``) before the engine starts, unless ``allow_public_listeners=True`` or
+      the namespace holds only ``lo`` and the interfaces ``KVPOOL_LISTEN_INTERFACES`` names.
     * The process environment gets ``MC_TCP_BIND_ADDRESS=127.0.0.1`` and ``MC_RPC_TIMEOUT_MS`` (if not
       already set) before the client starts, since the C++ client reads them at setup.
 """

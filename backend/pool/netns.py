@@ -11,23 +11,32 @@ Contract:
       fixes it. Interfaces come from ``socket.if_nameindex()`` and flags from ``SIOCGIFFLAGS``, both
       of which see the calling process's namespace (``/sys/class/net`` does not: it shows the
       namespace sysfs was mounted in).
-    * ``check_listeners(allow_public_listeners, how_to_allow)`` is the one decision every starter of
-      Mooncake processes makes (``kvpool pool up``, ``start_local_pool``, ``MooncakePool``,
-      ``MooncakeTransport``): inside a private namespace it returns ``None``; outside one it raises
-      ``PublicListenersRefused`` ("refusing to start: <problem> Or <how_to_allow> to start
-      anyway.") unless ``allow_public_listeners`` is true, in which case it returns the problem for
-      the caller to show as a warning.
+    * Listen interfaces: ``netns_problem(listen_interfaces)`` also accepts a namespace whose
+      interfaces are ``lo`` and exactly the interfaces named (e.g. a namespace holding only the
+      cluster's RDMA or data interface): the listeners are reachable on those and nothing else. Every
+      named interface must be in the namespace. Naming an interface does not make Mooncake bind it
+      alone: what is checked is that nothing else is there to listen on.
+    * ``check_listeners(allow_public_listeners, how_to_allow, listen_interfaces=None)`` is the one
+      decision every starter of Mooncake processes makes (``kvpool pool up``, ``start_local_pool``,
+      ``MooncakePool``, ``MooncakeTransport``): in a namespace that passes it returns ``None``;
+      otherwise it raises ``PublicListenersRefused`` ("refusing to start: <problem> Or
+      <how_to_allow> to start anyway.") unless ``allow_public_listeners`` is true, in which case it
+      returns the problem for the caller to show as a warning. ``listen_interfaces=None`` reads them
+      from ``KVPOOL_LISTEN_INTERFACES`` (comma-separated names; unset or empty: none).
 """
 
 from __future__ import annotations
 
 import fcntl
+import os
 import socket
 import struct
+from collections.abc import Sequence
 
 IFF_UP = 0x1
 SIOCGIFFLAGS = 0x8913
 HOW_TO = "unshare -n sh -c 'ip link set lo up; exec <command>'"
+LISTEN_ENV = "KVPOOL_LISTEN_INTERFACES"
 
 
 class PublicListenersRefused(RuntimeError):
@@ -49,24 +58,42 @@ def interface_up(name: str) -> bool:
     return bool(struct.unpack("16sH22x", res)[1] & IFF_UP)
 
 
-def netns_problem() -> str | None:
-    """``None`` inside a private namespace with ``lo`` up; otherwise what is wrong and the fix."""
-    others = [n for n in interfaces() if n != "lo"]
+def listen_interfaces_from_env() -> tuple[str, ...]:
+    """The interfaces ``KVPOOL_LISTEN_INTERFACES`` names (comma-separated), in order, each once."""
+    names = (n.strip() for n in os.environ.get(LISTEN_ENV, "").split(","))
+    return tuple(dict.fromkeys(n for n in names if n))
+
+
+def netns_problem(listen_interfaces: Sequence[str] = ()) -> str | None:
+    """``None`` in a namespace holding ``lo`` (up) and at most ``listen_interfaces``, all of them
+    present; otherwise what is wrong and the fix."""
+    names = interfaces()
+    missing = [n for n in listen_interfaces if n not in names]
+    if missing:
+        return (f"listen interface(s) {', '.join(repr(n) for n in missing)} are not in this network namespace "
+                f"(its interfaces: {', '.join(names) or 'none'}).")
+    allowed = {"lo", *listen_interfaces}
+    others = [n for n in names if n not in allowed]
     if others:
+        besides = "lo" + (f" and the listen interfaces ({', '.join(listen_interfaces)})" if listen_interfaces else "")
         return (
-            f"network interfaces other than lo are visible ({', '.join(others)}): Mooncake's transfer "
+            f"network interfaces other than {besides} are visible ({', '.join(others)}): Mooncake's transfer "
             f"engine would listen on all of them. Run inside a private network namespace: {HOW_TO} "
-            "(needs root, or try 'unshare -rn')."
+            f"(needs root, or try 'unshare -rn'), or in one holding only the interfaces to listen on, named "
+            f"with {LISTEN_ENV} (kvpool pool up: --listen-interface)."
         )
     if not interface_up("lo"):
         return f"the loopback interface is down in this network namespace; bring it up first: {HOW_TO}"
     return None
 
 
-def check_listeners(allow_public_listeners: bool, how_to_allow: str) -> str | None:
-    """Refuse (``PublicListenersRefused``) to start Mooncake listeners outside a private namespace
-    unless ``allow_public_listeners``; return the problem to warn about when allowed, else ``None``."""
-    problem = netns_problem()
+def check_listeners(allow_public_listeners: bool, how_to_allow: str,
+                    listen_interfaces: Sequence[str] | None = None) -> str | None:
+    """Refuse (``PublicListenersRefused``) to start Mooncake listeners in a namespace holding more than
+    ``lo`` and ``listen_interfaces`` (``None``: ``KVPOOL_LISTEN_INTERFACES``) unless
+    ``allow_public_listeners``; return the problem to warn about when allowed, else ``None``."""
+    listen = listen_interfaces_from_env() if listen_interfaces is None else tuple(listen_interfaces)
+    problem = netns_problem(listen)
     if problem and not allow_public_listeners:
         raise PublicListenersRefused(f"refusing to start: {problem} Or {how_to_allow} to start anyway.")
     return problem

@@ -35,9 +35,10 @@ DEFAULT_MAX_RUNS = 8
 
 
 def _num(x: float) -> str:
-    """A number as the CLI would be given it: ``64``, ``0.2``, full precision."""
+    """A number as the CLI would be given it: ``64``, ``0.2``, ``1e+20``, full precision (whole numbers
+    past 2^53 in exponent form, so a huge input stays a short message)."""
     x = float(x)
-    return str(int(x)) if x.is_integer() else repr(x)
+    return str(int(x)) if x.is_integer() and abs(x) < 2**53 else repr(x)
 
 
 @dataclass(frozen=True)

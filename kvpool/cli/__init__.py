@@ -18,6 +18,7 @@ from kvpool.cli import serve as serve_cli
 from kvpool.cli import sim as sim_cli
 from kvpool.cli import trace as trace_cli
 from kvpool.cli.common import UserError
+from kvpool.errors import printable
 
 app = typer.Typer(
     name="kvpool",
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         code = app(args=argv, standalone_mode=False)
     except UserError as e:
-        typer.echo(f"error: {e}", err=True)
+        typer.echo(f"error: {printable(str(e))}", err=True)
         sys.exit(2)
     except cx.NoArgsIsHelpError as e:
         if e.ctx is not None:

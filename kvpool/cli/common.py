@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kvpool.errors import UserError
+from kvpool.errors import UserError, printable
 from kvpool.scenario import Scenario, ScenarioError, load_scenario
 
 __all__ = ["SET_HELP", "UserError", "load_or_exit"]
@@ -18,6 +18,6 @@ def load_or_exit(name_or_path: str, overrides: list[str] | None = None) -> Scena
     try:
         return load_scenario(name_or_path, overrides or [])
     except ScenarioError as e:
-        for line in str(e).splitlines():
-            typer.echo(f"error: {line}", err=True)
+        for line in str(e).split("\n"):
+            typer.echo(f"error: {printable(line)}", err=True)
         raise typer.Exit(2) from None

@@ -14,6 +14,7 @@ removes it only while it is still the file this run wrote with this run's conten
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -28,6 +29,8 @@ from kvpool.cli.common import UserError
 app = typer.Typer(help="Start and inspect a real Mooncake Store pool: a master on 127.0.0.1 and store services, whose Mooncake listeners bind every interface (see pool up --help).", no_args_is_help=True, rich_markup_mode=None)
 
 GIB = 1 << 30
+MAX_GIB_PER_SERVICE = 65_536  # as pool.gib_per_service in a scenario
+MAX_TIMEOUT_S = 600.0
 
 
 def default_state_file() -> Path:
@@ -49,17 +52,27 @@ STATE_KEYS = frozenset({"address", "pid", "work_dir"})
 MAX_STATE_BYTES = 64 << 10
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        raise ValueError("a key given twice")
+    return record
+
+
 def _read_state(path: Path) -> dict | None:
-    """The pool record in ``path`` (a regular file, not a link, of at most 64 KiB), else ``None``."""
+    """The pool record in ``path`` (a regular file, not a link, of at most 64 KiB, a JSON object of
+    exactly ``STATE_KEYS``, each once: a string address and work_dir, a positive integer pid), else ``None``."""
     try:
         if path.is_symlink() or not path.is_file():
             return None
         with path.open("rb") as f:
             data = f.read(MAX_STATE_BYTES + 1)
-        record = json.loads(data) if len(data) <= MAX_STATE_BYTES else None
-    except (OSError, ValueError):
+        record = json.loads(data, object_pairs_hook=_unique_keys) if len(data) <= MAX_STATE_BYTES else None
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(record, dict) or set(record) != STATE_KEYS:
+        return None
+    if not isinstance(record["address"], str) or not isinstance(record["work_dir"], str):
         return None
     pid = record["pid"]
     return record if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
@@ -81,7 +94,7 @@ def _state_file_replaceable(state: Path, force: bool) -> bool:
     a ``UserError`` otherwise."""
     from kvpool.outputs import output_file
 
-    output_file(state, "--state-file")  # not a folder; its folder exists (created) and is writable
+    output_file(state, "--state-file", create=False)  # not a folder; its folder is writable or can be made
     if not os.path.lexists(state):
         return False
     if force:
@@ -146,6 +159,11 @@ def up(
         False, "--allow-public-listeners",
         help="Start even outside a private network namespace, where the store services' Mooncake listeners "
              "are reachable on every interface of this machine."),
+    listen_interfaces: list[str] = typer.Option(
+        [], "--listen-interface", metavar="NAME",
+        help="An interface the store services' Mooncake listeners may be reachable on (repeatable; "
+             "default: KVPOOL_LISTEN_INTERFACES, comma-separated). pool up then starts only in a network namespace "
+             "holding lo and exactly these interfaces, and refuses one holding any other."),
 ) -> None:
     """Start a master and N store services; stop them on Ctrl-C or SIGTERM.
 
@@ -153,12 +171,20 @@ def up(
     Mooncake's transfer engine, whose handshake and data listeners bind every interface (0.0.0.0
     and [::]) whatever MC_TCP_BIND_ADDRESS says. So pool up refuses to start outside a private
     network namespace whose only interface is lo (unshare -n sh -c 'ip link set lo up; exec
-    kvpool pool up ...'), unless --allow-public-listeners is given."""
+    kvpool pool up ...'), or in one holding only lo and the interfaces named with
+    --listen-interface (the listeners are then reachable on those), unless
+    --allow-public-listeners is given."""
     from kvpool.backend.pool.launcher import PoolSpec, PoolStartError, start_local_pool
-    from kvpool.backend.pool.netns import PublicListenersRefused, check_listeners
+    from kvpool.backend.pool.netns import PublicListenersRefused, check_listeners, listen_interfaces_from_env
 
-    if not gib_per_service > 0:
-        raise UserError(f"--gib-per-service must be > 0, got {gib_per_service}")
+    if not (math.isfinite(gib_per_service) and 0 < gib_per_service <= MAX_GIB_PER_SERVICE):
+        raise UserError(f"--gib-per-service {gib_per_service:g}: must be a finite number > 0 and <= {MAX_GIB_PER_SERVICE}")
+    if work_dir is not None:
+        from kvpool.outputs import output_dir
+
+        output_dir(work_dir, "--work-dir", create=False)
+    state = state_file or default_state_file()
+    replace = _state_file_replaceable(state, force)
     try:
         spec = PoolSpec(
             services=services,
@@ -169,28 +195,32 @@ def up(
             client_ttl_s=client_ttl_s,
             rpc_timeout_ms=rpc_timeout_ms,
         )
-    except ValueError as e:
-        raise UserError(f"invalid pool settings: {e}") from None
+    except ValueError as e:  # "FIELD must ...": name the flag that sets FIELD
+        field = str(e).split(" ", 1)[0]
+        flag = {"bytes_per_service": "--gib-per-service"}.get(field, "--" + field.replace("_", "-"))
+        raise UserError(f"{flag}: {e}") from None
     avail = _mem_available_bytes()
     if avail is not None and spec.capacity_bytes > avail:
         raise UserError(
             f"{services} services x {gib_per_service} GiB = {_fmt_bytes(spec.capacity_bytes)} exceeds the "
             f"memory available on this machine ({_fmt_bytes(avail)}); lower --services or --gib-per-service"
         )
+    listen = tuple(dict.fromkeys(n.strip() for n in listen_interfaces if n.strip())) or listen_interfaces_from_env()
     try:
-        problem = check_listeners(allow_public_listeners, "give --allow-public-listeners")
+        problem = check_listeners(allow_public_listeners, "give --allow-public-listeners", listen)
     except PublicListenersRefused as e:
         raise UserError(str(e)) from None
     if problem:
         typer.echo(f"warning: {problem}", err=True)
-    state = state_file or default_state_file()
-    replace = _state_file_replaceable(state, force)
+    elif listen:
+        typer.echo(f"note: the store services' Mooncake listeners are reachable on {', '.join(listen)}", err=True)
 
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            pool = start_local_pool(spec, work_dir, allow_public_listeners=allow_public_listeners)
+            pool = start_local_pool(spec, work_dir, allow_public_listeners=allow_public_listeners,
+                                    listen_interfaces=listen)
         except PoolStartError as e:
             raise UserError(f"the pool did not start: {e}") from None
         record = json.dumps({"address": pool.address.url(), "pid": os.getpid(), "work_dir": str(pool.work_dir)})
@@ -234,18 +264,27 @@ def status(
     from kvpool.backend.pool.address import PoolAddress
     from kvpool.backend.pool.metrics import MetricsUnavailable, read_master_metrics
 
+    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise UserError(f"--timeout-s {timeout_s:g}: must be a finite number of seconds > 0 and <= {MAX_TIMEOUT_S:g}")
+    state_record = None
     if address is None:
-        state = state_file or default_state_file()
+        state = state_record = state_file or default_state_file()
         record = _read_state(state)
+        if record is None and os.path.lexists(state):
+            raise UserError(
+                f"state file {state}: not a record of 'kvpool pool up' (a regular file of at most "
+                f"{MAX_STATE_BYTES >> 10} KiB holding one JSON object with {', '.join(sorted(STATE_KEYS))}); "
+                "give --address, or the state file pool up wrote")
         if record is None:
             raise UserError(
                 f"no --address given and no running pool recorded in {state}; start one with 'kvpool pool up'"
             )
-        address = str(record["address"])
+        address = record["address"]
     try:
         addr = PoolAddress.parse(address)
     except ValueError as e:
-        raise UserError(str(e)) from None
+        where = "--address" if state_record is None else f"state file {state_record}: address"
+        raise UserError(f"{where}: {e}") from None
     if addr.metrics_url is None:
         raise UserError(f"address {address!r} has no metrics port; use mooncake://HOST:RPC?metrics=PORT")
     try:

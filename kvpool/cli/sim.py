@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvpool.cli.common import SET_HELP, UserError, load_or_exit
 from kvpool.loads import parse_loads
+from kvpool.errors import printable
 from kvpool.outputs import atomic_path, output_dir, safe_name
 from kvpool.run_inputs import run_overrides
 
@@ -37,15 +38,22 @@ def check_load(s, load: float, flag: str) -> None:
         check("workload.rps", load, flag)
 
 
+MAX_RESULT_BYTES = 256 << 20  # a result document is a few MiB; a larger file at its name is not one
+
+
 def refuse_other_run(path: Path, run_id: str) -> None:
-    """A result file of this name that holds another run's document (another ``id``) is not replaced."""
+    """A result file of this name that holds another run's document (another ``id``) is not replaced;
+    what is there is read up to ``MAX_RESULT_BYTES`` (a larger file, or one that does not parse, is
+    another run's)."""
     if not path.exists() and not path.is_symlink():
         return
     if path.is_symlink() or not path.is_file():
         raise UserError(f"--out: {path} exists and is not a regular file; move it away or give another --out")
     try:
-        other = json.loads(path.read_text(encoding="utf-8")).get("id")
-    except (OSError, ValueError, AttributeError):
+        with path.open("rb") as f:
+            data = f.read(MAX_RESULT_BYTES + 1)
+        other = json.loads(data).get("id") if len(data) <= MAX_RESULT_BYTES else None
+    except (OSError, ValueError, AttributeError, RecursionError):
         other = None
     if other != run_id:
         raise UserError(f"--out: {path} exists and holds another run's content (id {other!r}, this run {run_id}); "
@@ -108,8 +116,9 @@ def warn(lines: list[str]) -> None:
 
 
 def title_of(prov: dict) -> str:
-    """``mi355x-1p1d, synthetic agentx-062126 (40 sessions), 3600 s per load, --set a=b``."""
-    return f"{prov['scenario']['name']}, {inputs_label(prov)}"
+    """``mi355x-1p1d, synthetic agentx-062126 (40 sessions), 3600 s per load, --set a=b``, with every
+    non-printable character (of a trace path or an override) escaped."""
+    return printable(f"{prov['scenario']['name']}, {inputs_label(prov)}")
 
 
 def inputs_label(prov: dict) -> str:
@@ -149,7 +158,7 @@ def run(
 
     overrides = run_overrides(set_, duration=duration, seed=seed, sessions=sessions, rps=rps)
     s = load_or_exit(scenario, overrides)
-    output_dir(out)
+    output_dir(out, create=False)
     if traces is not None and not os.path.exists(traces):
         raise UserError(f"--traces {traces}: no such file or directory")
     loads = parse_loads(sessions, "--sessions", True, "workload.sessions") or parse_loads(rps, "--rps", False, "workload.rps")
@@ -174,6 +183,7 @@ def run(
                                  documents.Execution("kvpool sim run", executor, n_workers))
     prov = doc["provenance"]
     stem = f"{safe_name(s.name)}-{key}-" + "-".join(f"{x:g}" for x in loads) + f"-{doc['id']}"
+    output_dir(out)
     refuse_other_run(out / f"{stem}.json", doc["id"])
     warnings = doc.get("warnings", [])
     paths = report.write_files(rows, out, stem, document=doc, title=title_of(prov))
@@ -217,7 +227,7 @@ def compare(
         raise UserError("compare needs two or more scenarios")
     extra = run_overrides(set_, duration=duration, sessions=sessions, rps=rps)
     arms_s = [load_or_exit(name, extra) for name in scenarios]
-    output_dir(out)
+    output_dir(out, create=False)
     names = [s.name for s in arms_s]
     if len(set(names)) != len(names):
         raise UserError(f"the arms need distinct scenario names, got {names}")
@@ -246,12 +256,13 @@ def compare(
     prov = doc["provenance"]
     warnings = doc.get("warnings", [])
     stem = "compare-" + safe_name("-vs-".join(names)) + f"-{doc['id']}"
+    output_dir(out)
     refuse_other_run(out / f"{stem}.json", doc["id"])
     with atomic_path(out / f"{stem}.json") as tmp:
         tmp.write_text(json.dumps(doc, indent=2) + "\n")
     with atomic_path(out / f"{stem}.csv") as tmp:
         cmp.write_csv(arms, tmp)
-    title = " vs ".join(names) + ", " + inputs_label(prov["arms"][names[0]])
+    title = printable(" vs ".join(names) + ", " + inputs_label(prov["arms"][names[0]]))
     with atomic_path(out / f"{stem}.png") as tmp:
         cmp.figure(arms, tmp, title=title)
     if json_:
@@ -287,7 +298,7 @@ def plan(
 
     overrides = run_overrides(set_, duration=duration)
     base = load_or_exit(scenario, overrides)
-    output_dir(out)
+    output_dir(out, create=False)
     try:
         targets = [pl.parse_target(t) for t in target]
         variable = pl.parse_vary(vary, base)
@@ -317,6 +328,7 @@ def plan(
         documents.Search(vary, load, workers, max_runs))
     curve, failed = summary["curve"], summary.get("failed", [])
     stem = f"plan-{safe_name(base.name)}-{variable.field}-{summary['id']}"
+    output_dir(out)
     refuse_other_run(out / f"{stem}.json", summary["id"])
     with atomic_path(out / f"{stem}.json") as tmp:
         tmp.write_text(json.dumps(summary, indent=2) + "\n")

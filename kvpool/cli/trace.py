@@ -18,6 +18,7 @@ from pathlib import Path
 import typer
 
 from kvpool.cli.common import UserError
+from kvpool.errors import printable
 
 app = typer.Typer(help="Agent-session traces: stats, synthetic generation, conversion.", no_args_is_help=True, rich_markup_mode=None)
 
@@ -41,7 +42,7 @@ def _load(path: Path, skip_bad: bool, quiet: bool = False):
         raise UserError(str(e)) from None
     for s in w.skipped:
         where = ": ".join(x for x in (s.file, s.trace_id and f"trace {s.trace_id}", s.request) if x)
-        typer.echo(f"skipped: {where}: {s.message}", err=True)
+        typer.echo(f"skipped: {printable(where)}: {printable(s.message)}", err=True)
     return w
 
 
@@ -94,7 +95,7 @@ def stats(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"trace stats: {path}", show_header=True)
+    table = Table(title=f"trace stats: {printable(str(path))}", show_header=True)
     table.add_column("statistic")
     table.add_column("value", justify="right")
     for title, keys in _GROUPS:
@@ -197,9 +198,10 @@ def convert(
         raise UserError(f"--stagger-s {stagger_s}: must be a finite number of seconds, >= 0 and <= 86400")
     if out.exists() and src.exists() and (out.resolve() == src.resolve() or src.is_dir() and src.resolve() in out.resolve().parents):
         raise UserError(f"--out {out}: is the source {src} (or inside it); give another file")
-    output_file(out)
+    output_file(out, create=False)
     refuse_existing(out, "--out", force)
     w = _load(src, skip_bad)
+    output_file(out)
     if to == "mooncake":
         flat = all(s.hash_scope == "global" and s.block_tokens == MOONCAKE_BLOCK_TOKENS and len(s.requests) == 1 for s in w)
         try:

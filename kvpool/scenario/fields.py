@@ -25,7 +25,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from kvpool.errors import UserError
-from kvpool.scenario.model import Scenario
+from kvpool.scenario.model import PLAIN_TEXT, Scenario
 
 
 def field_info(path: str) -> FieldInfo:
@@ -61,6 +61,8 @@ def _bounds(metadata: list) -> list[str]:
             out.append(f"at least {m.min_length} long")
         if isinstance(m, at.MaxLen):
             out.append(f"at most {m.max_length} long")
+        if getattr(m, "pattern", None) == PLAIN_TEXT:
+            out.append("without control characters")
     return out
 
 

@@ -7,6 +7,7 @@ and what is allowed, on one line per problem; the CLI prints it without a traceb
 from __future__ import annotations
 
 import copy
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from importlib import resources
@@ -16,6 +17,7 @@ from typing import Any
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
+from kvpool.errors import printable
 from kvpool.scenario.model import Scenario
 
 
@@ -35,17 +37,42 @@ MAX_INT_BITS = 64              # wider than every bound of the model
 _WIDE_INT = "an integer wider than 64 bits; every field's bound is smaller (docs/scenario.md)"
 
 
-def _wide_int_at(value: Any, path: str = "") -> str | None:
+MAX_DEPTH = 16                 # tables and arrays in one another; the model has 4 levels
+
+
+def _path(path: str, k: Any) -> str:
+    return f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k)
+
+
+def _wide_int_at(value: Any) -> str | None:
     """The path of the first integer in a parsed TOML value wider than ``MAX_INT_BITS`` (in any
     notation: decimal, hex, octal, binary), else ``None``. Such an integer is refused before anything
-    prints it (its decimal form may exceed Python's conversion limit)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return path if value.bit_length() > MAX_INT_BITS else None
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for k, v in items:
-        where = _wide_int_at(v, f"{path}[{k}]" if isinstance(k, int) else f"{path}.{k}" if path else str(k))
-        if where is not None:
-            return where
+    prints it (its decimal form may exceed Python's conversion limit). ``value`` is at most
+    ``MAX_DEPTH`` levels deep (``_too_deep_at``)."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, int) and not isinstance(v, bool):
+            if v.bit_length() > MAX_INT_BITS:
+                return path
+            continue
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+        stack.extend(reversed([(_path(path, k), x) for k, x in items]))
+    return None
+
+
+def _too_deep_at(value: Any) -> str | None:
+    """The path of the first table or array nested more than ``MAX_DEPTH`` levels deep, else ``None``
+    (walked without recursion, so any depth is safe)."""
+    stack: list[tuple[str, Any, int]] = [("", value, 0)]
+    while stack:
+        path, v, depth = stack.pop()
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth >= MAX_DEPTH:
+            return path
+        items = v.items() if isinstance(v, dict) else enumerate(v)
+        stack.extend((_path(path, k), x, depth + 1) for k, x in items)
     return None
 
 
@@ -54,21 +81,49 @@ def _integer_limit(e: ValueError) -> bool:
     return "integer string conversion" in str(e)
 
 
+def _line_shown(text: str, message: str) -> str:
+    """``: 'LINE'`` for the line a TOML error names ``(at line N, ...)``, so a key given twice is named."""
+    m = re.search(r"\(at line (\d+),", message)
+    lines = text.splitlines()
+    if m is None or not 1 <= int(m.group(1)) <= len(lines):
+        return ""
+    return f": {_short(lines[int(m.group(1)) - 1].strip())}"
+
+
 def _read_toml(text: str, source: str) -> dict:
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ScenarioError(f"{source}: not valid TOML: {e}") from None
+        raise ScenarioError(f"{source}: not valid TOML: {e}{_line_shown(text, str(e))}") from None
     except ValueError as e:
         if _integer_limit(e):
             raise ScenarioError(f"{source}: {_WIDE_INT}") from None
         raise ScenarioError(f"{source}: not a usable TOML document: {type(e).__name__}: {str(e)[:200]}") from None
     except RecursionError:
         raise ScenarioError(f"{source}: not a usable TOML document: nested too deeply") from None
+    deep = _too_deep_at(raw)
+    if deep is not None:
+        shown = deep if len(deep) <= 80 else deep[:60] + f"... ({len(deep)} characters)"
+        raise ScenarioError(f"{source}: {shown}: tables and arrays nested more than {MAX_DEPTH} levels deep; "
+                            "a scenario has 4 (docs/scenario.md)")
     where = _wide_int_at(raw)
     if where is not None:
         raise ScenarioError(f"{source}: {where}: {_WIDE_INT}")
     return raw
+
+
+def read_toml_bytes(data: bytes, source: str) -> dict:
+    """The raw table of a scenario file's bytes: UTF-8 (a leading byte-order mark is skipped), at most
+    ``MAX_SCENARIO_BYTES``, valid TOML, at most ``MAX_DEPTH`` levels deep, no integer wider than
+    ``MAX_INT_BITS``; a ``ScenarioError`` naming ``source`` otherwise."""
+    if len(data) > MAX_SCENARIO_BYTES:
+        raise ScenarioError(f"{source}: larger than {MAX_SCENARIO_BYTES} bytes; a scenario file is a few KiB")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ScenarioError(f"{source}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                            "a scenario is TOML in UTF-8") from None
+    return _read_toml(text, source)
 
 
 def read_raw(name_or_path: str | Path) -> tuple[dict, str]:
@@ -76,18 +131,21 @@ def read_raw(name_or_path: str | Path) -> tuple[dict, str]:
     p = Path(name_or_path)
     if p.suffix == ".toml" or p.exists():
         if not p.is_file():
-            raise ScenarioError(f"{p}: no such scenario file" if not p.exists() else f"{p}: not a regular file")
+            label = printable(str(p))
+            raise ScenarioError(f"{label}: no such scenario file" if not p.exists() else f"{label}: not a regular file")
         try:
             if p.stat().st_size > MAX_SCENARIO_BYTES:
-                raise ScenarioError(f"{p}: larger than {MAX_SCENARIO_BYTES} bytes; a scenario file is a few KiB")
-            text = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ScenarioError(f"{p}: cannot read: {e}") from None
-        return _read_toml(text, str(p)), str(p)
+                raise ScenarioError(f"{printable(str(p))}: larger than {MAX_SCENARIO_BYTES} bytes; a scenario file is a few KiB")
+            with p.open("rb") as fh:
+                data = fh.read(MAX_SCENARIO_BYTES + 1)
+        except OSError as e:
+            raise ScenarioError(f"{printable(str(p))}: cannot read: {e.strerror or e}") from None
+        label = printable(str(p))
+        return read_toml_bytes(data, label), label
     name = str(name_or_path)
     if name not in builtin_names():
         raise ScenarioError(
-            f"{name!r} is neither a scenario file nor a built-in scenario; built-in: {', '.join(builtin_names())}"
+            f"{_short(name)} is neither a scenario file nor a built-in scenario; built-in: {', '.join(builtin_names())}"
         )
     text = resources.files("kvpool.scenarios").joinpath(f"{name}.toml").read_text(encoding="utf-8")
     return _read_toml(text, f"scenarios/{name}.toml"), f"scenarios/{name}.toml"
@@ -142,6 +200,8 @@ def format_validation_error(err: ValidationError, source: str, raw: Mapping) -> 
         if e["type"] == "missing":
             lines.append(f"{source}: {field}: required field is missing")
             continue
+        if e["type"] == "string_pattern_mismatch":
+            msg = "has a control character (a newline, a tab, an escape): it is one line of plain text"
         value = e.get("input")
         shown = "" if isinstance(value, (dict, list)) or not loc else f" value {_short(value)}:"
         if not loc:  # a check across fields names them itself
@@ -180,6 +240,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = val
     except RecursionError:
         value = val
+    if _too_deep_at(value) is not None:
+        raise ScenarioError(f"--set {key.strip()}: arrays or tables nested more than {MAX_DEPTH} levels deep")
     if _wide_int_at(value) is not None:
         raise ScenarioError(f"--set {key.strip()}: {_WIDE_INT}")
     return path, value

@@ -25,7 +25,8 @@ Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict(), AllowInfNan(False)]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
-Label = Annotated[str, Strict(), Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$")]
+PLAIN_TEXT = r"^[^\x00-\x1f\x7f-\x9f]*$"  # one line, nothing a terminal acts on (C0, DEL, C1)
+Label = Annotated[str, Strict(), Field(min_length=1, max_length=200, pattern=PLAIN_TEXT)]
 
 MAX_LAYERS = 1024
 MAX_MTP_LAYERS = 16
@@ -307,7 +308,7 @@ class Scenario(_Section):
     """A whole deployment. See ``docs/scenario.md``."""
 
     name: Label = Field(description="scenario name (a label: output file names use a sanitised form)")
-    description: Annotated[str, Strict(), Field(max_length=1000)] = Field(default="", description="one line shown in listings")
+    description: Annotated[str, Strict(), Field(max_length=1000, pattern=PLAIN_TEXT)] = Field(default="", description="one line shown in listings")
     seed: Int = Field(default=7, ge=0, le=MAX_SEED, description="seed of every random choice")
     model: ModelConfig
     gpu: GPUConfig
@@ -380,6 +381,9 @@ class Scenario(_Section):
                                  f"pool.services_per_server = {services})")
         if pool.ssd.enabled and pool.ssd.gib_per_server <= 0:
             raise ValueError("pool.ssd.enabled needs pool.ssd.gib_per_server > 0")
+        if pool.ssd.enabled and not (pool.services_per_server and pool.gib_per_service):
+            raise ValueError("pool.ssd.enabled needs a DRAM pool above it (pool.services_per_server > 0 and "
+                             "pool.gib_per_service > 0): the SSD tier holds what DRAM evicts")
 
     def kvspec(self) -> KVSpec:
         """The policy core's KV geometry for this deployment's prefill layout."""

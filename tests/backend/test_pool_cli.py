@@ -120,10 +120,19 @@ def test_pool_up_stops_everything_and_fails_when_a_service_dies(tmp_path: Path) 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["pool", "up", "--gib-per-service", "0"], "--gib-per-service must be > 0"),
-        (["pool", "up", "--services", "0"], "services must be in 1..64"),
-        (["pool", "up", "--gib-per-service", "100000"], "exceeds the memory available"),
-        (["pool", "up", "--eviction-ratio", "1.5"], "eviction_ratio must be in (0, 1]"),
+        (["pool", "up", "--gib-per-service", "0"], "--gib-per-service 0: must be a finite number > 0 and <= 65536"),
+        (["pool", "up", "--gib-per-service", "inf"], "--gib-per-service inf: must be a finite number > 0"),
+        (["pool", "up", "--gib-per-service", "100000"], "--gib-per-service 100000: must be a finite number > 0 and <= 65536"),
+        (["pool", "up", "--services", "0"], "error: --services: services must be in 1..64"),
+        (["pool", "up", "--gib-per-service", "60000"], "exceeds the memory available"),
+        (["pool", "up", "--client-ttl-s", "99999999999999999999"], "--client-ttl-s: client_ttl_s must be in 1..86400"),
+        (["pool", "up", "--lease-ttl-ms", "1e9"], "Invalid value for '--lease-ttl-ms'"),
+        (["pool", "up", "--rpc-timeout-ms", "1000000000"], "rpc_timeout_ms must be in 100..600000"),
+        (["pool", "up", "--work-dir", "/dev/null"], "--work-dir /dev/null: exists and is not a directory"),
+        (["pool", "up", "--state-file", "/dev"], "--state-file /dev: is a directory"),
+        (["pool", "status", "--timeout-s", "nan"], "--timeout-s nan: must be a finite number of seconds > 0 and <= 600"),
+        (["pool", "status", "--address", "mooncake://127.0.0.1:1?metrics=1", "--timeout-s", "1e9"], "--timeout-s 1e+09"),
+        (["pool", "up", "--eviction-ratio", "1.5"], "error: --eviction-ratio: eviction_ratio must be in (0, 1]"),
         (["pool", "status", "--address", "http://x:1"], "bad pool address"),
         (["pool", "status", "--address", "127.0.0.1:1"], "has no metrics port"),
         (["pool", "status", "--address", "mooncake://127.0.0.1:1?metrics=1"], "no answer from http://127.0.0.1:1/metrics"),
@@ -176,13 +185,88 @@ def test_mooncake_clients_and_the_launcher_refuse_public_listeners_unless_allowe
 
 
 def test_check_listeners_decides_and_names_how_to_allow(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(netns, "netns_problem", lambda: None)
+    monkeypatch.setattr(netns, "netns_problem", lambda *_: None)
     assert netns.check_listeners(False, "say so") is None
-    monkeypatch.setattr(netns, "netns_problem", lambda: "eth0 is visible.")
+    monkeypatch.setattr(netns, "netns_problem", lambda *_: "eth0 is visible.")
     assert netns.check_listeners(True, "say so") == "eth0 is visible."
     with pytest.raises(netns.PublicListenersRefused) as refused:
         netns.check_listeners(False, "say so")
     assert str(refused.value) == "refusing to start: eth0 is visible. Or say so to start anyway."
+
+
+def _namespace(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Make this process see a network namespace of ``names`` (each up)."""
+    monkeypatch.setattr(netns.socket, "if_nameindex", lambda: list(enumerate(names, start=1)))
+    monkeypatch.setattr(netns, "interface_up", lambda name: name in names)
+
+
+def test_a_namespace_of_lo_and_the_listen_interfaces_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+    _namespace(monkeypatch, "lo", "ib0")
+    assert netns.netns_problem(("ib0",)) is None
+    assert "other than lo are visible (ib0)" in (netns.netns_problem() or "")
+    _namespace(monkeypatch, "lo", "ib0", "eth0")
+    problem = netns.netns_problem(("ib0",)) or ""
+    assert "other than lo and the listen interfaces (ib0) are visible (eth0)" in problem
+    assert "KVPOOL_LISTEN_INTERFACES" in problem
+    assert netns.netns_problem(("ib1",)) == ("listen interface(s) 'ib1' are not in this network namespace "
+                                            "(its interfaces: eth0, ib0, lo).")
+
+
+def test_check_listeners_reads_the_listen_interfaces_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    _namespace(monkeypatch, "lo", "ib0", "ib1")
+    monkeypatch.delenv(netns.LISTEN_ENV, raising=False)
+    with pytest.raises(netns.PublicListenersRefused, match=r"\(ib0, ib1\)"):
+        netns.check_listeners(False, "say so")
+    monkeypatch.setenv(netns.LISTEN_ENV, " ib1, ib0,,ib1 ")
+    assert netns.listen_interfaces_from_env() == ("ib1", "ib0")
+    assert netns.check_listeners(False, "say so") is None
+    with pytest.raises(netns.PublicListenersRefused, match=r"visible \(ib1\)"):
+        netns.check_listeners(False, "say so", ["ib0"])  # an explicit list wins over the environment
+
+
+def test_pool_up_with_listen_interfaces_refuses_a_namespace_holding_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvpool.backend.pool import launcher
+    from kvpool.cli import main
+
+    def must_not_start(*_a: object, **_k: object) -> None:
+        raise AssertionError("pool up started a pool")
+
+    _namespace(monkeypatch, "lo", "ib0", "wlan0")
+    monkeypatch.delenv(netns.LISTEN_ENV, raising=False)
+    monkeypatch.setattr(launcher, "start_local_pool", must_not_start)
+    state = tmp_path / "state.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pool", "up", "--services", "1", "--gib-per-service", "0.0625", "--state-file", str(state),
+              "--listen-interface", "ib0"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: refusing to start: network interfaces other than lo and the listen interfaces "
+                          "(ib0) are visible (wlan0)") and "give --allow-public-listeners" in err, err
+    assert not state.exists()
+
+
+def test_pool_up_passes_its_listen_interfaces_to_the_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvpool.backend.pool import launcher
+    from kvpool.cli import main
+
+    seen: list[object] = []
+
+    def record(*_a: object, **k: object) -> None:
+        seen.append(k.get("listen_interfaces"))
+        raise launcher.PoolStartError("not started in this test")
+
+    _namespace(monkeypatch, "lo", "ib0")
+    monkeypatch.setattr(launcher, "start_local_pool", record)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["pool", "up", "--services", "1", "--gib-per-service", "0.0625", "--state-file", str(tmp_path / "s.json"),
+              "--listen-interface", "ib0"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and seen == [("ib0",)], (seen, err)
+    assert err.splitlines()[0] == "note: the store services' Mooncake listeners are reachable on ib0"
 
 
 def test_pool_address_round_trip_and_errors() -> None:
@@ -248,7 +332,7 @@ def _pool_up_in_process(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
     def must_not_start(*_a: object, **_k: object) -> None:
         raise AssertionError("pool up started a pool")
 
-    monkeypatch.setattr(netns, "netns_problem", lambda: None)
+    monkeypatch.setattr(netns, "netns_problem", lambda *_: None)
     monkeypatch.setattr(launcher, "start_local_pool", must_not_start)
     with pytest.raises(SystemExit) as exit_info:
         main(["pool", "up", "--services", "1", "--gib-per-service", "0.0625", "--state-file", str(state), *args])

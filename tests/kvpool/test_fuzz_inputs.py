@@ -271,6 +271,8 @@ def test_duplicate_trace_ids_across_files_are_refused(tmp_path):
     ("in", 10**9, "'in' must be an integer >= 0 and <= 16777216"),
     ("out", 2**70, "'out' must be an integer"),
     ("api_time", 1e300, "'api_time' must be a number >= 0 and <= 86400"),
+    ("t", 1e300, "'t' must be a number >= 0 and <= 1e+10 s"),
+    ("t", 2**70, "'t' must be a number >= 0 and <= 1e+10 s"),
 ])
 def test_trace_numbers_beyond_any_model_are_refused(tmp_path, field, value, needle):
     doc = {"id": "t", "block_size": 16, "requests": [_request(**{field: value})]}
@@ -422,3 +424,44 @@ def test_numa_nodes_that_cannot_hold_the_instances_are_one_error(tmp_path, numa,
             "--set", f"cluster.numa_per_server={numa}", "--out", str(tmp_path), "--json")
     assert_clean(r, ("cluster.numa_per_server",))
     assert r[0] == 2 and needle in r[2] and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["cluster.numa_per_server=3"], "cluster.numa_per_server (3) must divide cluster.gpus_per_server (8)"),
+    (["cluster.gpus_per_server=12", "cluster.numa_per_server=8"],
+     "cluster.numa_per_server (8) must divide cluster.gpus_per_server (12)"),
+    (["cluster.servers=4", "decode.tp=16"], "a decode instance of 16 GPUs is larger than one server"),
+    (["cluster.servers=4", "prefill.tp=3"], "a prefill instance of 12 GPUs is larger than one server"),
+    (["pool.ssd.enabled=true", "pool.ssd.gib_per_server=64", "pool.services_per_server=0"],
+     "pool.ssd.enabled needs a DRAM pool above it"),
+    (["pool.ssd.enabled=true", "pool.ssd.gib_per_server=64", "pool.gib_per_service=0"],
+     "pool.ssd.enabled needs a DRAM pool above it"),
+])
+def test_layouts_that_cannot_exist_are_one_error(tmp_path, overrides, needle):
+    sets = [a for o in overrides for a in ("--set", o)]
+    r = cli("scenario", "validate", "mi355x-1p1d", *sets)
+    assert_clean(r, (needle,))
+    assert r[0] == 2
+    r = cli("sim", "run", "mi355x-1p1d", "--sessions", "1", "--duration", "20", "--set", "workload.synthetic_sessions=2",
+            *sets, "--out", str(tmp_path), "--json")
+    assert_clean(r, (needle,))
+    assert r[0] == 2 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("numa", ["2", "4", "8"])
+def test_numa_nodes_that_divide_the_server_and_hold_the_instances_validate(numa):
+    code, out, err, _ = cli("scenario", "validate", "mi355x-1p1d", "--set", f"cluster.numa_per_server={numa}")
+    assert code == 0 and out.startswith("ok: mi355x-1p1d"), err
+
+
+def test_a_gate_that_admits_nothing_says_so_not_that_the_window_is_short(tmp_path):
+    code, out, err, _ = cli("sim", "run", "mi355x-1p1d", "--sessions", "1", "--duration", "60",
+                            "--set", "workload.synthetic_sessions=2", "--set", "gate.enabled=true",
+                            "--set", "gate.tokens_per_decode=1000", "--set", "gate.max_wait_s=1",
+                            "--out", str(tmp_path), "--json")
+    assert code == 0, err
+    doc = _strict_json(out)
+    assert doc["results"][0]["requests"] == 0 and doc["results"][0]["rejected"] > 0
+    (warning,) = doc["warnings"]
+    assert "the admission gate rejected" in warning and "gate.tokens_per_decode x gate.budget_fraction" in warning
+    assert "give a longer --duration" not in warning

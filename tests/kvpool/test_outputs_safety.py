@@ -45,3 +45,18 @@ def test_a_fifo_where_a_result_goes_is_refused_without_reading_it(tmp_path):
     link.symlink_to(tmp_path / "missing")
     with pytest.raises(UserError, match="not a regular file"):
         refuse_other_run(link, "abc")
+
+
+@pytest.mark.parametrize("content", ["[" * 100_000 + "]" * 100_000, '{"id": "abc", "id": "x"' + "]", "\xff"])
+def test_a_result_name_holding_what_no_run_wrote_is_refused_not_parsed_to_a_crash(tmp_path, content):
+    planted = tmp_path / "r.json"
+    planted.write_bytes(content.encode("latin-1"))
+    with pytest.raises(UserError, match="exists and holds another run's content"):
+        refuse_other_run(planted, "abc")
+    assert planted.read_bytes() == content.encode("latin-1")
+
+
+def test_a_result_of_this_run_is_replaced(tmp_path):
+    mine = tmp_path / "r.json"
+    mine.write_text('{"id": "abc", "rows": []}')
+    refuse_other_run(mine, "abc")  # no error: the same run may write it again
