@@ -14,8 +14,9 @@ Contract:
     * ``csv_rows(arms)``: one row per (arm, load): ``arm``, ``reference``, the load, the result's
       ``public`` keys, and ``reference_over_arm_KEY`` per ``RATIO_KEYS`` (empty on the reference's
       own rows). ``csv_text(arms)`` is their CSV, ``write_csv(arms, path)`` writes it.
-    * ``figure(arms, path, title)``: system throughput, throughput per GPU, TTFT and token sources,
-      one colour per arm in every panel; the throughput ratios stand above the reference's bars.
+    * ``figure(arms, path, title)``: system throughput, throughput per GPU, TTFT, token sources and
+      lane time (``report.lane_panel``), one colour per arm in every panel; the throughput ratios
+      stand above the reference's bars.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from kvpool.sim.report import THROUGHPUT_NOTE, load_of, public
+from kvpool.sim.report import THROUGHPUT_NOTE, lane_panel, load_of, public
 from kvpool.tables import Col, fitted
 
 RATIO_KEYS = ("throughput_tok_s", "throughput_per_gpu_tok_s", "ttft_p50_s", "ttft_p90_s")
@@ -143,15 +144,17 @@ def figure(arms: dict[str, Sequence[dict]], path: Path, title: str = "") -> None
     loads = [f"{load_of(r)[1]:g}" for r in first]
     x = np.arange(len(loads))
     w = 0.8 / len(names)
-    fig, (a1, a2, a3, a4) = plt.subplots(1, 4, figsize=(18, 4.6))
+    fig, (a1, a2, a3, a4, a5) = plt.subplots(1, 5, figsize=(22, 4.8))
     rat = ratios(arms)
     _throughput_panel(a1, arms, rat, colour, x, w, "throughput_tok_s", "system throughput (K tok/s)")
     _throughput_panel(a2, arms, rat, colour, x, w, "throughput_per_gpu_tok_s", "throughput per GPU (K tok/s)")
     _ttft_panel(a3, arms, colour, loads, plt)
     _sources_panel(a4, arms, colour, x, w, Patch)
-    for ax in (a1, a2, a4):
+    lane_panel(a5, arms, x, w, colour)
+    a5.set_title("lane time (bars in arm order)", fontsize=9)
+    for ax in (a1, a2, a4, a5):
         ax.set_xticks(x + w * (len(names) - 1) / 2, loads)
-    for ax in (a1, a2, a3, a4):
+    for ax in (a1, a2, a3, a4, a5):
         ax.set_xlabel(key)
     ratio_note = f"bar labels: {names[0]}'s throughput over {names[1]}'s" if len(names) == 2 else \
         f"bar labels: {names[0]}'s throughput over each other arm's"

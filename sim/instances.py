@@ -64,6 +64,8 @@ class _Compute:
     remaining: int
     context: int
     done: simpy.Event
+    start_s: float = -1.0  # when its first step began
+    cancelled: bool = False
 
 
 class PrefillInstance:
@@ -97,7 +99,8 @@ class PrefillInstance:
         return sum(c.remaining for c in self._computes)
 
     def compute(self, tokens: int, context: int) -> simpy.Event:
-        """An event that succeeds when ``tokens`` tokens after ``context`` cached ones are computed."""
+        """An event that succeeds when ``tokens`` tokens after ``context`` cached ones are computed;
+        its value is when the first step computing them began (``None`` for no tokens)."""
         done = self.env.event()
         if tokens <= 0:
             done.succeed()
@@ -108,10 +111,25 @@ class PrefillInstance:
             call_later(self.env, 0.0, self._step)
         return done
 
+    def cancel(self, done: simpy.Event) -> bool:
+        """Drop the queued compute of ``done`` (a failed request's); its event never succeeds. A step
+        under way that holds part of it still takes its time. False if it is no longer queued."""
+        for c in self._computes:
+            if c.done is done:
+                self._computes.remove(c)
+                c.cancelled = True
+                return True
+        return False
+
     def _step(self, _ev=None) -> None:
         """Start a step over the queue's head (written as callbacks: a step is one scheduled
         call, which takes the next step or goes idle when it ends)."""
+        if not self._computes:  # cancelled while the step was due
+            self.step_s = 0.0
+            self._idle = True
+            return
         budget = self.max_batched_tokens
+        now = self.env.now
         batch: list[tuple[_Compute, int]] = []
         for c in self._computes:
             if budget <= 0:
@@ -119,6 +137,8 @@ class PrefillInstance:
             take = min(c.remaining, budget)
             batch.append((c, take))
             budget -= take
+            if c.start_s < 0:
+                c.start_s = now
         step = self.cost.prefill_step_s([(take, c.context) for c, take in batch])
         self.step_s = step
         call_later(self.env, step, self._step_done, (batch, step))
@@ -131,13 +151,13 @@ class PrefillInstance:
             c.remaining -= take
             c.context += take
             self.computed_tokens += take
-            if c.remaining == 0:
+            if c.remaining == 0 and not c.cancelled:
                 self._computes.remove(c)
                 fill = (self.pp - 1) * step
                 if fill > 0:
-                    call_later(env, fill, lambda _e, d=c.done: fire(d))
+                    call_later(env, fill, lambda _e, d=c.done, t=c.start_s: fire(d, t))
                 else:
-                    c.done.succeed()
+                    c.done.succeed(c.start_s)
         if self._computes:
             self._step()
         else:
@@ -207,6 +227,19 @@ class DecodeInstance:
         self._admit()
         self._reschedule()
         return first, done
+
+    def cancel(self, first: simpy.Event) -> bool:
+        """Drop a waiting request (a failed one's, by its first-token event): it never joins.
+        False if it has joined the batch already."""
+        for i, w in enumerate(self._waiting):
+            if w[3] is first:
+                del self._waiting[i]
+                if i == 0:  # it may have kept the next ones out
+                    self._advance()
+                    self._admit()
+                    self._reschedule()
+                return True
+        return False
 
     def _advance(self) -> None:
         now = self.env.now

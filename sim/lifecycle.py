@@ -2,8 +2,9 @@
 
 ``Lifecycle.serve(d, finished)`` runs dispatch ``d`` (``workload.replay``'s ``Dispatch``):
 
-    1. admit     the front end's overhead, then the admission gate when enabled
-                 (``sim.steps.admit``; a rejected request finishes here)
+    1. admit     the front end's overhead (``cost.frontend_overhead_s``), then the admission
+                 gate when enabled (``sim.steps.admit``; a rejected request finishes here); then
+                 the control plane's fixed time (``cost.control_plane_s``)
     2. route     decode instance (given by the gate, else ``policy.routing.choose_decode``), then
                  a prefill instance of its group (the group's router, ``policy.routing``)
     3. lookup    the request's ``Prompt`` (``sim.prompt``), then GPU prefix cache, pool and
@@ -18,7 +19,20 @@
                  its kept prompts go; ``finished(d)`` (the replay releases what depends on it)
 
 Each step is a callback that runs when the previous one is done (no SimPy process per request):
-the simulator owns time and resources, and every decision is a policy-core call.
+the simulator owns time and resources, and every decision is a policy-core call. The record is
+stamped as the request moves on (``gate_arrival_s``, ``admitted_s``, ``prefill_start_s``,
+``compute_queued_s``, ``compute_start_s``, ``prefill_end_s``, ``decode_start_s``), which is what
+the lane-time accounting reads (``workload.records.lane_time``).
+
+Faults (``sim.faults``, the scenario's ``[faults]``; none by default, and then nothing here
+schedules anything for them): after its lookup a request may hang (``rec.hung_from_s``), holding
+what it reserved until it fails ``hang_s`` later; with ``request_timeout_s`` one that has no
+first token that long after its admission fails then, unless it has joined a decode batch. A
+failure (``fail``) sets ``rec.error`` and ``rec.end_s``, gives back the prefill's queue place and
+the router's count of its tokens, its decode wait, and its gate reservation, and calls
+``finished(d)`` so that its session goes on; a step still under way for it (a restore, a
+hand-off) ends without going further. A restore may fail once its transfer is done
+(``rec.restore_failed``: the request computes those tokens), and a save may be lost.
 """
 
 from __future__ import annotations
@@ -27,8 +41,9 @@ from collections.abc import Callable
 
 from kvpool.policy.routing import choose_decode
 from kvpool.sim.events import call_later
+from kvpool.sim.faults import Faults
 from kvpool.sim.prompt import Prompts
-from kvpool.sim.request import Request
+from kvpool.sim.request import COMPUTED, DECODING, QUEUED, Request
 from kvpool.sim.steps.admit import Admit
 from kvpool.sim.steps.compute import Compute
 from kvpool.sim.steps.handoff import Handoff
@@ -50,6 +65,9 @@ class Lifecycle:
         self.env = world.env
         self.records: list[RequestRecord] = []
         self.frontend_s = s.cost.frontend_overhead_s
+        self.control_s = s.cost.control_plane_s
+        self.faults = Faults(s) if s.faults.enabled else None
+        self.min_load_tokens = s.pool.min_load_tokens
         self.admit_step = Admit(world.env, world.gate) if world.gate is not None else None
         self.prompts = Prompts(world.keys, s.workload.shared_prefix_tokens)
         nics = PoolNics(world)
@@ -64,6 +82,7 @@ class Lifecycle:
         req = d.request
         rec = RequestRecord(d.key, d.session.id, req.thread, d.measured, self.env.now, req.in_tokens,
                             max(1, d.out_tokens))
+        rec.lane = d.lane
         self.records.append(rec)
         r = Request(d, rec, finished)
         if self.frontend_s:
@@ -72,18 +91,32 @@ class Lifecycle:
             self.admit(r)
 
     def admit(self, r: Request) -> None:
+        r.rec.gate_arrival_s = self.env.now
         if self.admit_step is None:
-            self.route(r, None)
+            self.admitted(r, None)
         else:
-            self.admit_step.arrive(r.rec, lambda decode: self.route(r, decode), lambda: self.reject(r))
+            self.admit_step.arrive(r.rec, lambda decode: self.admitted(r, decode), lambda: self.reject(r))
 
     def reject(self, r: Request) -> None:
         r.rec.end_s = self.env.now
         r.finished(r.d)
 
+    def admitted(self, r: Request, decode: int | None) -> None:
+        env = self.env
+        r.rec.admitted_s = env.now
+        f = self.faults
+        if f is not None and f.timeout_s is not None:
+            call_later(env, f.timeout_s, self._deadline, r)
+        if self.control_s:
+            call_later(env, self.control_s, lambda _e: self.route(r, decode))
+        else:
+            self.route(r, decode)
+
     # 2. route ---------------------------------------------------------------------------
     def route(self, r: Request, decode: int | None) -> None:
         w, d, rec = self.world, r.d, r.rec
+        if rec.error:
+            return
         if decode is None:
             decode = choose_decode([dd.free_tokens for dd in w.decodes])
         rec.decode = decode
@@ -99,28 +132,49 @@ class Lifecycle:
     def lookup(self, r: Request) -> None:
         r.prompt = self.prompts.build(r.d, r.prefill.index)
         self.lookup_step(r)
-        if r.hits.pool_tokens:
-            self.restore_step(r, lambda: self.compute(r))  # 4. restore
+        f = self.faults
+        if f is not None and f.hangs(r.rec.key, r.rec.computed_tokens >= self.min_load_tokens):
+            self.hang(r)
+        elif r.hits.pool_tokens:
+            self.restore_step(r, lambda: self.restored(r))  # 4. restore
         else:
             self.compute(r)
+
+    def restored(self, r: Request) -> None:
+        rec = r.rec
+        if rec.error:
+            return
+        f = self.faults
+        if f is not None and f.restore_fails(rec.key):  # the transfer went, the hit did not
+            rec.restore_failed = True
+            rec.computed_tokens += rec.pool_tokens + rec.ssd_tokens
+            rec.pool_tokens = rec.ssd_tokens = 0
+        self.compute(r)
 
     # 5. compute, 6. save ------------------------------------------------------------------
     def compute(self, r: Request) -> None:
         self.compute_step(r, lambda: self.computed(r))
 
     def computed(self, r: Request) -> None:
+        r.stage = COMPUTED
         groups = r.prompt.groups
         if self.world.pool is not None and groups.ids.size:
             skip = r.hits.pool_prefix_chunks  # held by every stage already
             new = groups.part(skip) if skip else groups
             if new.ids.size:
-                self.save_step(r, new)
+                f = self.faults
+                self.save_step(r, new, f is not None and f.save_fails(r.rec.key))
         self.handoff_step(r, lambda: self.decode(r))  # 7. hand-off
 
     # 8. decode --------------------------------------------------------------------------
     def decode(self, r: Request) -> None:
         env, rec = self.env, r.rec
+        if rec.error:
+            return
+        rec.decode_start_s = env.now
+        r.stage = DECODING
         first, done = r.decode.generate(rec.in_tokens, rec.out_tokens)
+        r.first_ev = first
         first.callbacks.append(lambda _e: setattr(rec, "first_token_s", env.now))
         done.callbacks.append(lambda _e: self.finish(r))
 
@@ -129,5 +183,37 @@ class Lifecycle:
         r.rec.end_s = self.env.now
         if self.admit_step is not None:
             self.admit_step.release(r.rec.key)
+        self.prompts.forget(r.d)
+        r.finished(r.d)
+
+    # faults -----------------------------------------------------------------------------
+    def hang(self, r: Request) -> None:
+        """``r`` hangs after its lookup, holding what it reserved, and fails ``hang_s`` later."""
+        r.rec.hung_from_s = self.env.now
+        call_later(self.env, self.faults.hang_s, lambda _e: self.fail(r, "hang") if not r.rec.error else None)
+
+    def _deadline(self, call) -> None:
+        """``request_timeout_s`` after admission: no first token yet (and not in a decode batch) fails it."""
+        r = call.value
+        rec = r.rec
+        if rec.error or rec.end_s or rec.first_token_s:
+            return
+        if r.stage == DECODING and not r.decode.cancel(r.first_ev):
+            return  # joined a batch: its first token comes within a step
+        self.fail(r, "timeout")
+
+    def fail(self, r: Request, why: str) -> None:
+        """``r`` errors now (see the module docstring): what it holds goes back, its session goes on.
+        A request at decode comes here only once its decode wait is dropped (``_deadline``)."""
+        rec = r.rec
+        rec.error = why
+        rec.end_s = self.env.now
+        p = r.prefill
+        if p is not None and r.stage <= QUEUED:  # the router still counts its tokens
+            p.outstanding_tokens -= rec.in_tokens
+            if r.stage == QUEUED:
+                p.cancel(r.compute_ev)
+        if self.admit_step is not None:
+            self.admit_step.release(rec.key)
         self.prompts.forget(r.d)
         r.finished(r.d)

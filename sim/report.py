@@ -1,5 +1,6 @@
-"""Reports of simulator runs: terminal table, JSON/CSV files and a figure shaped like the seed's
-Figure 6 (throughput per GPU and the stacked token-source shares per load, with TTFT).
+"""Reports of simulator runs: terminal tables, JSON/CSV files and a figure shaped like the seed's
+Figure 6 (throughput per GPU and the stacked token-source shares per load, with TTFT), with the
+lanes' time as stacked shares beside it.
 
 Contract:
     * ``public(row)`` is a result's documented model outputs (docs/metrics.md), without time series
@@ -9,6 +10,8 @@ Contract:
       ``public`` object per load) and ``run`` (how this execution went: the front end that produced it,
       executor, workers and each load's wall-clock figures; ``sim.documents`` builds both blocks).
       Equal inputs give documents equal outside ``run``, byte for byte.
+    * ``lane_table(arms, width)``: errors, censored requests and the lane-time shares per arm and
+      load; ``lane_panel(ax, arms, x, w)`` draws those shares as stacked bars.
     * ``write_files(rows, out_dir, stem, ...)`` writes ``stem.json`` (that document), ``stem.csv``
       (``csv_text``: the ``public`` keys) and ``stem.png``.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from kvpool.workload.records import SUMMARY_KEYS
+from kvpool.workload.records import LANE_PHASES, SUMMARY_KEYS
 
 #: (key, column head, format, keep rank: higher is left out first on a narrow terminal)
 _TABLE_COLUMNS = (
@@ -112,6 +115,57 @@ def table(rows: Sequence[dict], title: str = "", width: int = 80) -> Table:
     return fitted(cols, cells, width, title=title, note="every column is in the CSV")
 
 
+#: Lane phases as the tables and plots name them, with a colour each (``LANE_PHASES`` order).
+LANE_LABELS = {
+    "recorded_wait": ("recorded wait", "#d9d9d9"), "front_end": ("front end", "#bcbd22"), "gate": ("gate", "#8c564b"),
+    "control_plane": ("control plane", "#e377c2"), "restore": ("restore", "#dd8452"),
+    "prefill_queue": ("prefill queue", "#c44e52"), "prefill_compute": ("prefill compute", "#937860"),
+    "handoff": ("hand-off", "#17becf"), "decode": ("decode", "#4c72b0"), "hung": ("hung", "#000000"),
+    "unstamped": ("unstamped", "#7f7f7f"),
+}
+
+
+#: keep rank of each phase's column in ``lane_table`` (higher is left out first on a narrow terminal)
+_LANE_KEEP = {"recorded_wait": 0, "decode": 0, "hung": 0, "prefill_queue": 1, "prefill_compute": 1, "gate": 2,
+              "restore": 3, "control_plane": 3}
+
+
+def lane_table(arms: dict[str, Sequence[dict]], width: int = 80) -> Table:
+    """Per arm and load: errors, censored requests and where the lanes' time went (shares of
+    ``lane_s``, docs/metrics.md "Lane time"); phases no row spends time in are left out."""
+    from kvpool.tables import Col, fitted
+
+    rows = [r for rs in arms.values() for r in rs]
+    phases = [p for p in LANE_PHASES if any(r.get(f"lane_share_{p}", 0) > 0 for r in rows)]
+    key = load_of(rows[0])[0] if rows else "load"
+    cols = [Col("arm", "left"), Col(key), Col("errors"), Col("censored")]
+    cols += [Col(LANE_LABELS[p][0].replace(" ", "\n", 1), keep=_LANE_KEEP.get(p, 4)) for p in phases]
+    cells = [[n, f"{load_of(r)[1]:g}", f"{r.get('errors', 0):,}", f"{r.get('censored', 0):,}",
+              *[f"{r.get(f'lane_share_{p}', 0):.1%}" for p in phases]] for n, rs in arms.items() for r in rs]
+    return fitted(cols, cells, width, title="where the lanes' time went (shares of the measured window)",
+                  note="every column is in the CSV")
+
+
+def lane_panel(ax, arms: dict[str, Sequence[dict]], x, w, colours: dict[str, str] | None = None) -> None:
+    """Stacked shares of lane time per load, one bar per arm (outlined in the arm's colour)."""
+    import numpy as np
+
+    names = list(arms)
+    rows = [r for rs in arms.values() for r in rs]
+    phases = [p for p in LANE_PHASES if any(r.get(f"lane_share_{p}", 0) > 0 for r in rows)]
+    for j, n in enumerate(names):
+        bottom = np.zeros(len(x))
+        for p in phases:
+            vals = np.array([r.get(f"lane_share_{p}", 0.0) for r in arms[n]]) * 100
+            ax.bar(x + j * w, vals, w, bottom=bottom, color=LANE_LABELS[p][1],
+                   edgecolor=(colours or {}).get(n, "white"), linewidth=0.8,
+                   label=LANE_LABELS[p][0] if j == 0 else None)
+            bottom += vals
+    ax.set_ylim(0, 100)
+    ax.set_ylabel("share of lane time (%)")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
+
+
 def csv_text(rows: Sequence[dict]) -> str:
     """The CSV of a sweep: one row per load, the ``public`` keys as columns."""
     buf = io.StringIO(newline="")
@@ -151,7 +205,7 @@ def figure(rows: Sequence[dict], path: Path, title: str = "") -> None:
 
     key = load_of(rows[0])[0]
     xs = [f"{load_of(r)[1]:g}" for r in rows]
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4))
+    fig, (ax1, ax2, ax3, ax4) = plt.subplots(1, 4, figsize=(17, 4.4))
     ax1.bar(xs, [r["throughput_per_gpu_tok_s"] / 1e3 for r in rows], color="#4c72b0")
     ax1.set_ylabel("throughput per GPU (K tok/s)")
     ax1.set_xlabel(key)
@@ -171,6 +225,12 @@ def figure(rows: Sequence[dict], path: Path, title: str = "") -> None:
     ax3.set_ylabel("time to first token (s)")
     ax3.set_xlabel(key)
     ax3.legend(fontsize=8)
+    import numpy as np
+
+    x = np.arange(len(xs))
+    lane_panel(ax4, {"": rows}, x, 0.8)
+    ax4.set_xticks(x, xs)
+    ax4.set_xlabel(key)
     if title:
         fig.suptitle(title, fontsize=11)
     fig.text(0.5, 0.005, THROUGHPUT_NOTE, ha="center", va="bottom", fontsize=8)

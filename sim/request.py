@@ -3,8 +3,11 @@
 Contract: a ``Request`` is made when the request arrives and filled in as it goes: ``rec`` (its
 ``RequestRecord``, which the run returns) from the start; ``prefill``/``decode`` once routed;
 ``prompt`` (its ``sim.prompt.Prompt``) and the lookup's results (``hits``, ``gpu_use``,
-``in_dram``) once looked up. ``finished(d)`` is the
-driver's, called once when the request is done or rejected.
+``in_dram``) once looked up; ``stage`` (``QUEUED``: its compute is queued on the prefill, as
+``compute_ev``; ``COMPUTED``: its hand-off is under way; ``DECODING``: it waits for or runs on its
+decode instance, whose first-token event is ``first_ev``), which is what a failure has to give back
+(``sim.lifecycle``). ``finished(d)`` is the driver's, called once when the request is done,
+rejected or failed.
 """
 
 from __future__ import annotations
@@ -20,10 +23,15 @@ from kvpool.sim.prompt import Prompt
 from kvpool.workload.records import RequestRecord
 
 
+#: ``Request.stage``: before its compute is queued; compute queued; hand-off under way; at decode
+ROUTING, QUEUED, COMPUTED, DECODING = 0, 1, 2, 3
+
+
 class Request:
     """See the module docstring."""
 
-    __slots__ = ("d", "rec", "finished", "prefill", "decode", "prompt", "hits", "gpu_use", "in_dram")
+    __slots__ = ("d", "rec", "finished", "prefill", "decode", "prompt", "hits", "gpu_use", "in_dram", "stage",
+                 "compute_ev", "first_ev")
 
     def __init__(self, d, rec: RequestRecord, finished: Callable[[object], None]) -> None:
         self.d = d  # the replay's Dispatch
@@ -35,3 +43,6 @@ class Request:
         self.hits: HitResult | None = None
         self.gpu_use: Use | None = None  # the prompt's use of its prefill's GPU cache
         self.in_dram: np.ndarray | None = None  # with an SSD tier: per chunk, held by every rank in DRAM
+        self.stage = ROUTING
+        self.compute_ev = None  # its compute's done event while queued on the prefill
+        self.first_ev = None  # its first token's event once it went to decode

@@ -10,6 +10,8 @@ Contract:
       field goes last, with a default.
     * ``summarize(records, gpus=...)`` is a pure function of its arguments: the keys of
       docs/metrics.md's per-run table that a run's records determine.
+    * ``lane_time(records, window)`` splits every lane's time in ``window`` over ``LANE_PHASES``
+      (docs/metrics.md, "Lane time"); the shares sum to 1.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class RequestRecord:
     The identity fields (``key`` .. ``out_tokens``) come from the replay; a producer that does not
     know one (the store connector knows the request id and the prompt only) leaves its default.
     ``key`` is the replay's request key in the simulator and the engine's request id in the backend.
+    The phase stamps (``gate_arrival_s`` .. ``hung_from_s``) are -1 until the request reaches that
+    phase, and stay -1 where the producer does not stamp them.
     """
 
     key: int | str
@@ -56,6 +60,14 @@ class RequestRecord:
     handoff_writes: int = 0
     rejected: str = ""
     lookup_answered: bool = True
+    lane: int = -1
+    gate_arrival_s: float = -1.0
+    admitted_s: float = -1.0
+    compute_queued_s: float = -1.0
+    compute_start_s: float = -1.0
+    decode_start_s: float = -1.0
+    hung_from_s: float = -1.0
+    error: str = ""
 
     @property
     def ttft_s(self) -> float:
@@ -67,12 +79,18 @@ class RequestRecord:
         return d
 
 
+#: Where a lane's time goes (``lane_time``), in the order a request passes them; ``recorded_wait``
+#: is a lane with nothing in flight, ``unstamped`` a request whose producer stamps no phases.
+LANE_PHASES = ("recorded_wait", "front_end", "gate", "control_plane", "restore", "prefill_queue",
+               "prefill_compute", "handoff", "decode", "hung", "unstamped")
+
 #: Keys of one load's summary (``kvpool sim run --json``), documented in docs/metrics.md.
 SUMMARY_KEYS = (
     "sessions", "rps", "duration_s", "gpus", "requests", "rejected", "throughput_tok_s", "throughput_per_gpu_tok_s",
     "ttft_p50_s", "ttft_p90_s", "share_gpu", "share_pool", "share_ssd", "share_computed", "reuse",
     "gen_speed_per_user_tok_s_p50", "decode_kv_occupancy_p50", "restore_stage_s_p50",
-    "restore_spread_s_mean", "bytes_moved", "wall_s",
+    "restore_spread_s_mean", "bytes_moved", "errors", "censored", "lane_s",
+    *(f"lane_share_{p}" for p in LANE_PHASES), "wall_s",
 )
 
 
@@ -95,9 +113,23 @@ def weighted_median(times_s: Sequence[float], values: Sequence[float], end_s: fl
 
 
 def _counted(records: Sequence[RequestRecord], cutoff_s: float | None = None) -> list[RequestRecord]:
-    """The requests every metric is over: measured, admitted, finished (by ``cutoff_s`` if given)."""
-    return [r for r in records if r.measured and not r.rejected and r.end_s > 0
+    """The requests every metric is over: measured, admitted, finished without error (by
+    ``cutoff_s`` if given)."""
+    return [r for r in records if r.measured and not r.rejected and not r.error and r.end_s > 0
             and (cutoff_s is None or r.end_s <= cutoff_s)]
+
+
+def _errors_censored(records: Sequence[RequestRecord], cutoff_s: float | None) -> tuple[int, int]:
+    """Measured requests that failed by ``cutoff_s``, and measured admitted ones still in flight then."""
+    errors = censored = 0
+    for r in records:
+        if not r.measured or r.rejected:
+            continue
+        if cutoff_s is not None and r.end_s > cutoff_s:
+            censored += 1
+        elif r.error:
+            errors += 1
+    return errors, censored
 
 
 def _span_s(kept: Sequence[RequestRecord]) -> tuple[float, float]:
@@ -142,15 +174,95 @@ def _occupancy_in(occupancy: tuple[list[float], list[float]],
     return times, values
 
 
+def request_phases(r: RequestRecord) -> list[tuple[str, float, float]]:
+    """``r``'s phases as (phase, start, end), in order, from its arrival to its end (none when it
+    has not ended). Each stamped phase lasts until the next stamped one (or the end); a hung
+    request is ``hung`` from ``hung_from_s``. Without stamps, the request is one ``unstamped`` span."""
+    end = r.end_s
+    if end <= 0 or end < r.arrival_s:
+        return []
+    if r.gate_arrival_s < 0:
+        return [("unstamped", r.arrival_s, end)]
+    marks = [("front_end", r.arrival_s), ("gate", r.gate_arrival_s)]
+    if r.admitted_s >= 0:
+        marks.append(("control_plane", r.admitted_s))
+        if r.prefill_start_s > 0:
+            marks.append(("restore", r.prefill_start_s))
+        for phase, t in (("prefill_queue", r.compute_queued_s), ("prefill_compute", r.compute_start_s)):
+            if t >= 0:
+                marks.append((phase, t))
+        if r.compute_start_s >= 0 and r.prefill_end_s > 0:
+            marks.append(("handoff", r.prefill_end_s))
+        if r.decode_start_s >= 0:
+            marks.append(("decode", r.decode_start_s))
+    stop = r.hung_from_s if r.hung_from_s >= 0 else end
+    out = []
+    for i, (phase, t) in enumerate(marks):
+        if t >= stop:
+            break
+        nxt = marks[i + 1][1] if i + 1 < len(marks) else stop
+        out.append((phase, t, min(nxt, stop)))
+    if r.hung_from_s >= 0:
+        out.append(("hung", r.hung_from_s, end))
+    return out
+
+
+def lane_time(records: Sequence[RequestRecord], window: tuple[float, float]) -> tuple[float, dict[str, float]]:
+    """(lane-seconds, share per ``LANE_PHASES``) of every lane over ``window``.
+
+    A lane is a record's ``lane`` (its ``session`` where the producer gives no lane); every lane
+    that sent any request counts for the whole window. At each moment a lane's time goes in
+    equal parts to the phases of its requests in flight then (parallel subagents share it), and to
+    ``recorded_wait`` when it has none. Every request counts, measured or not, rejected or failed:
+    the lane spent that time. The shares sum to 1 (all 0 when the window or the lanes are empty)."""
+    w0, w1 = window
+    acc = dict.fromkeys(LANE_PHASES, 0.0)
+    spans: dict[object, list[tuple[float, int, str]]] = {}
+    for r in records:
+        lane = spans.setdefault(r.lane if r.lane >= 0 else r.session, [])
+        for phase, a, b in request_phases(r):
+            a, b = max(a, w0), min(b, w1)
+            if b > a:
+                lane.append((a, 1, phase))
+                lane.append((b, -1, phase))
+    span = max(0.0, w1 - w0)
+    total = span * len(spans)
+    if total <= 0:
+        return 0.0, {p: 0.0 for p in LANE_PHASES}
+    for events in spans.values():
+        events.sort(key=lambda e: (e[0], e[1]))  # at one moment, ends before starts
+        active: dict[str, int] = {}
+        n = 0
+        t_prev = w0
+        for t, step, phase in events:
+            dt = t - t_prev
+            if dt > 0:
+                if n:
+                    for p, c in active.items():
+                        if c:
+                            acc[p] += dt * c / n
+                else:
+                    acc["recorded_wait"] += dt
+            t_prev = t
+            active[phase] = active.get(phase, 0) + step
+            n += step
+        acc["recorded_wait"] += w1 - t_prev
+    return total, {p: acc[p] / total for p in LANE_PHASES}
+
+
 def summarize(records: Sequence[RequestRecord], *, gpus: int, occupancy: tuple[list[float], list[float]] = ([], []),
-              window: tuple[float, float] | None = None, cutoff_s: float | None = None) -> dict:
-    """Per-run metrics over measured, non-rejected requests (AgentX definitions).
+              window: tuple[float, float] | None = None, cutoff_s: float | None = None,
+              lane_window: tuple[float, float] | None = None) -> dict:
+    """Per-run metrics over measured, non-rejected requests that did not fail (AgentX definitions).
 
     ``occupancy``: decode KV occupancy as a step function (times, values); its median is taken
     over ``window`` (default: first arrival to last end of the measured requests).
-    ``cutoff_s``: requests still running then are left out, as AIPerf leaves out the responses
-    still pending when its grace period after the benchmark duration expires."""
+    ``cutoff_s``: requests still running then are left out (``censored``), as AIPerf leaves out the
+    responses still pending when its grace period after the benchmark duration expires.
+    ``lane_window``: the window of the lane-time breakdown (``lane_time``; default: first arrival to
+    last end of the measured requests)."""
     kept = _counted(records, cutoff_s)
+    errors, censored = _errors_censored(records, cutoff_s)
     prompt = sum(r.in_tokens for r in kept)
     out = sum(r.out_tokens for r in kept)
     start, end = _span_s(kept)
@@ -160,6 +272,10 @@ def summarize(records: Sequence[RequestRecord], *, gpus: int, occupancy: tuple[l
     if window is None:
         window = (start, end)
     occ_t, occ_v = _occupancy_in(occupancy, window)
+    if lane_window is None:
+        measured = [r for r in records if r.measured]
+        lane_window = _span_s(measured) if measured else (0.0, 0.0)
+    lane_s, lane_shares = lane_time(records, lane_window)
     return {
         "gpus": gpus,
         "requests": len(kept),
@@ -173,6 +289,10 @@ def summarize(records: Sequence[RequestRecord], *, gpus: int, occupancy: tuple[l
         "decode_kv_occupancy_p50": weighted_median(occ_t, occ_v, window[1]),
         **_restore_times(kept),
         "bytes_moved": int(sum(r.restore_bytes + r.save_bytes + r.handoff_bytes for r in kept)),
+        "errors": errors,
+        "censored": censored,
+        "lane_s": lane_s,
+        **{f"lane_share_{p}": v for p, v in lane_shares.items()},
         "prompt_tokens": prompt,
         "output_tokens": out,
         "window_s": span,

@@ -193,6 +193,7 @@ def run(
         return
     screen = Console()
     screen.print(report.table(rows, title=title_of(prov), width=screen.width))
+    screen.print(report.lane_table({s.name: rows}, width=screen.width))
     console.print("wrote " + ", ".join(str(p) for p in paths))
     warn(warnings)
 
@@ -209,6 +210,7 @@ def compare(
     rps: str = typer.Option(None, "--rps", help="Production-replay loads, e.g. 0.6,0.8,1.0."),
     duration: float = typer.Option(None, "--duration", help="Measured window per load, seconds."),
     traces: str = typer.Option(None, "--traces", help="Replay these traces instead of each scenario's workload."),
+    seed: int = typer.Option(None, "--seed", help="Seed of every random choice, for every arm (default: each scenario's)."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP + " Applied to every arm."),
     workers: int = typer.Option(0, "--workers", help="Parallel processes, or local Ray CPUs (0: one per core, at most one per load)."),
     executor: str = typer.Option("local", "--executor", help=EXECUTOR_HELP),
@@ -220,12 +222,12 @@ def compare(
     first arm's value over each other arm's, as the seed states them (shared first: its throughput
     ratio above 1 means it is faster). Writes JSON, CSV and PNG (out/compare-A-vs-B-ID.*)."""
     from kvpool.sim import compare as cmp
-    from kvpool.sim import documents
+    from kvpool.sim import documents, report
     from kvpool.sim.run import sweep
 
     if len(scenarios) < 2:
         raise UserError("compare needs two or more scenarios")
-    extra = run_overrides(set_, duration=duration, sessions=sessions, rps=rps)
+    extra = run_overrides(set_, duration=duration, seed=seed, sessions=sessions, rps=rps)
     arms_s = [load_or_exit(name, extra) for name in scenarios]
     output_dir(out, create=False)
     names = [s.name for s in arms_s]
@@ -271,6 +273,7 @@ def compare(
         return
     screen = Console()
     screen.print(cmp.ratio_table(arms, width=screen.width))
+    screen.print(report.lane_table(arms, width=screen.width))
     console.print(f"wrote {out / (stem + '.json')}, {out / (stem + '.csv')}, {out / (stem + '.png')}")
     warn(warnings)
 

@@ -275,6 +275,54 @@ class CostConfig(_Section):
         description="fixed time from a request's arrival to its admission: API gateway, chat template and "
                     "tokenization in front of the router, s (0: the client talks to the router directly)",
     )
+    control_plane_s: Float = Field(
+        default=0.0, ge=0, le=600,
+        description="fixed time per admitted request before its prefill's lookup that the model does not "
+                    "resolve into its parts: the router's dispatch, the Store masters' lookups and transfer "
+                    "set-up before a restore, and the hand-off's descriptor exchange with the decode instance, s",
+    )
+
+
+class FaultsConfig(_Section):
+    """Requests that hang, time out or lose a transfer (off by default: every probability 0, no timeout).
+
+    AgentX's error semantics: an errored request is left out of TTFT, throughput and the token
+    shares (it counts under ``errors``), its session goes on with its next request as if it had
+    finished, and what it held (its gate reservation, its place in the prefill's queue and the
+    router's count of its tokens) is given back when it fails. Every draw is a pure function of
+    the scenario's seed and the request's key, so runs stay deterministic. A *pool miss* is a
+    request whose lookup leaves at least ``pool.min_load_tokens`` tokens to compute (the GPU
+    cache and the pool together missed a loadable part of its history).
+    """
+
+    request_timeout_s: Float | None = Field(
+        default=None, gt=0, le=MAX_SECONDS,
+        description="admission to first token beyond this is an error (ATOM's prefill/decode timeout: 300 s); "
+                    "a request that has joined a decode batch gets its first token within one step and is not "
+                    "timed out; none: no timeout",
+    )
+    hang_prob_on_pool_miss: Float = Field(
+        default=0.0, ge=0, le=1, description="probability that a pool miss hangs after its lookup")
+    hang_prob_other: Float = Field(
+        default=0.0, ge=0, le=1, description="probability that any other request hangs after its lookup")
+    hang_s: Float = Field(
+        default=900.0, gt=0, le=MAX_SECONDS,
+        description="how long a hung request holds what it reserved before it fails (the timeout, when "
+                    "shorter, fails it first), s")
+    restore_fail_prob: Float = Field(
+        default=0.0, ge=0, le=1,
+        description="probability that a restore from the pool fails once its transfer is done; the request "
+                    "computes those tokens instead (record: restore_failed)")
+    save_fail_prob: Float = Field(
+        default=0.0, ge=0, le=1,
+        description="probability that a save to the pool fails once its bytes have travelled; the pool does "
+                    "not hold those chunks, so a later hit on them is a recompute")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any fault can happen."""
+        return (self.request_timeout_s is not None or self.hang_prob_on_pool_miss > 0 or self.hang_prob_other > 0
+                or self.restore_fail_prob > 0 or self.save_fail_prob > 0)
 
 
 class ServeConfig(_Section):
@@ -321,6 +369,7 @@ class Scenario(_Section):
     routing: RoutingConfig = Field(default=RoutingConfig())
     workload: WorkloadConfig = Field(default=WorkloadConfig())
     cost: CostConfig = Field(default=CostConfig())
+    faults: FaultsConfig = Field(default=FaultsConfig())
     serve: ServeConfig = Field(default=ServeConfig())
 
     @model_validator(mode="after")

@@ -4,7 +4,8 @@ Contract: ``Save(world, nics)(r, groups)`` for the chunk groups of ``r``'s promp
 did not hold (a part of ``r.prompt.groups``): every rank packs its objects (in parallel: the largest rank's pack time,
 ``CostModel.unpack_s``), sends them over its NICs (``PoolNics``) and, once every byte has landed,
 puts them with their group ids (``SimPool.save``: ``policy.grouptable`` eviction); the record's
-``save_bytes`` grows then and the pool's time series is sampled. Nothing waits for it.
+``save_bytes`` grows then and the pool's time series is sampled. Nothing waits for it. A save that
+fails (``lost``, ``[faults]``) moves its bytes and puts nothing.
 """
 
 from __future__ import annotations
@@ -26,14 +27,16 @@ class Save:
         self.rank_bytes = world.rank_bytes
         self.pack_s = world.cost.unpack_s  # packing costs what unpacking does
 
-    def __call__(self, r: Request, groups: GroupIds) -> None:
+    def __call__(self, r: Request, groups: GroupIds, lost: bool = False) -> None:
         env, p, rec = self.env, r.prefill, r.rec
         chunks = int(groups.ids.size)
         nbytes = [chunks * b for b in self.rank_bytes]
 
         def put() -> None:
-            self.pool.save(p.server, p.ranks, groups, env.now)
             rec.save_bytes += sum(nbytes)
+            if lost:
+                return
+            self.pool.save(p.server, p.ranks, groups, env.now)
             self.world.sample_pool()
 
         def send(_e) -> None:
