@@ -446,7 +446,8 @@ class ConnectorWorker:
                 self._remove_wrong_size([k for k, st in bad if st == Status.WRONG_SIZE])
                 return False, _REASON.get(bad[0][1], "failed"), 0, 1, get_s, 0.0
             if self.device.type == "cuda":
-                return self._load_in_place_gpu(lease.pieces, table, n, deadline, on_round, ready, get_s)
+                with torch.cuda.device(self.device):  # this thread's kernels launch on the caches' GPU
+                    return self._load_in_place_gpu(lease.pieces, table, n, deadline, on_round, ready, get_s)
             return self._load_in_place_cpu(lease.pieces, table, n, per_round, deadline, on_round, get_s)
         finally:
             lease.release()
@@ -550,7 +551,7 @@ class ConnectorWorker:
             elif self.device.type == "cuda":
                 ss, stage, view = self._streams["save"], self._dev_save, self._pool_view
                 assert stage is not None and view is not None
-                with torch.cuda.stream(ss):
+                with torch.cuda.device(self.device), torch.cuda.stream(ss):
                     if ready is not None:
                         ss.wait_event(ready)
                     kernels.pack(self.caches, table, m, ct, stage[: m * ob].view(m, ob), self.fmt, False, cfg.kernel_backend)

@@ -25,7 +25,8 @@ of the same bytes, over the last two runs:
     8,192-token gather to 4 ranks: 1.75-1.81 TB/s, ratio 0.86-0.90
     scatter of one rank's 23.6 MB: 1.46-1.48 TB/s, ratio 0.81-0.82
     scatter of one 8 MiB landed write: ratio 1.05
-    one 3.2 MB chunk: ratio 0.73-0.84 (launch-latency bound)
+    one 3.2 MB chunk: ratio 0.73-0.84 (launch-latency bound; ``MIN_PROGRAMS_PER_SM`` spreads small
+    launches over every multiprocessor, not measured yet)
 
 Triton is imported only inside ``_kernel``; importing this module needs torch alone.
 """
