@@ -40,6 +40,17 @@ Contract:
     * On a GPU, objects go host -> device through a device window of ``device_window_bytes``
       (pinned host arena, one stream, synchronized before the host slots are reused); on the
       CPU, unpack and pack work on the registered slots directly.
+    * **In place** (``use_pool_arena``, a pool with the ``ArenaPool`` capability: the embedded
+      pool). A load leases its objects' arena ranges (one read call) and, on a GPU, copies them
+      host -> device straight from the (pinned) pool arena into a device window of two halves on a
+      copy stream, while a second stream unpacks the other half: one large copy per contiguous
+      run of objects (a save's window is one run), events between the streams, one host wait at
+      the end; the lease ends after it. On the CPU it unpacks straight from the arena. A save
+      reserves its window's ranges (one put), packs the whole window in one launch and copies it
+      device -> host straight into the arena, then commits. The rounds, their sizes and the
+      report are those of the registered-slot path; block ids are checked once per load or save
+      (``validate``). Both streams first wait for the work the caller had queued on its current
+      stream when it called (``load`` / ``submit_load`` / ``save`` / ``submit_save``).
 
 Only this module (of the connector) imports torch.
 """
@@ -57,7 +68,8 @@ import torch
 
 from kvpool import kernels
 from kvpool.backend.connector_data import LoadPlan, SavePlan, StageReport, StageSaveReport
-from kvpool.backend.pool.api import BufferRef, Pool, Status
+from kvpool.backend.pool.api import ArenaPiece, ArenaPool, BufferRef, Pool, Status
+from kvpool.kernels import _checks as kernel_checks
 from kvpool.kernels.format import ChunkFormat
 from kvpool.policy.kvspec import KVSpec
 
@@ -88,6 +100,8 @@ class WorkerConfig:
         remove_wrong_size: remove an object whose size is wrong, so it can be saved again.
         validate: let the kernels check block ids against the caches (one host sync per call).
         kernel_backend: ``"auto"`` (Triton on a GPU, torch on the CPU), ``"torch"`` or ``"triton"``.
+        use_pool_arena: read and write the pool's arena in place when the pool offers one
+            (``ArenaPool``); False: always through the registered slots.
     """
 
     load_buffer_bytes: int = 1024 * MIB
@@ -100,6 +114,7 @@ class WorkerConfig:
     remove_wrong_size: bool = True
     validate: bool = True
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    use_pool_arena: bool = True
 
     def __post_init__(self) -> None:
         if self.load_buffer_bytes <= 0 or self.save_buffer_bytes <= 0:
@@ -114,6 +129,16 @@ class WorkerConfig:
             raise ValueError("device_window_bytes must be > 0")
         if self.kernel_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"kernel_backend must be 'auto', 'torch' or 'triton', got {self.kernel_backend!r}")
+
+
+def clip_pieces(pieces: list[ArenaPiece], lo_bytes: int, hi_bytes: int) -> list[tuple[int, int, int]]:
+    """``(arena_offset, offset from lo, nbytes)`` of the pieces' bytes in dense range ``[lo, hi)``."""
+    out = []
+    for p in pieces:
+        a, b = max(lo_bytes, p.dense_offset_bytes), min(hi_bytes, p.dense_offset_bytes + p.nbytes)
+        if a < b:
+            out.append((p.arena_offset_bytes + a - p.dense_offset_bytes, a - lo_bytes, b - a))
+    return out
 
 
 def slot_bytes_for(object_bytes: int) -> int:
@@ -176,6 +201,13 @@ class ConnectorWorker:
         self._ref: BufferRef | None = None
         self._staging: torch.Tensor | None = None  # device window of loads (GPU caches only)
         self._save_staging: torch.Tensor | None = None  # and of saves (their own: they run concurrently)
+        self._arena_pool: ArenaPool | None = pool if config.use_pool_arena and isinstance(pool, ArenaPool) else None
+        self._pool_view: torch.Tensor | None = None  # the pool's arena as a CPU uint8 tensor (no copy)
+        self._streams: dict[str, torch.cuda.Stream] = {}
+        self._dev_load: torch.Tensor | None = None  # in-place path: two halves of objects, dense
+        self._dev_save: torch.Tensor | None = None
+        self.half_objects = 0  # in-place GPU loads: objects per device half window
+        self.save_window_objects = 0
         self._load_exec: ThreadPoolExecutor | None = None
         self._unpack_exec: ThreadPoolExecutor | None = None
         self._save_exec: ThreadPoolExecutor | None = None
@@ -196,7 +228,16 @@ class ConnectorWorker:
         pin = self.device.type == "cuda"
         self._arena = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
         self._ref = self.pool.register_buffer(self._arena)
-        if self.device.type != "cpu":
+        if self._arena_pool is not None:
+            self._pool_view = torch.frombuffer(self._arena_pool.arena_buffer, dtype=torch.uint8)
+            if self.device.type == "cuda":
+                ob = self.object_bytes
+                self.half_objects = max(1, self.config.device_window_bytes // 2 // ob)
+                self.save_window_objects = max(1, min(self.save_slots, self.config.device_window_bytes // ob))
+                self._dev_load = torch.empty(2 * self.half_objects * ob, dtype=torch.uint8, device=self.device)
+                self._dev_save = torch.empty(self.save_window_objects * ob, dtype=torch.uint8, device=self.device)
+                self._streams = {name: torch.cuda.Stream(self.device) for name in ("copy", "unpack", "save")}
+        elif self.device.type != "cpu":
             window = max(1, self.config.device_window_bytes // self.slot_bytes)
             self._staging = torch.empty((min(self.load_slots, window), self.slot_bytes), dtype=torch.uint8, device=self.device)
             self._save_staging = torch.empty((min(self.save_slots, window), self.slot_bytes), dtype=torch.uint8, device=self.device)
@@ -218,6 +259,8 @@ class ConnectorWorker:
                 pass  # the pool was closed first
             self._ref = None
         self._arena = self._staging = self._save_staging = None
+        self._pool_view = self._dev_load = self._dev_save = None
+        self._streams = {}
 
     def __enter__(self) -> ConnectorWorker:
         return self.start()
@@ -247,7 +290,7 @@ class ConnectorWorker:
         """``load`` on this stage's load thread (one load at a time per stage, as ATOM's default)."""
         self._require_started()
         assert self._load_exec is not None
-        return self._load_exec.submit(self.load, plan, block_ids, on_round)
+        return self._load_exec.submit(self._load, plan, block_ids, on_round, self._caller_ready())
 
     def load(
         self, plan: LoadPlan, block_ids: torch.Tensor, on_round: Callable[[int, int], None] | None = None
@@ -256,6 +299,23 @@ class ConnectorWorker:
 
         ``on_round(chunks_done, chunks_total)`` is called after each round (progress, profiling).
         """
+        return self._load(plan, block_ids, on_round, self._caller_ready())
+
+    def _caller_ready(self) -> torch.cuda.Event | None:
+        """An event after the work queued on the caller's current stream (GPU in-place path only)."""
+        if self.device.type != "cuda" or self._arena_pool is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _load(
+        self,
+        plan: LoadPlan,
+        block_ids: torch.Tensor,
+        on_round: Callable[[int, int], None] | None,
+        ready: torch.cuda.Event | None,
+    ) -> StageReport:
         _, ref = self._require_started()
         t0 = self.clock()
         deadline = t0 + self.config.load_timeout_s
@@ -283,6 +343,14 @@ class ConnectorWorker:
         # A load that fits one half is still cut into ~4 rounds, so that there is something to overlap.
         overlap = self.load_slots >= 2 and n > 1
         per_round = min(self.load_slots // 2, -(-n // 4)) if overlap else self.load_slots
+        if self._arena_pool is not None:
+            try:
+                ok, reason, done, rounds, get_s, unpack_s = self._load_in_place(
+                    plan, objs.keys, block_ids, per_round, deadline, on_round, ready
+                )
+            except (ValueError, IndexError, TypeError, RuntimeError) as e:  # bad table, kernel refusal
+                return report(False, f"error: {e}")
+            return report(ok, reason)
         pending: list[Future[float] | None] = [None, None]
 
         def drain(raise_errors: bool) -> None:
@@ -335,6 +403,186 @@ class ConnectorWorker:
             return report(False, f"error: {e}")
         return report(True)
 
+    # -- in place (ArenaPool) ----------------------------------------------------------------
+    def _check_table(self, block_ids: torch.Tensor, first_chunk: int, n: int, unique: bool) -> torch.Tensor:
+        """The plan's part of the block table, checked once (``validate``) for all its rounds."""
+        table = self._table(block_ids, first_chunk, n)
+        pages = n * self.pages_per_chunk
+        kernel_checks.check_block_ids(table, pages, self.device)
+        if self.config.validate:
+            kernel_checks.check_block_bounds(table, pages, self.caches[0].shape[0], unique)
+        return table
+
+    def _arena_rows(self, arena_offset: int, k: int) -> torch.Tensor:
+        """``[k, object_bytes]`` view of ``k`` objects back to back in the pool's arena."""
+        assert self._pool_view is not None
+        return self._pool_view.as_strided((k, self.object_bytes), (self.object_bytes, 1), arena_offset)
+
+    def _whole_objects(self, clipped: list[tuple[int, int, int]]) -> bool:
+        ob = self.object_bytes
+        return all(d % ob == 0 and n % ob == 0 for _, d, n in clipped)
+
+    def _load_in_place(
+        self,
+        plan: LoadPlan,
+        keys: tuple[str, ...],
+        block_ids: torch.Tensor,
+        per_round: int,
+        deadline: float,
+        on_round: Callable[[int, int], None] | None,
+        ready: torch.cuda.Event | None,
+    ) -> tuple[bool, str, int, int, float, float]:
+        """Lease the objects and unpack them from the pool's arena: ``(ok, reason, done, rounds, get_s, unpack_s)``."""
+        assert self._arena_pool is not None
+        n, ob = len(keys), self.object_bytes
+        table = self._check_table(block_ids, plan.first_chunk, n, unique=True)
+        t0 = self.clock()
+        lease = self._arena_pool.lease_read(keys, [ob] * n)
+        get_s = self.clock() - t0
+        try:
+            bad = [(k, st) for k, st in zip(keys, lease.statuses) if st != Status.OK]
+            if bad:
+                lease.release()
+                self._remove_wrong_size([k for k, st in bad if st == Status.WRONG_SIZE])
+                return False, _REASON.get(bad[0][1], "failed"), 0, 1, get_s, 0.0
+            if self.device.type == "cuda":
+                with torch.cuda.device(self.device):  # this thread's kernels launch on the caches' GPU
+                    return self._load_in_place_gpu(lease.pieces, table, n, deadline, on_round, ready, get_s)
+            return self._load_in_place_cpu(lease.pieces, table, n, per_round, deadline, on_round, get_s)
+        finally:
+            lease.release()
+
+    def _load_in_place_cpu(self, pieces, table, n, per_round, deadline, on_round, get_s):
+        cfg, ct, ob, p = self.config, self.config.chunk_tokens, self.object_bytes, self.pages_per_chunk
+        done = rounds = 0
+        unpack_s = 0.0
+        while done < n:
+            if self.clock() > deadline:
+                return False, "timeout", done, rounds, get_s, unpack_s
+            m = min(per_round, n - done)
+            clipped = clip_pieces(pieces, done * ob, (done + m) * ob)
+            t1 = self.clock()
+            if self._whole_objects(clipped):
+                for a, d, nb in clipped:  # straight from the arena: one unpack per contiguous run
+                    i, k = d // ob, nb // ob
+                    rows = self._arena_rows(a, k)
+                    kernels.unpack(rows, self.caches, table[(done + i) * p : (done + i + k) * p], k, ct, self.fmt, False, cfg.kernel_backend)
+            else:  # an object split over several extents: gather it into the load slots first
+                t2 = self.clock()
+                slots = self._slots(0, m)
+                flat = slots.as_strided((m * self.slot_bytes,), (1,), slots.storage_offset())
+                assert self._pool_view is not None
+                for a, d, nb in clipped:
+                    while nb:
+                        i, w = divmod(d, ob)
+                        take = min(nb, ob - w)
+                        flat[i * self.slot_bytes + w : i * self.slot_bytes + w + take].copy_(self._pool_view[a : a + take])
+                        a, d, nb = a + take, d + take, nb - take
+                get_s += self.clock() - t2
+                kernels.unpack(slots, self.caches, table[done * p : (done + m) * p], m, ct, self.fmt, False, cfg.kernel_backend)
+            unpack_s += self.clock() - t1
+            done += m
+            rounds += 1
+            if on_round is not None:
+                on_round(done, n)
+        return True, "", done, rounds, get_s, unpack_s
+
+    def _load_in_place_gpu(self, pieces, table, n, deadline, on_round, ready, get_s):
+        """Copy stream: arena -> device half (one copy per run); unpack stream: the other half."""
+        cfg, ct, ob, p = self.config, self.config.chunk_tokens, self.object_bytes, self.pages_per_chunk
+        cs, us = self._streams["copy"], self._streams["unpack"]
+        stage, view = self._dev_load, self._pool_view
+        assert stage is not None and view is not None
+        half = self.half_objects
+        if ready is not None:
+            cs.wait_event(ready)
+            us.wait_event(ready)
+        freed: list[torch.cuda.Event | None] = [None, None]  # the half's last unpack is done
+        timing: list[tuple[torch.cuda.Event, ...]] = []
+        done = rounds = 0
+        try:
+            while done < n:
+                if self.clock() > deadline:
+                    return False, "timeout", done, rounds, get_s, 0.0
+                m = min(half, n - done)
+                h = rounds % 2
+                base = h * half * ob
+                c0, c1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                u0, u1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(cs):
+                    if freed[h] is not None:
+                        cs.wait_event(freed[h])
+                    c0.record(cs)
+                    for a, d, nb in clip_pieces(pieces, done * ob, (done + m) * ob):
+                        stage[base + d : base + d + nb].copy_(view[a : a + nb], non_blocking=True)
+                    c1.record(cs)
+                with torch.cuda.stream(us):
+                    us.wait_event(c1)
+                    u0.record(us)
+                    rows = stage[base : base + m * ob].view(m, ob)
+                    kernels.unpack(rows, self.caches, table[done * p : (done + m) * p], m, ct, self.fmt, False, cfg.kernel_backend)
+                    u1.record(us)
+                freed[h] = u1
+                timing.append((c0, c1, u0, u1))
+                done += m
+                rounds += 1
+                if on_round is not None:
+                    on_round(done, n)
+        finally:
+            cs.synchronize()  # no copy may still read the leased ranges once the lease ends
+            us.synchronize()
+        get_s += sum(c0.elapsed_time(c1) for c0, c1, _, _ in timing) / 1e3
+        unpack_s = sum(u0.elapsed_time(u1) for _, _, u0, u1 in timing) / 1e3
+        return True, "", done, rounds, get_s, unpack_s
+
+    def _save_in_place(self, keys, groups, table_all, done, m, ready) -> tuple[list[Status], float, float]:
+        """Reserve, pack and fill one window in the pool's arena, then commit: ``(statuses, pack_s, put_s)``."""
+        assert self._arena_pool is not None
+        cfg, ct, ob, p = self.config, self.config.chunk_tokens, self.object_bytes, self.pages_per_chunk
+        t0 = self.clock()
+        w = self._arena_pool.reserve_write(keys, groups, [ob] * m)
+        t1 = self.clock()
+        put_s, pack_s = t1 - t0, 0.0
+        table = table_all[done * p : (done + m) * p]
+        try:
+            clipped = clip_pieces(w.pieces, 0, m * ob)
+            if not clipped:
+                pass
+            elif self.device.type == "cuda":
+                ss, stage, view = self._streams["save"], self._dev_save, self._pool_view
+                assert stage is not None and view is not None
+                with torch.cuda.device(self.device), torch.cuda.stream(ss):
+                    if ready is not None:
+                        ss.wait_event(ready)
+                    kernels.pack(self.caches, table, m, ct, stage[: m * ob].view(m, ob), self.fmt, False, cfg.kernel_backend)
+                    for a, d, nb in clipped:
+                        view[a : a + nb].copy_(stage[d : d + nb], non_blocking=True)
+                ss.synchronize()
+            elif self._whole_objects(clipped):
+                for a, d, nb in clipped:  # straight into the arena: one pack per contiguous run
+                    i, k = d // ob, nb // ob
+                    kernels.pack(self.caches, table[i * p : (i + k) * p], k, ct, self._arena_rows(a, k), self.fmt, False, cfg.kernel_backend)
+            else:  # an object split over several extents: pack into the save slots, then copy
+                slots = self._slots(self.save_offset_bytes, m)
+                kernels.pack(self.caches, table, m, ct, slots, self.fmt, False, cfg.kernel_backend)
+                assert self._pool_view is not None
+                for a, d, nb in clipped:
+                    while nb:
+                        i, wo = divmod(d, ob)
+                        take = min(nb, ob - wo)
+                        self._pool_view[a : a + take].copy_(slots[i, wo : wo + take])
+                        a, d, nb = a + take, d + take, nb - take
+        except BaseException:
+            if self.device.type == "cuda":
+                self._streams["save"].synchronize()
+            w.abort()
+            raise
+        t2 = self.clock()
+        w.commit()
+        pack_s = t2 - t1
+        put_s += self.clock() - t2
+        return w.statuses, pack_s, put_s
+
     def _timed_unpack(self, base: int, m: int, table: torch.Tensor) -> float:
         t0 = self.clock()
         if self.device.type == "cuda":
@@ -386,9 +634,11 @@ class ConnectorWorker:
                 return done
             self._inflight_saves += 1
 
+        ready = self._caller_ready()
+
         def run() -> StageSaveReport:
             try:
-                return self.save(plan, block_ids)
+                return self._save(plan, block_ids, ready)
             finally:
                 with self._lock:
                     self._inflight_saves -= 1
@@ -397,6 +647,9 @@ class ConnectorWorker:
 
     def save(self, plan: SavePlan, block_ids: torch.Tensor) -> StageSaveReport:
         """Pack and put ``plan``'s chunks now, on the caller's thread (``submit_save`` runs this)."""
+        return self._save(plan, block_ids, self._caller_ready())
+
+    def _save(self, plan: SavePlan, block_ids: torch.Tensor, ready: torch.cuda.Event | None) -> StageSaveReport:
         _, ref = self._require_started()
         t0 = self.clock()
         deadline = t0 + self.config.save_timeout_s
@@ -418,6 +671,27 @@ class ConnectorWorker:
             raise ValueError(f"save plan of {plan.chunks} chunks has {n} keys and {len(plan.group_ids)} groups")
         base = self.save_offset_bytes
         done = 0
+        if self._arena_pool is not None:
+            window = self.save_window_objects if self.device.type == "cuda" else self.save_slots
+            try:
+                table_all = self._check_table(block_ids, plan.first_chunk, n, unique=False)
+                while done < n:
+                    if self.clock() > deadline:
+                        return report("timeout")
+                    m = min(window, n - done)
+                    statuses, dp, du = self._save_in_place(
+                        objs.keys[done : done + m], plan.group_ids[done : done + m], table_all, done, m, ready
+                    )
+                    pack_s += dp
+                    put_s += du
+                    stored += sum(st == Status.OK for st in statuses)
+                    done += m
+                    bad = [st for st in statuses if st != Status.OK]
+                    if bad:
+                        return report(_REASON.get(bad[0], "failed"))
+            except (ValueError, IndexError, TypeError, RuntimeError) as e:
+                return report(f"error: {e}")
+            return report()
         try:
             while done < n:
                 if self.clock() > deadline:

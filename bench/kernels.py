@@ -4,6 +4,8 @@
 Cases (seed sizes, GLM-5.3 FP8 KV, pipeline stage 0: 20 layers x 576 B latent + 7 indexer layers
 x 144 B = 12,528 B per token, 256-token chunk objects of 3,207,168 B; random block tables):
     pack_1chunk          one chunk object (a save of one chunk: launch-latency bound)
+    pack_turn_4chunks    a turn's new chunks (4 x 256 tokens) in one launch, as the connector's
+                         save packs a request's new chunks (one launch per save window)
     pack_64chunks        a 16K-token window (save)
     unpack_64chunks      the same window (restore)
     pack_128k            a 128K-token history: 512 objects (save of a long session)
@@ -213,6 +215,8 @@ def run_cases(b: Bench, only: set[str] | None = None) -> list[dict]:
 
     if want("pack_1chunk"):
         rows.append(b.case("pack_1chunk", obj_b, pk(1), pk_ref(1), "one 3.2 MB object: launch-latency bound"))
+    if want("pack_turn_4chunks"):
+        rows.append(b.case("pack_turn_4chunks", 4 * obj_b, pk(4), pk_ref(4), "a request's new chunks in one launch"))
     if want("pack_64chunks"):
         rows.append(b.case("pack_64chunks", 64 * obj_b, pk(64), pk_ref(64)))
     if want("unpack_64chunks"):
@@ -289,31 +293,40 @@ def run_cases(b: Bench, only: set[str] | None = None) -> list[dict]:
     return rows
 
 
-SWEEP_CASES = {"pack_1chunk", "pack_64chunks", "unpack_64chunks", "pack_128k", "unpack_128k",
+SWEEP_CASES = {"pack_1chunk", "pack_turn_4chunks", "pack_64chunks", "unpack_64chunks", "pack_128k", "unpack_128k",
                "gather_8k_4ranks", "scatter_8k_rank"}
-SWEEP_CONFIGS = [  # (PERSIST_CTAS_PER_SM, PAIR_RECORD_SIZES, TILE_WORDS)
-    (0, True, 4096), (8, True, 4096), (16, True, 4096), (4, False, 4096), (8, False, 4096), (16, False, 4096),
-    (8, False, 2048),
+SWEEP_CONFIGS = [  # (PERSIST_CTAS_PER_SM, PAIR_RECORD_SIZES, TILE_WORDS, MIN_PROGRAMS_PER_SM)
+    (0, True, 4096, 0), (0, True, 4096, 4), (0, True, 4096, 8), (0, True, 4096, 16), (0, True, 2048, 4),
+    (0, True, 8192, 4), (0, True, 2048, 16), (8, True, 4096, 0), (8, False, 4096, 0),
 ]
 
 
-def sweep() -> tuple[list[dict], tuple[int, bool, int]]:
+def _config() -> tuple[int, bool, int, int]:
+    return (triton_ops.PERSIST_CTAS_PER_SM, triton_ops.PAIR_RECORD_SIZES, triton_ops.TILE_WORDS, triton_ops.MIN_PROGRAMS_PER_SM)
+
+
+def _set_config(cfg: tuple[int, bool, int, int]) -> None:
+    triton_ops.PERSIST_CTAS_PER_SM, triton_ops.PAIR_RECORD_SIZES, triton_ops.TILE_WORDS, triton_ops.MIN_PROGRAMS_PER_SM = cfg
+
+
+def sweep() -> tuple[list[dict], tuple[int, bool, int, int]]:
     """Kernel variants on the seed cases (GPU time, ratios to the copy); returns the best config
     (highest minimum ratio over the cases)."""
     out = []
-    base = (triton_ops.PERSIST_CTAS_PER_SM, triton_ops.PAIR_RECORD_SIZES, triton_ops.TILE_WORDS)
+    base = _config()
     quick = Bench(quick=True)
     best, best_min = base, -1.0
     for cfg in SWEEP_CONFIGS:
-        triton_ops.PERSIST_CTAS_PER_SM, triton_ops.PAIR_RECORD_SIZES, triton_ops.TILE_WORDS = cfg
+        _set_config(cfg)
         rows = run_cases(quick, SWEEP_CASES)
         ratios = {r["case"]: r["ratio"] for r in rows}
-        out.append({"persist_ctas_per_sm": cfg[0], "pair_record_sizes": cfg[1], "tile_words": cfg[2], **ratios})
+        out.append({"persist_ctas_per_sm": cfg[0], "pair_record_sizes": cfg[1], "tile_words": cfg[2],
+                    "min_programs_per_sm": cfg[3], **ratios})
         log(json.dumps(out[-1]))
         worst = min(ratios.values())
         if worst > best_min:
             best, best_min = cfg, worst
-    triton_ops.PERSIST_CTAS_PER_SM, triton_ops.PAIR_RECORD_SIZES, triton_ops.TILE_WORDS = base
+    _set_config(base)
     return out, best
 
 
@@ -321,6 +334,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="first sweep kernel variants (ratios only)")
     ap.add_argument("--use-best", action="store_true", help="with --sweep: report the cases with the best variant")
+    ap.add_argument("--out", default="", help="also write the JSON to this file (e.g. bench/results/kernels-h200.json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"error": "needs a CUDA or ROCm GPU"}))
@@ -332,7 +346,7 @@ def main() -> None:
         swept, chosen = sweep()
         torch.cuda.empty_cache()
         if args.use_best:
-            triton_ops.PERSIST_CTAS_PER_SM, triton_ops.PAIR_RECORD_SIZES, triton_ops.TILE_WORDS = chosen
+            _set_config(chosen)
     b = Bench()
     rows = run_cases(b)
     result = {
@@ -344,6 +358,7 @@ def main() -> None:
             "num_warps": triton_ops.NUM_WARPS,
             "persist_ctas_per_sm": triton_ops.PERSIST_CTAS_PER_SM,
             "pair_record_sizes": triton_ops.PAIR_RECORD_SIZES,
+            "min_programs_per_sm": triton_ops.MIN_PROGRAMS_PER_SM,
         },
         "goal_ratio": GOAL_RATIO,
         "cases": rows,
@@ -355,7 +370,14 @@ def main() -> None:
     if swept is not None:
         result["sweep"] = swept
         result["sweep_best"] = list(chosen)
-    print(json.dumps(result, indent=2))
+    doc = json.dumps(result, indent=2)
+    print(doc)
+    if args.out:
+        import os
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(doc + "\n")
 
 
 if __name__ == "__main__":

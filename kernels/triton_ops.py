@@ -25,7 +25,8 @@ of the same bytes, over the last two runs:
     8,192-token gather to 4 ranks: 1.75-1.81 TB/s, ratio 0.86-0.90
     scatter of one rank's 23.6 MB: 1.46-1.48 TB/s, ratio 0.81-0.82
     scatter of one 8 MiB landed write: ratio 1.05
-    one 3.2 MB chunk: ratio 0.73-0.84 (launch-latency bound)
+    one 3.2 MB chunk: ratio 0.73-0.84 (launch-latency bound; ``MIN_PROGRAMS_PER_SM`` spreads small
+    launches over every multiprocessor, not measured yet)
 
 Triton is imported only inside ``_kernel``; importing this module needs torch alone.
 """
@@ -70,6 +71,13 @@ PAIR_RECORD_SIZES = True
 #: %16 and 32-bit range, each pointer's dtype and 16-byte alignment, every constexpr), so a hit
 #: is always the kernel Triton itself would pick. False: always Triton's own launch path.
 FAST_LAUNCH = True
+#: Small launches (one chunk, a short turn) fill the GPU with fewer, fatter programs than it has
+#: multiprocessors to spare; with this > 0 a compiled launch halves its rows per program (down to
+#: ``MIN_TILE_ROWS``) until it has at least this many programs per multiprocessor, so the same
+#: bytes are in flight on every multiprocessor. 0: the tile size alone decides. Swept by
+#: bench/kernels.py --sweep.
+MIN_PROGRAMS_PER_SM = 4
+MIN_TILE_ROWS = 2
 _SM_COUNT: dict[int, int] = {}
 _MAX_GRID_Y = 65535
 _KERNELS: dict[bool, Any] = {}
@@ -173,6 +181,19 @@ def _seg_table(
     return table
 
 
+def tile_rows(rec_words: int, grid_rows: int, groups: int, sm_count: int, min_programs_per_sm: int) -> int:
+    """Rows per program: ``TILE_WORDS`` worth of records (a power of two, >= 1, <= the rows), then
+    halved down to ``MIN_TILE_ROWS`` while the launch has fewer than ``min_programs_per_sm`` x
+    ``sm_count`` programs (``groups`` programs per row tile)."""
+    width = 1 << max(0, (rec_words - 1).bit_length())
+    rows = max(1, min(max(1, TILE_WORDS // width), 1 << max(0, (max(grid_rows, 1) - 1).bit_length())))
+    if min_programs_per_sm > 0:
+        want = min_programs_per_sm * sm_count
+        while rows > MIN_TILE_ROWS and -(-grid_rows // rows) * max(groups, 1) < want:
+            rows //= 2
+    return rows
+
+
 def _launch(
     caches: Sequence[torch.Tensor],
     groups_of_segments: Sequence[tuple[Sequence[int], Sequence[int], int]],
@@ -202,8 +223,8 @@ def _launch(
         cols = 1 << (rec.bit_length() - 1)  # head: largest power of two <= rec
         tail = triton.next_power_of_2(rec - cols) if rec > cols else 0
         grid_rows = len(index) * rows_per_segment if total_rows is None else total_rows
-        width = triton.next_power_of_2(rec)
-        rows = max(1, min(max(1, TILE_WORDS // width), triton.next_power_of_2(max(grid_rows, 1))))
+        rows = tile_rows(rec, grid_rows, groups, 1 if interpret else _sm_count(caches[0].device),
+                         0 if interpret else MIN_PROGRAMS_PER_SM)
         if grid_rows >= 2**31:
             raise ValueError("one launch is limited to 2**31 rows")
         table = _seg_table(caches, index, word, flat_bytes)
@@ -423,8 +444,8 @@ class DcpLauncher:
         rec = rec_bytes // word
         cols = 1 << (rec.bit_length() - 1)
         tail = triton.next_power_of_2(rec - cols) if rec > cols else 0
-        width = triton.next_power_of_2(rec)
-        rows = max(1, min(max(1, TILE_WORDS // width), triton.next_power_of_2(max(grid_rows, 1))))
+        rows = tile_rows(rec, grid_rows, groups, 1 if self.interpret else _sm_count(self.device),
+                         0 if self.interpret else MIN_PROGRAMS_PER_SM)
         if grid_rows >= 2**31 or token_start + tokens >= 2**31:
             raise ValueError("one launch is limited to 2**31 rows and token positions")
         table = self._table(word)

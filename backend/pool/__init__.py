@@ -3,9 +3,11 @@
 (``kvpool pool up``) and the reader of its master's metrics (``kvpool pool status``).
 
 Modules (each states its contract in its docstring):
-    api            ``Pool`` protocol, ``Status``, ``BufferRef``, ``PoolStats``
+    api            ``Pool`` protocol, ``Status``, ``BufferRef``, ``PoolStats``; the optional
+                   ``ArenaPool`` capability (``lease_read`` / ``reserve_write``: objects lent in place)
+    arena          the embedded pool's arena: memory mapped once (pinned with a GPU), extents, copies
     buffers        registering host memory (bytearray / numpy / CPU torch tensor), batch checks
-    embedded       ``EmbeddedPool`` evicting with ``kvpool.policy.eviction.GroupedPool``
+    embedded       ``EmbeddedPool`` evicting with ``kvpool.policy.eviction.GroupedPool``, bytes in one arena
     mooncake       ``MooncakePool`` (imports ``mooncake.store`` only when constructed)
     address        ``PoolAddress`` (``mooncake://HOST:RPC?metrics=M``)
     launcher       ``start_local_pool``: ``mooncake_master`` + N store-service processes
@@ -18,7 +20,7 @@ Nothing here imports torch or mooncake at import time.
 """
 
 from kvpool.backend.pool.address import PoolAddress
-from kvpool.backend.pool.api import BufferRef, Pool, PoolStats, Status
+from kvpool.backend.pool.api import ArenaPiece, ArenaPool, ArenaRead, ArenaWrite, BufferRef, Pool, PoolStats, Status
 from kvpool.backend.pool.embedded import EmbeddedPool
 
 
@@ -31,6 +33,10 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "ArenaPiece",
+    "ArenaPool",
+    "ArenaRead",
+    "ArenaWrite",
     "BufferRef",
     "EmbeddedPool",
     "MooncakePool",

@@ -22,6 +22,21 @@ Contract (every implementation; ``tests/backend/test_pool_contract.py`` checks e
     * ``remove`` deletes objects (even leased ones); ``stats`` reports capacity, use, keys and
       evictions, or ``None`` when the pool cannot answer.
     * Every call is bounded in time and thread-safe.
+
+Optional capability, ``ArenaPool`` (the embedded pool): a pool that holds its objects in one host
+arena may lend them in place instead of copying them into a registered buffer:
+    * ``lease_read(keys, sizes)`` is one read call (as ``get``): per key ``OK`` / ``MISSING`` /
+      ``WRONG_SIZE``, and for the ``OK`` keys the arena ranges holding their bytes. The bytes stay
+      valid until ``ArenaRead.release()`` (an object evicted or removed meanwhile keeps its bytes
+      until then); the caller copies them out (host memcpy, host -> device DMA) and releases.
+    * ``reserve_write(keys, groups, sizes)`` is one put (as ``put``: the same outcomes, the same
+      evictions) that returns the arena ranges to fill for the keys it stores. Those objects read
+      as ``MISSING`` until ``ArenaWrite.commit()``; ``abort()`` removes them again.
+    * Ranges are ``ArenaPiece(arena_offset_bytes, dense_offset_bytes, nbytes)``: bytes
+      ``[dense, dense + nbytes)`` of the batch laid out densely (object ``i`` at the sum of the
+      sizes before it) live at ``arena[arena_offset : + nbytes]``. Pieces come sorted by dense
+      offset, and neighbours contiguous on both sides are merged, so a batch placed in one run
+      is a single piece.
 """
 
 from __future__ import annotations
@@ -91,6 +106,70 @@ class PoolStats:
     @property
     def used_fraction(self) -> float:
         return self.used_bytes / self.capacity_bytes if self.capacity_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class ArenaPiece:
+    """Bytes ``[dense_offset, + nbytes)`` of a dense batch at ``arena[arena_offset : + nbytes]``."""
+
+    arena_offset_bytes: int
+    dense_offset_bytes: int
+    nbytes: int
+
+
+class ArenaRead:
+    """The outcome of ``ArenaPool.lease_read``: statuses, pieces, and the lease to release."""
+
+    def __init__(self, statuses: list[Status], pieces: list[ArenaPiece], release: Any) -> None:
+        self.statuses = statuses
+        self.pieces = pieces
+        self._release = release
+
+    def release(self) -> None:
+        """End the lease (idempotent); the pieces' bytes may be reused afterwards."""
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+
+class ArenaWrite:
+    """The outcome of ``ArenaPool.reserve_write``: statuses, pieces to fill, then commit or abort."""
+
+    def __init__(self, statuses: list[Status], pieces: list[ArenaPiece], finish: Any) -> None:
+        self.statuses = statuses
+        self.pieces = pieces
+        self._finish = finish
+
+    def commit(self) -> None:
+        """The pieces hold the objects' bytes: make them readable (idempotent)."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish(True)
+
+    def abort(self) -> None:
+        """The bytes were not written: remove the reserved objects (idempotent)."""
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish(False)
+
+
+@runtime_checkable
+class ArenaPool(Protocol):
+    """A pool whose objects live in one host arena and can be lent in place (module docstring)."""
+
+    @property
+    def arena_buffer(self) -> Any:
+        """The arena as a writable buffer (``torch.frombuffer`` views it without a copy)."""
+        ...
+
+    @property
+    def arena_pinned(self) -> bool:
+        """Whether the arena is page-locked for GPU copies."""
+        ...
+
+    def lease_read(self, keys: Sequence[str], sizes_bytes: Sequence[int]) -> ArenaRead: ...
+
+    def reserve_write(self, keys: Sequence[str], groups: Sequence[str], sizes_bytes: Sequence[int]) -> ArenaWrite: ...
 
 
 @runtime_checkable

@@ -33,6 +33,13 @@ explicitly (``reference/mooncake-store.md`` sections 5-7):
       the namespace holds only ``lo`` and the interfaces ``KVPOOL_LISTEN_INTERFACES`` names.
     * The process environment gets ``MC_TCP_BIND_ADDRESS=127.0.0.1`` and ``MC_RPC_TIMEOUT_MS`` (if not
       already set) before the client starts, since the C++ client reads them at setup.
+    * **Same-host fast path** (``local_segment_bytes > 0``): the client mounts a segment of its own
+      into the pool, every put prefers it (``ReplicateConfig.preferred_segment`` = this client's
+      segment name) and ``MC_STORE_MEMCPY=1`` (if not set) makes the store move bytes between a
+      registered buffer and a replica in its own segment with ``memcpy`` (its ``LOCAL_MEMCPY``
+      transfer strategy) instead of the transfer engine. Objects placed elsewhere (the segment
+      full, another client's put) are still read over the transport. The segment's keys go with
+      the client (``close`` unmounts it).
 """
 
 from __future__ import annotations
@@ -114,6 +121,8 @@ class MooncakePool:
         allow_public_listeners: start the client's transfer engine even outside a private network
             namespace, where its listeners are reachable on every interface of this machine (needed
             to reach a pool on another host). False: ``PublicListenersRefused`` there.
+        local_segment_bytes: memory this client mounts into the pool itself (0: a pure client);
+            > 0 turns on the same-host fast path (module docstring).
     """
 
     def __init__(
@@ -128,7 +137,10 @@ class MooncakePool:
         metrics_timeout_s: float = 2.0,
         connect_timeout_s: float = 2.0,
         allow_public_listeners: bool = False,
+        local_segment_bytes: int = 0,
     ) -> None:
+        if local_segment_bytes < 0:
+            raise ValueError(f"local_segment_bytes must be >= 0, got {local_segment_bytes}")
         check_listeners(allow_public_listeners, "pass allow_public_listeners=True")
         self.address = PoolAddress.parse(address) if isinstance(address, str) else address
         self.put_retry = put_retry
@@ -139,15 +151,18 @@ class MooncakePool:
             raise PoolUnavailable(f"no Mooncake master answers at {self.address.master}: {e}") from None
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
         os.environ.setdefault("MC_RPC_TIMEOUT_MS", str(rpc_timeout_ms))
+        if local_segment_bytes:
+            os.environ.setdefault("MC_STORE_MEMCPY", "1")
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
         self._ReplicateConfig = ReplicateConfig
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
-            "127.0.0.1", "P2PHANDSHAKE", 0, local_buffer_bytes, protocol, rdma_devices, self.address.master
+            "127.0.0.1", "P2PHANDSHAKE", local_segment_bytes, local_buffer_bytes, protocol, rdma_devices, self.address.master
         )
         if rc != 0:
             raise PoolUnavailable(f"Mooncake client setup against {self.address.master} returned {rc}")
+        self.local_segment = self._store.get_hostname() if local_segment_bytes else ""
         self._buffers = BufferRegistry()
         self._close_lock = threading.Lock()
         self._closed = False
@@ -185,6 +200,8 @@ class MooncakePool:
         while pending:
             cfg = self._ReplicateConfig()
             cfg.group_ids = [groups[i] for i in pending]
+            if self.local_segment:
+                cfg.preferred_segment = self.local_segment
             codes = self._store.batch_put_from(
                 [keys[i] for i in pending],
                 [buffer.address + offsets_bytes[i] for i in pending],

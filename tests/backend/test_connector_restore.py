@@ -131,7 +131,8 @@ def test_a_plan_with_another_object_size_is_rejected_without_reading(keyspace: s
 
 
 class GatedPool:
-    """A real EmbeddedPool whose puts wait on a gate (a spy to hold a save in flight)."""
+    """A real EmbeddedPool whose puts (and in-place reservations) wait on a gate (a spy to hold a
+    save in flight)."""
 
     def __init__(self, pool: Pool) -> None:
         self.pool, self.gate, self.puts = pool, threading.Event(), 0
@@ -140,6 +141,11 @@ class GatedPool:
         self.puts += 1
         assert self.gate.wait(10)
         return self.pool.put(*a, **kw)
+
+    def reserve_write(self, *a, **kw):
+        self.puts += 1
+        assert self.gate.wait(10)
+        return self.pool.reserve_write(*a, **kw)
 
     def __getattr__(self, name):
         return getattr(self.pool, name)
