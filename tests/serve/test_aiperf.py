@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 from serve_process import start_serve
 
-from kvpool.backend.serve.byte_tokenizer import HF_REPO_ID, TOKENIZER_DIR, stale_files, tokenizer_files, write_hf_cache
+from kvpool.backend.serve.byte_tokenizer import TOKENIZER_DIR, stale_files, tokenizer_files, write_hf_cache
 from kvpool.backend.serve.model_config import EOS_TOKEN
 from kvpool.cli import main as kvpool_main
 from kvpool.workload.mooncake import MOONCAKE_BLOCK_TOKENS
