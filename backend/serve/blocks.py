@@ -14,7 +14,8 @@ Contract:
     * ``commit(alloc)``: the request's computed full pages enter the cache (a page whose digest is
       already cached by another request stays private and is freed on release).
     * ``release(alloc)``: drop the request's references; unreferenced cached pages join the LRU
-      (most recent last), unreferenced private pages the free list.
+      (most recent last, a request's pages from its last to its first, so a prefix loses its tail
+      before its head: what is left of it still hits), unreferenced private pages the free list.
     * No torch: page ids are ints.
 """
 
@@ -138,7 +139,7 @@ class BlockManager:
         if alloc.released:
             return
         alloc.released = True
-        for b in alloc.block_ids:
+        for b in reversed(alloc.block_ids):  # the tail is evicted first
             self._refs[b] -= 1
             if self._refs[b] == 0:
                 if b in self._digest_of:

@@ -13,9 +13,9 @@ skipped, saying so, when none is there. It runs offline: the tokenizer is
 ``backend/serve/tokenizer`` as a Hugging Face cache entry (``byte_tokenizer.write_hf_cache``) under
 the test's folder, ``HF_HUB_OFFLINE=1``, no dataset cache outside the test's folder.
 
-The server: ``SERVER`` names the fixture. ``standin_server`` is ``tests/serve/openai_standin.py`` (the
-router's client protocol, a stand-in model); ``kvpool_serve_cpu_tiny`` is ``kvpool serve cpu-tiny``
-(answers checked against ``backend.serve.reference.reference_generate``, the no-cache recompute).
+The server: ``kvpool serve cpu-tiny`` (real processes on loopback, ``serve_process.start_serve``;
+every process it started is gone after its stop); every answer is checked against
+``backend.serve.reference.reference_generate``, the no-cache recompute.
 """
 
 from __future__ import annotations
@@ -23,27 +23,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
-from openai_standin import MODEL_NAME, StandinServer, decode_text, standin_tokens
+from serve_process import start_serve
 
-from kvpool.backend.serve.byte_tokenizer import HF_REPO_ID, TOKENIZER_DIR, stale_files, tokenizer_files, write_hf_cache
+from kvpool.backend.serve.byte_tokenizer import TOKENIZER_DIR, stale_files, tokenizer_files, write_hf_cache
 from kvpool.backend.serve.model_config import EOS_TOKEN
 from kvpool.cli import main as kvpool_main
 from kvpool.workload.mooncake import MOONCAKE_BLOCK_TOKENS
 from kvpool.workload.token_scale import scaled_block_tokens, scaled_prompt_tokens
-
-#: The server the AIPerf test runs against (a fixture's name): ``standin_server`` or ``kvpool_serve_cpu_tiny``.
-SERVER = "standin_server"
 
 ROOT = Path(__file__).resolve().parents[2]
 KV_TRACES = ROOT / "tests" / "data" / "traces" / "kv-cache-tester"
@@ -53,8 +47,6 @@ PAGE_TOKENS = 16  # cpu-tiny's model.page_tokens
 MAX_OUTPUT_TOKENS = 8
 TIME_DIVISOR = 10
 AIPERF_TIMEOUT_S = 240
-SERVE_START_S = 180.0
-SERVE_STOP_S = 30.0
 
 
 def _find_aiperf() -> tuple[Path | None, str]:
@@ -94,16 +86,8 @@ class ServerUnderTest:
 
 
 @pytest.fixture
-def standin_server() -> Iterator[ServerUnderTest]:
-    with StandinServer() as s:
-        yield ServerUnderTest(s.url, MODEL_NAME, lambda ids, n: decode_text(standin_tokens(ids, n)))
-        assert s.refused == [], s.refused
-
-
-@pytest.fixture
-def kvpool_serve_cpu_tiny(tmp_path) -> Iterator[ServerUnderTest]:
-    if find_spec("kvpool.backend.serve.decode_engine") is None or find_spec("kvpool.backend.serve.reference") is None:
-        pytest.skip("kvpool serve needs the decode engine (backend/serve/decode_engine.py, reference.py)")
+def server(tmp_path) -> Iterator[ServerUnderTest]:
+    """``kvpool serve cpu-tiny``; its answer for a prompt is the no-cache recompute's."""
     from kvpool.backend.serve.model_config import ref_config
     from kvpool.backend.serve.reference import reference_generate
     from kvpool.backend.serve.tokens import decode
@@ -111,38 +95,17 @@ def kvpool_serve_cpu_tiny(tmp_path) -> Iterator[ServerUnderTest]:
 
     scenario = load_scenario("cpu-tiny", [])
     config, dcp = ref_config(scenario), scenario.decode.dcp
-    run_dir = tmp_path / "serve"
-    log = open(tmp_path / "serve.log", "wb")
-    cli = "import sys; from kvpool.cli import main; main(sys.argv[1:])"
-    proc = subprocess.Popen([sys.executable, "-c", cli, "serve", "cpu-tiny", "--port", "0", "--run-dir", str(run_dir)],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
+    served = start_serve(tmp_path / "serve", [])
     try:
-        ready = run_dir / "router.ready.json"
-        deadline = time.monotonic() + SERVE_START_S
-        while not ready.exists():
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
-            assert time.monotonic() < deadline, f"kvpool serve not ready within {SERVE_START_S:g} s"
-            time.sleep(0.2)
-        url = json.loads(ready.read_text())["url"]
-        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+        with urllib.request.urlopen(f"{served.url}/health", timeout=30) as r:
             assert r.status == 200
-        yield ServerUnderTest(url, scenario.model.name,
+        yield ServerUnderTest(served.url, scenario.model.name,
                               lambda ids, n: decode(reference_generate(config, ids, n, dcp)),
                               # ids >= 256 are not text: count output tokens as the server does
                               ["--use-server-token-count"])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(SERVE_STOP_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(SERVE_STOP_S)
-
-
-@pytest.fixture
-def server(request) -> ServerUnderTest:
-    return request.getfixturevalue(SERVER)
+        status = served.stop()  # asserts every process of router.ready.json is gone
+    assert status == 0, served.output()[-4000:]
 
 
 # -- the trace -----------------------------------------------------------------------------------

@@ -33,18 +33,18 @@ def test_uncommitted_pages_are_never_hits():
     assert b.hit_pages == 0 and not set(a.block_ids) & set(b.block_ids)
 
 
-def test_unreferenced_cached_pages_are_evicted_oldest_first_and_referenced_ones_never():
+def test_unreferenced_cached_pages_are_evicted_oldest_first_tail_before_head_and_referenced_ones_never():
     m = manager(6)
     a = m.allocate(list(range(48)))
     m.commit(a, 48)
     m.release(a)                                    # 3 cached, unreferenced
     keep = m.allocate(list(range(1000, 1048)))      # 3 free pages
     m.commit(keep, 48)                              # cached and still referenced
-    c = m.allocate(list(range(2000, 2032)))         # needs 2: evicts a's two oldest pages
+    c = m.allocate(list(range(2000, 2032)))         # needs 2: evicts a's two last pages (its tail first)
     assert c is not None and m.evictions == 2
-    assert set(c.block_ids) <= set(a.block_ids)
+    assert set(c.block_ids) == set(a.block_ids[1:])
     assert m.allocate(list(range(3000, 3032))) is None  # 1 evictable page left, 2 needed: wait
-    assert m.cached_prefix_pages(m.page_digests(list(range(48))), 48) == 0  # a's first page is gone: no hit
+    assert m.cached_prefix_pages(m.page_digests(list(range(48))), 48) == 1  # a's first page still hits
 
 
 def test_release_returns_pages_and_a_prompt_larger_than_the_kv_is_refused():

@@ -1,0 +1,197 @@
+"""``kvpool serve`` and ``kvpool replay`` as real processes on loopback, for the acceptance tests.
+
+``start_serve(run_dir, sets, pool=...)`` starts ``kvpool serve cpu-tiny --port 0`` in its own process
+group and waits (bounded) for ``run_dir/router.ready.json``; ``RealServe.stop()`` sends SIGTERM,
+waits for the exit status and asserts that every process the ready file names (the supervisor,
+every worker, every pool process) is gone. ``start_replay`` runs ``kvpool replay ... --json`` as a
+process; ``Replay.finish()`` waits for it (bounded) and returns its summary document and records.
+A Mooncake deployment needs a private network namespace (``require_private_netns``: the test fails,
+never skips, outside one) and ``mooncake_master`` beside this Python or on ``PATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACES = ROOT / "tests" / "data" / "traces" / "kv-cache-tester"
+CLI = "import sys; from kvpool.cli import main; main(sys.argv[1:])"
+MODEL = "refmodel-tiny"
+#: Longest a deployment may take to write router.ready.json (a start takes ~10 s on 2 shared cores).
+START_BOUND_S = 120.0
+#: Longest the supervisor may take to exit after SIGTERM (drain of an idle router, children's SIGTERM).
+STOP_BOUND_S = 30.0
+#: Longest the processes the ready file names may linger after the supervisor's exit (reaping).
+GONE_BOUND_S = 5.0
+#: Mooncake client RPC timeout of every process (a dead master fails calls after it).
+RPC_TIMEOUT_MS = 1_000
+
+
+def require_private_netns() -> dict:
+    """The environment a Mooncake deployment runs with; the test fails outside a private network namespace."""
+    from kvpool.backend.pool.netns import netns_problem
+
+    problem = netns_problem()
+    if problem:
+        pytest.fail(f"refusing to start Mooncake processes: {problem}", pytrace=False)
+    return {"MC_TCP_BIND_ADDRESS": "127.0.0.1", "MC_RPC_TIMEOUT_MS": str(RPC_TIMEOUT_MS)}
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+def post(url: str, body: dict, timeout_s: float = 60.0, model: bool = True) -> tuple[int, dict]:
+    """``POST url/v1/completions`` (the model's name added unless ``model`` is false): status and JSON body."""
+    data = json.dumps({"model": MODEL, **body} if model else body).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get_text(url: str, timeout_s: float = 10.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@dataclass
+class RealServe:
+    """One ``kvpool serve`` process; ``ready`` is its router.ready.json."""
+
+    proc: subprocess.Popen
+    run_dir: Path
+    log: Path
+    ready: dict = field(default_factory=dict)
+    status: int | None = None
+
+    @property
+    def url(self) -> str:
+        return self.ready["url"]
+
+    @property
+    def workers(self) -> dict[str, int]:
+        return self.ready["workers"]
+
+    def pids(self) -> dict[str, int]:
+        """Every process the ready file names: the supervisor, each worker, each pool process."""
+        out = {"supervisor": self.ready["pid"], **self.workers}
+        out.update({f"pool process {i}": pid for i, pid in enumerate(self.ready.get("pool", []))})
+        return out
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_ready(self, timeout_s: float = START_BOUND_S) -> RealServe:
+        path = self.run_dir / "router.ready.json"
+        end = time.monotonic() + timeout_s
+        while not path.exists():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"kvpool serve exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            if time.monotonic() > end:
+                raise AssertionError(f"kvpool serve was not ready within {timeout_s:g} s:\n{self.output()[-4000:]}")
+            time.sleep(0.1)
+        self.ready = json.loads(path.read_text())
+        return self
+
+    def wait_exit(self, timeout_s: float) -> int:
+        """The supervisor's exit status (it exits by itself, e.g. after a worker died) within ``timeout_s``."""
+        self.status = self.proc.wait(timeout_s)
+        return self.status
+
+    def stop(self) -> int:
+        """SIGTERM (unless it already exited), its exit status; asserts no process of the ready file is left."""
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+            self.status = self.proc.wait(STOP_BOUND_S)
+        finally:
+            if self.proc.poll() is None:  # it did not stop: the test fails below, nothing stays behind
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+            end = time.monotonic() + GONE_BOUND_S
+            left = {name: pid for name, pid in self.pids().items() if alive(pid)} if self.ready else {}
+            while left and time.monotonic() < end:
+                time.sleep(0.1)
+                left = {name: pid for name, pid in left.items() if alive(pid)}
+            for pid in left.values():
+                os.kill(pid, signal.SIGKILL)
+        assert not left, f"processes left running after kvpool serve exited: {left}"
+        return self.status
+
+
+def start_serve(run_dir: Path, sets: list[str], *, pool: str | None = None, env: dict | None = None) -> RealServe:
+    """``kvpool serve cpu-tiny --port 0 --run-dir run_dir --set ...`` (``--pool``), ready."""
+    argv = [sys.executable, "-c", CLI, "serve", "cpu-tiny", "--port", "0", "--run-dir", str(run_dir)]
+    for s in sets:
+        argv += ["--set", s]
+    if pool is not None:
+        argv += ["--pool", pool]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = run_dir.parent / f"{run_dir.name}.serve.log"
+    with log.open("wb") as f:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, **(env or {})})
+    served = RealServe(proc, run_dir, log)
+    try:
+        return served.wait_ready()
+    except BaseException:
+        served.stop()
+        raise
+
+
+@dataclass
+class Replay:
+    """One ``kvpool replay`` process."""
+
+    proc: subprocess.Popen
+    out_dir: Path
+    t0: float
+
+    def finish(self, timeout_s: float) -> tuple[dict, list[dict], float]:
+        """Its summary document, its records (the JSONL) and its wall time; it must end within ``timeout_s``."""
+        try:
+            stdout, stderr = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            raise AssertionError(f"kvpool replay did not finish within {timeout_s:g} s") from None
+        took_s = time.monotonic() - self.t0
+        assert self.proc.returncode == 0, stderr[-4000:]
+        jsonl = list(self.out_dir.glob("replay-*.jsonl"))
+        assert len(jsonl) == 1, list(self.out_dir.iterdir())
+        records = [json.loads(line) for line in jsonl[0].read_text().splitlines()]
+        return json.loads(stdout), records, took_s
+
+
+def start_replay(url: str, out_dir: Path, *, sessions: int, duration_s: float, token_scale: str = "1/64",
+                 sets: tuple[str, ...] = ()) -> Replay:
+    """``kvpool replay cpu-tiny`` of the repository's kv-cache-tester traces against ``url``, ``--json``."""
+    argv = [sys.executable, "-c", CLI, "replay", "cpu-tiny", "--url", url, "--traces", str(TRACES),
+            "--sessions", str(sessions), "--duration", str(duration_s), "--token-scale", token_scale,
+            "--out", str(out_dir), "--json"]
+    for s in sets:
+        argv += ["--set", s]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return Replay(proc, out_dir, time.monotonic())

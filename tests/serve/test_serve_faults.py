@@ -1,0 +1,278 @@
+"""Faults of production mode with real processes, mid-replay: ``kvpool serve cpu-tiny`` while ``kvpool
+replay`` of the kv-cache-tester traces runs against it.
+
+* A killed decode engine (embedded pool): a request generating on it at that moment ends within
+  ``DEAD_WORKER_BOUND_S``, its stream with an error naming the engine; the supervisor reports the
+  engine by name and exits with status 1 (``--on-worker-exit shutdown``); the replay counts the
+  failed requests as errors and finishes within its bound.
+* On a Mooncake pool: the store service is killed, then the master; serving goes on (the supervisor
+  reports each pool process once), the requests after the kills compute what the pool cannot load
+  (their records say ``restore_failed`` or ``lookup_answered = false``) and succeed. Then a prefill
+  stage is killed while a request waits in its engine: it ends within its bound with a 503 naming
+  the stage, and the supervisor exits 1 naming it, the replay counting the errors as above.
+* Bad requests against the real server (a prompt over ``gate.max_input_tokens``, unknown fields,
+  non-integer token ids, ``max_tokens`` 0 or over ``gate.max_output_tokens``) get a 4xx JSON
+  error; the server keeps serving.
+* ``--on-worker-exit restart`` is refused with one ``error:`` line before anything starts.
+
+After every deployment no process of its ``router.ready.json`` is left. The Mooncake deployment
+needs a private network namespace (the test fails outside one):
+``unshare -n sh -c 'ip link set lo up && .venv/bin/python -m pytest tests/serve/test_serve_faults.py'``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from serve_process import get_text, post, require_private_netns, start_replay, start_serve
+
+from kvpool.backend.serve.prefill_scheduler import EXISTS_WAIT_S, LIVENESS_EVERY_S
+from kvpool.cli import main as kvpool_main
+
+SERVE_SETS = ["serve.prefill_kv_tokens=4096"]
+REPLAY_SESSIONS = 3
+REPLAY_DURATION_S = 12.0
+REPLAY_SETS = ("workload.max_output_tokens=16", "workload.idle_cap_s=0.5", "workload.grace_s=10")
+#: A replay's bound: warm-up, the window, its last requests (failing at once once the server is gone).
+REPLAY_BOUND_S = 90.0
+#: A request using a worker that dies: the prefill engine sees a dead stage within LIVENESS_EVERY_S;
+#: the router sees a closed connection at once; the answer takes at most a few seconds more.
+DEAD_WORKER_BOUND_S = LIVENESS_EVERY_S + 5.0
+#: The supervisor's exit after a worker died: its watch, the drain of the requests still running
+#: (their engines answer or fail at once), every child's SIGTERM.
+SHUTDOWN_BOUND_S = 30.0
+#: A request while the master is dead: an unanswered lookup (EXISTS_WAIT_S), a save that gets no
+#: answer (Mooncake's reconnects, ~5 s), compute.
+DEAD_MASTER_BOUND_S = EXISTS_WAIT_S + 10.0
+#: A request sent after the master died, behind the replay's lanes (each request ahead of it in the
+#: prefill engine may take DEAD_MASTER_BOUND_S).
+QUEUED_NO_MASTER_BOUND_S = DEAD_MASTER_BOUND_S * (REPLAY_SESSIONS + 1)
+#: A request in the prefill engine when a stage dies while the master is dead: the lookup's wait,
+#: the liveness check, the answer.
+DEAD_STAGE_NO_MASTER_BOUND_S = EXISTS_WAIT_S + DEAD_WORKER_BOUND_S
+#: The Mooncake replay's window outlasts its three faults (~20 s after the warm-up).
+MOONCAKE_REPLAY_DURATION_S = 24.0
+#: A short prompt's first token while the replay runs (its prefill waits for the replay's).
+FIRST_TOKEN_BOUND_S = 30.0
+#: Finished requests the replay has before a fault is injected (past the warm-up's cold prompts).
+OK_BEFORE_FAULT = 4
+
+
+def ok_requests(url: str) -> int:
+    """Requests the router finished with outcome ok (``kvpool:requests_total``)."""
+    status, text = get_text(f"{url}/metrics")
+    assert status == 200
+    m = re.search(r'^kvpool:requests_total\{outcome="ok"\} ([0-9.e+]+)$', text, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
+def wait_ok(url: str, n: int, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while ok_requests(url) < n:
+        assert time.monotonic() < end, f"fewer than {n} requests finished within {timeout_s:g} s"
+        time.sleep(0.2)
+
+
+class InFlight:
+    """One completion sent from a thread: ``answer()`` is its status and body, and how long it took."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        self.result: list = []
+        self.t0 = time.monotonic()
+
+        def send() -> None:
+            self.result.append((*post(url, body), time.monotonic() - self.t0))
+
+        self.thread = threading.Thread(target=send, daemon=True)
+        self.thread.start()
+
+    def answer(self, bound_s: float) -> tuple[int, dict, float]:
+        self.thread.join(bound_s + 5.0)
+        assert self.result, f"no answer within {bound_s:g} s"
+        status, body, took_s = self.result[0]
+        assert took_s < bound_s, (took_s, body)
+        return status, body, took_s
+
+
+class Streaming:
+    """One streamed completion read from a thread: ``first`` is set at its first token's event;
+    ``events()`` is every ``data:`` payload (``[DONE]`` as the string), and how long it took."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        self.first = threading.Event()
+        self.payloads: list = []
+        self.took_s: float | None = None
+        self.t0 = time.monotonic()
+        data = json.dumps({"model": "refmodel-tiny", "stream": True, **body}).encode()
+        self.req = urllib.request.Request(f"{url}/v1/completions", data=data,
+                                          headers={"Content-Type": "application/json"})
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        try:
+            with urllib.request.urlopen(self.req, timeout=120) as r:
+                for line in r:
+                    if line.startswith(b"data: "):
+                        text = line[6:].strip().decode()
+                        self.payloads.append(text if text == "[DONE]" else json.loads(text))
+                        self.first.set()
+        finally:
+            self.took_s = time.monotonic() - self.t0
+            self.first.set()
+
+    def events(self, bound_s: float) -> tuple[list, float]:
+        self.thread.join(bound_s + 5.0)
+        assert self.took_s is not None, f"the stream did not end within {bound_s:g} s"
+        return self.payloads, self.took_s
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + 31 * i) % 256 for i in range(n)]
+
+
+def assert_worker_exit_report(served, name: str) -> None:
+    pid = served.workers[name]
+    status = served.wait_exit(SHUTDOWN_BOUND_S)
+    out = served.output()
+    assert status == 1, out[-4000:]
+    assert f"error: {name} (pid {pid}) exited with signal SIGKILL while serving; last lines of " in out, out[-4000:]
+
+
+def assert_replay_counted_errors(replay, worker_causes: tuple[str, ...]) -> list[dict]:
+    doc, records, took_s = replay.finish(REPLAY_BOUND_S)
+    failed = [r for r in records if r["error"] and not r["error"].startswith("cancelled")]
+    assert doc["run"]["errors"] == doc["results"][0]["errors"] == len(failed) > 0
+    assert len(records) == doc["run"]["dispatched"] and doc["run"]["interrupted"] is False
+    # each failure names its cause: the dead worker, the stopping server, or the server gone
+    causes = (*worker_causes, "the server is shutting down", "the server stopped", "connection error: ")
+    assert all(any(c in r["error"] for c in causes) for r in failed), [r["error"] for r in failed]
+    return records
+
+
+# -- bad requests and the restart policy (no Mooncake) -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    served = start_serve(tmp_path_factory.mktemp("faults-embedded") / "run", SERVE_SETS)
+    try:
+        yield served
+    finally:
+        served.stop()  # asserts every process of router.ready.json is gone
+
+
+@pytest.mark.parametrize("body, status, param, says", [
+    ({"prompt": [1] * 16385, "max_tokens": 4}, 400, "prompt", "reject_input_too_long: the prompt has 16385 tokens"),
+    ({"prompt": "hi", "max_tokens": 4, "temperature": 0.5}, 400, "temperature", "unknown field(s): temperature"),
+    ({"prompt": [1, 2.5, 3], "max_tokens": 4}, 400, "prompt", "prompt[1]: expected an integer token id"),
+    ({"prompt": [1, "2"], "max_tokens": 4}, 400, "prompt", "prompt[1]: expected an integer token id"),
+    ({"prompt": [1, 512], "max_tokens": 4}, 400, "prompt", "prompt[1]: expected an integer token id in [0, 511]"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens: required: an integer >= 1, got 0"),
+    ({"prompt": "hi", "max_tokens": 10 ** 9}, 400, "max_tokens", "reject_output_too_long: max_tokens is 1000000000"),
+    ({"prompt": "hi", "max_tokens": True}, 400, "max_tokens", "max_tokens: required"),
+    ({"prompt": "hi", "max_tokens": 4, "model": "other"}, 404, "model", "'other' is not served here"),
+])
+def test_bad_requests_get_a_4xx_json_error_and_the_server_keeps_serving(embedded, body, status, param, says):
+    got, answer = post(embedded.url, body)
+    assert got == status and answer["error"]["param"] == param and says in answer["error"]["message"], answer
+    assert answer["error"]["code"] == status
+    ok, answer = post(embedded.url, {"prompt": "after a bad request", "max_tokens": 2, "ignore_eos": True})
+    assert ok == 200 and len(answer["choices"][0]["token_ids"]) == 2
+    assert get_text(f"{embedded.url}/health")[0] == 200
+
+
+def test_a_body_that_is_not_json_is_a_400(embedded):
+    req = urllib.request.Request(f"{embedded.url}/v1/completions", data=b"{not json",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400 and "error" in json.loads(e.value.read())
+    assert get_text(f"{embedded.url}/health")[0] == 200
+
+
+def test_restart_on_worker_exit_is_refused_with_one_error_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        kvpool_main(["serve", "cpu-tiny", "--port", "0", "--run-dir", str(tmp_path / "run"),
+                     "--on-worker-exit", "restart"])
+    _, err = capsys.readouterr()
+    assert e.value.code == 2 and err.strip().splitlines() == [
+        "error: --on-worker-exit restart: not supported yet (a restarted engine's peers would have to reconnect "
+        "to it); use shutdown"]
+    assert not (tmp_path / "run").exists()                            # nothing started
+
+
+def test_a_killed_decode_engine_fails_its_requests_and_the_supervisor_exits_1(embedded, tmp_path):
+    n = ok_requests(embedded.url)
+    replay = start_replay(embedded.url, tmp_path, sessions=REPLAY_SESSIONS, duration_s=REPLAY_DURATION_S,
+                          sets=REPLAY_SETS)
+    wait_ok(embedded.url, n + OK_BEFORE_FAULT)
+    probe = Streaming(embedded.url, {"prompt": prompt_of(40, 2), "max_tokens": 1024, "ignore_eos": True})
+    assert probe.first.wait(FIRST_TOKEN_BOUND_S) and probe.took_s is None  # prefilled, generating
+    t0 = time.monotonic()
+    os.kill(embedded.workers["decode0"], signal.SIGKILL)
+    events, _ = probe.events(DEAD_WORKER_BOUND_S)
+    assert time.monotonic() - t0 < DEAD_WORKER_BOUND_S
+    last = events[-1]                                                 # the stream ends with an error, not [DONE]
+    assert "[DONE]" not in events and last["error"]["type"] == "engine_error", events[-3:]
+    assert last["error"]["message"].startswith("decode0: POST /generate"), last
+    assert_worker_exit_report(embedded, "decode0")
+    assert_replay_counted_errors(replay, ("decode0", "hand-off to decode instance 0"))
+
+
+# -- a Mooncake pool: the store service, the master, then the decode engine ----------------------
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory):
+    env = require_private_netns()
+    served = start_serve(tmp_path_factory.mktemp("faults-mooncake") / "run", SERVE_SETS, pool="mooncake", env=env)
+    try:
+        yield served
+    finally:
+        served.stop()  # asserts every process of router.ready.json (the pool's too) is gone
+
+
+def test_pool_faults_recompute_and_a_killed_prefill_stage_ends_the_serve(mooncake, tmp_path):
+    master_pid, service_pid = mooncake.ready["pool"]
+    replay = start_replay(mooncake.url, tmp_path, sessions=REPLAY_SESSIONS, duration_s=MOONCAKE_REPLAY_DURATION_S,
+                          sets=REPLAY_SETS)
+    wait_ok(mooncake.url, ok_requests(mooncake.url) + OK_BEFORE_FAULT)
+    os.kill(service_pid, signal.SIGKILL)
+    wait_ok(mooncake.url, ok_requests(mooncake.url) + 2, DEAD_MASTER_BOUND_S * 3)  # requests go on
+    os.kill(master_pid, signal.SIGKILL)
+    t0 = time.monotonic()                                             # a request after the master died computes
+    status, body = post(mooncake.url, {"prompt": prompt_of(300, 3), "max_tokens": 2},
+                        timeout_s=QUEUED_NO_MASTER_BOUND_S)
+    took_s = time.monotonic() - t0
+    assert status == 200, body
+    rec = body["kvpool"]["record"]
+    assert not rec["lookup_answered"] and (rec["pool_tokens"], rec["computed_tokens"]) == (0, 300), rec
+    assert took_s < QUEUED_NO_MASTER_BOUND_S, took_s
+    assert get_text(f"{mooncake.url}/health")[0] == 200               # a lost pool is not a broken engine
+
+    probe = InFlight(mooncake.url, {"prompt": prompt_of(3000, 1), "max_tokens": 2})
+    time.sleep(1.0)                                                   # in the prefill engine's queue or lookup
+    os.kill(mooncake.workers["prefill0-stage0"], signal.SIGKILL)
+    status, body, _ = probe.answer(DEAD_STAGE_NO_MASTER_BOUND_S)
+    assert status == 503 and body["error"]["type"] == "engine_error", body
+    assert "prefill0-stage0" in body["error"]["message"], body
+    assert_worker_exit_report(mooncake, "prefill0-stage0")
+    out = mooncake.output()
+    assert out.count("kvpool serve: pool process ") == 2, out[-4000:]  # each pool process reported once
+    assert "pool process service0 exited" in out and "pool process master exited" in out
+
+    records = assert_replay_counted_errors(replay, ("prefill0-stage0",))
+    failed_reads = [r for r in records if not r["error"] and r["restore_failed"]]
+    assert failed_reads, "no request computed what the dead store service could not load"
+    for r in failed_reads:
+        assert r["gpu_tokens"] + r["pool_tokens"] + r["computed_tokens"] == r["in_tokens"]
+        assert r["pool_tokens"] == 0 and r["computed_tokens"] > 0
