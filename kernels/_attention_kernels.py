@@ -93,6 +93,6 @@ def _mla_merge_kernel(
         w = tl.exp(tl.load(m_ptr + at) - top)
         num = num + w[:, None] * tl.load(o_ptr + at[:, None] * LAT + lat[None, :])
         den = den + w * tl.load(l_ptr + at)
-    res = num / den[:, None]
+    res = tl.math.div_rn(num, den[:, None])  # correctly rounded, as torch divides
     hmask = heads < n_heads
     tl.store(out_ptr + s * s_out_row + heads[:, None] * s_out_head + lat[None, :], res, mask=hmask[:, None])
