@@ -218,7 +218,8 @@ class DecodeModel:
         y = torch.empty(len(x) * B, w["w_in"].shape[1], device=self.dev0)
         for b, xb in enumerate(x):
             torch.matmul(F.rms_norm(xb, (c.d_model,), p["ln1"], _EPS), w["w_in"], out=y[b * B:(b + 1) * B])
-        ckv = torch.cat([F.rms_norm(y[b * B:(b + 1) * B, :L], (L,), p["ln_kv"], _EPS) for b in range(len(x))])
+        norms = [F.rms_norm(y[b * B:(b + 1) * B, :L], (L,), p["ln_kv"], _EPS) for b in range(len(x))]
+        ckv = norms[0] if len(norms) == 1 else torch.cat(norms)
         r = y[:, L:L + (H + 1) * ROPE_DIM].view(-1, H + 1, ROPE_DIM)
         r = r * rope[0] + torch.roll(r, ROPE_DIM // 2, dims=-1) * rope[1]
         rec = torch.cat([ckv, r[:, 0]], dim=-1).to(c.cache_dtype)
