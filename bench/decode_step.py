@@ -156,7 +156,9 @@ def main() -> None:
     model = RefModel(config, dev)
     impls = [("new", new_impl, {"attention": a.attention})]
     if a.baseline_rev:
-        impls.insert(0, ("baseline", load_baseline(a.baseline_rev), {}))
+        # after the new one: under Triton's interpreter (the CPU with --attention triton) a kernel
+        # first interpreted after the baseline's step fails to run; the other order works
+        impls.append(("baseline", load_baseline(a.baseline_rev), {}))
     results = []
     for ctx in contexts:
         for batch in batches:

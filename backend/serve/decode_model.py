@@ -8,28 +8,39 @@ Contract:
       pages to blocks of that rank (the layout ``kernels.scatter_dcp`` writes). When every rank is
       on one device (and ``share``), the ranks' caches of a layer are views of one tensor
       (``shared``).
-    * ``DecodeModel(model, caches, devices, tp=1)``: ``step(seqs) -> (next_tokens, logits)`` runs one
-      decode step for a batch of ``DecodeSeq`` (the last token, its absolute position, the
-      sequence's block tables). For each layer, the new token's MLA record is written into the rank
-      that owns its position; each rank computes the new query's partial attention over its own
-      tokens (running max, sum of exponentials, weighted latent sum), and the partials are merged
-      exactly (log-sum-exp merge, ranks in order); then the rest of the layer. The next token is
-      the greedy argmax (ties: the lowest id).
+    * ``DecodeModel(model, caches, devices, tp=1, attention="auto")``: ``step(seqs) -> (next_tokens,
+      logits)`` runs one decode step for a batch of ``DecodeSeq`` (the last token, its absolute
+      position, the sequence's block tables). For each layer, the new token's MLA record is written
+      into the rank that owns its position; each rank computes the new query's partial attention
+      over its own tokens (running max, sum of exponentials, weighted latent sum), and the partials
+      are merged exactly (log-sum-exp merge, in rank order); then the rest of the layer. The next
+      token is the greedy argmax (ties: the lowest id).
+    * Attention with ``shared`` caches: one ``kernels.attention.DecodePlan`` per step (every
+      sequence's page rows, built on the host once and uploaded in one copy); per layer one indexed
+      copy writes every sequence's new record and ``mla_decode`` (backend ``attention``: Triton on a
+      GPU, the torch reference on the CPU under ``"auto"``) computes every sequence's attention, its
+      parts being runs of one rank's tokens in rank order. Without ``shared`` caches each rank's
+      partial is computed on its device, sequence by sequence.
     * Batch invariance: a sequence's logits do not depend on which other sequences share the step,
-      nor on its row in the batch (bits, on one device type). Every row-wise op runs on blocks of
-      exactly ``ROW_BLOCK`` rows (the last block padded with zero rows), so every kernel sees the
-      same shapes whatever the batch size, and a GEMM's row never reads another row; attention
-      runs per sequence, with shapes that depend on that sequence alone (with ``shared`` caches,
-      one gather and one batched product give every rank's partial of the sequence; otherwise
-      each rank's partial is computed on its device, one by one).
-    * TP: the ``tp`` ranks' head groups are computed in this process. Head ``h``'s projections run on
-      ``devices[h * tp // heads]``, one head at a time, and the heads' output projections are summed
-      in head order on ``devices[0]``: every product has the same shape whatever ``tp`` is, so the
-      tokens do not depend on ``tp``. The FFN and the logits run on ``devices[0]``; rank ``r``'s
-      KV and its partial attention on ``devices[r % len(devices)]``.
+      nor on its row in the batch (bits, on one device type). Every row-wise op and product runs on
+      blocks of exactly ``ROW_BLOCK`` rows (the last block padded with zero rows), so every kernel
+      sees the same shapes whatever the batch size, and a GEMM's row never reads another row; the
+      element-wise RoPE runs over all rows at once; attention's work for a sequence depends on that
+      sequence alone (see ``kernels.attention``).
+    * TP and the heads: the ``tp`` ranks' head groups are computed in this process, head ``h`` on
+      ``devices[h * tp // heads]``. When every head is on ``devices[0]`` (any ``tp`` with one device),
+      all heads run together: per row block one product gives the latent, the RoPE key, every
+      head's RoPE query and every head's latent query (``w_qn[h] @ w_uk[h]`` absorbed into one
+      weight), and one product gives every head's output projection (``w_uv[h] @ w_o[h]``
+      absorbed). That path does not depend on ``tp``. Otherwise heads run one at a time on their
+      devices and their output projections are summed in head order on ``devices[0]``: every
+      product has the same shape whatever ``tp`` is, so the tokens do not depend on ``tp`` among
+      such placements; the two paths round differently (the same tokens up to near-ties). The FFN
+      and the logits run on ``devices[0]``; rank ``r``'s KV on ``devices[r % len(devices)]``.
     * The model's weights are ``RefModel``'s (same seed, same tensors); the step differs from
       ``RefModel.prefill`` only in the order of floating-point sums (the attention merge, the
-      per-head output sum), so its tokens equal a recompute's up to near-ties of the logits.
+      absorbed or per-head projections), so its tokens equal a recompute's up to near-ties of the
+      logits.
 """
 
 from __future__ import annotations
