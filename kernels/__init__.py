@@ -4,6 +4,8 @@ Public ops (``kvpool.kernels.ops``): ``pack``, ``unpack`` (paged KV <-> 256-toke
 the pool byte format of ``docs/pool-format.md``) and ``gather_dcp``, ``scatter_dcp`` (a prefill
 stage's layout <-> per-decode-rank staging buffers, following ``policy.layout.HandoffPlan``).
 Each has a Triton host function (``triton_ops.*_triton``) and a torch reference (``reference.*_ref``).
+``kvpool.kernels.attention``: the decode step's MLA attention of a batch of sequences over
+DCP-sharded paged KV (``mla_decode``: a Triton kernel and its torch reference ``mla_decode_ref``).
 
 Triton is imported only when a kernel launches, so this package imports on any machine.
 """

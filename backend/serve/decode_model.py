@@ -8,28 +8,39 @@ Contract:
       pages to blocks of that rank (the layout ``kernels.scatter_dcp`` writes). When every rank is
       on one device (and ``share``), the ranks' caches of a layer are views of one tensor
       (``shared``).
-    * ``DecodeModel(model, caches, devices, tp=1)``: ``step(seqs) -> (next_tokens, logits)`` runs one
-      decode step for a batch of ``DecodeSeq`` (the last token, its absolute position, the
-      sequence's block tables). For each layer, the new token's MLA record is written into the rank
-      that owns its position; each rank computes the new query's partial attention over its own
-      tokens (running max, sum of exponentials, weighted latent sum), and the partials are merged
-      exactly (log-sum-exp merge, ranks in order); then the rest of the layer. The next token is
-      the greedy argmax (ties: the lowest id).
+    * ``DecodeModel(model, caches, devices, tp=1, attention="auto")``: ``step(seqs) -> (next_tokens,
+      logits)`` runs one decode step for a batch of ``DecodeSeq`` (the last token, its absolute
+      position, the sequence's block tables). For each layer, the new token's MLA record is written
+      into the rank that owns its position; each rank computes the new query's partial attention
+      over its own tokens (running max, sum of exponentials, weighted latent sum), and the partials
+      are merged exactly (log-sum-exp merge, in rank order); then the rest of the layer. The next
+      token is the greedy argmax (ties: the lowest id).
+    * Attention with ``shared`` caches: one ``kernels.attention.DecodePlan`` per step (every
+      sequence's page rows, built on the host once and uploaded in one copy); per layer one indexed
+      copy writes every sequence's new record and ``mla_decode`` (backend ``attention``: Triton on a
+      GPU, the torch reference on the CPU under ``"auto"``) computes every sequence's attention, its
+      parts being runs of one rank's tokens in rank order. Without ``shared`` caches each rank's
+      partial is computed on its device, sequence by sequence.
     * Batch invariance: a sequence's logits do not depend on which other sequences share the step,
-      nor on its row in the batch (bits, on one device type). Every row-wise op runs on blocks of
-      exactly ``ROW_BLOCK`` rows (the last block padded with zero rows), so every kernel sees the
-      same shapes whatever the batch size, and a GEMM's row never reads another row; attention
-      runs per sequence, with shapes that depend on that sequence alone (with ``shared`` caches,
-      one gather and one batched product give every rank's partial of the sequence; otherwise
-      each rank's partial is computed on its device, one by one).
-    * TP: the ``tp`` ranks' head groups are computed in this process. Head ``h``'s projections run on
-      ``devices[h * tp // heads]``, one head at a time, and the heads' output projections are summed
-      in head order on ``devices[0]``: every product has the same shape whatever ``tp`` is, so the
-      tokens do not depend on ``tp``. The FFN and the logits run on ``devices[0]``; rank ``r``'s
-      KV and its partial attention on ``devices[r % len(devices)]``.
+      nor on its row in the batch (bits, on one device type). Every row-wise op and product runs on
+      blocks of exactly ``ROW_BLOCK`` rows (the last block padded with zero rows), so every kernel
+      sees the same shapes whatever the batch size, and a GEMM's row never reads another row; the
+      element-wise RoPE runs over all rows at once; attention's work for a sequence depends on that
+      sequence alone (see ``kernels.attention``).
+    * TP and the heads: the ``tp`` ranks' head groups are computed in this process, head ``h`` on
+      ``devices[h * tp // heads]``. When every head is on ``devices[0]`` (any ``tp`` with one device),
+      all heads run together: per row block one product gives the latent, the RoPE key, every
+      head's RoPE query and every head's latent query (``w_qn[h] @ w_uk[h]`` absorbed into one
+      weight), and one product gives every head's output projection (``w_uv[h] @ w_o[h]``
+      absorbed). That path does not depend on ``tp``. Otherwise heads run one at a time on their
+      devices and their output projections are summed in head order on ``devices[0]``: every
+      product has the same shape whatever ``tp`` is, so the tokens do not depend on ``tp`` among
+      such placements; the two paths round differently (the same tokens up to near-ties). The FFN
+      and the logits run on ``devices[0]``; rank ``r``'s KV on ``devices[r % len(devices)]``.
     * The model's weights are ``RefModel``'s (same seed, same tensors); the step differs from
       ``RefModel.prefill`` only in the order of floating-point sums (the attention merge, the
-      per-head output sum), so its tokens equal a recompute's up to near-ties of the logits.
+      absorbed or per-head projections), so its tokens equal a recompute's up to near-ties of the
+      logits.
 """
 
 from __future__ import annotations
@@ -39,12 +50,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvpool.backend.refmodel import KV_LORA_RANK, ROPE_DIM, RefConfig, RefModel, _rms
+from kvpool.kernels.attention import DecodePlan, mla_decode
 from kvpool.policy.layout import rank_token_count
 
 #: Rows of every row-wise kernel launch (a batch is cut into blocks of this many rows).
 ROW_BLOCK = 16
+#: ``DecodeModel``'s ``attention`` choices (``kernels.attention.mla_decode``'s backends).
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+_EPS = 1e-6
 
 
 def _read_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
@@ -106,11 +122,14 @@ class DecodeSeq:
 class DecodeModel:
     """One decode step of ``RefModel`` over ``DcpCaches`` (see the module docstring)."""
 
-    def __init__(self, model: RefModel, caches: DcpCaches, devices: Sequence[str | torch.device], tp: int = 1) -> None:
+    def __init__(self, model: RefModel, caches: DcpCaches, devices: Sequence[str | torch.device], tp: int = 1,
+                 attention: str = "auto") -> None:
         c = model.config
         if tp <= 0:
             raise ValueError(f"tp must be > 0, got {tp}")
-        self.model, self.config, self.kv = model, c, caches
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention: expected one of {', '.join(ATTENTION_BACKENDS)}, got {attention!r}")
+        self.model, self.config, self.kv, self.attention = model, c, caches, attention
         self.dcp = caches.dcp
         self.dev0 = torch.device(devices[0])
         if model.device != self.dev0:
@@ -118,8 +137,13 @@ class DecodeModel:
         H = c.heads
         self.head_dev = [torch.device(devices[(h * tp // H) % len(devices)]) for h in range(H)]
         self.scale = 1.0 / math.sqrt(c.nope_dim + ROPE_DIM)
-        # per layer, per head: contiguous weights on the head's device
+        #: per layer, the one-device path's fused weights (every head on devices[0]); None otherwise
+        self.fused: list[dict[str, torch.Tensor]] | None = None
+        #: per layer, per head: contiguous weights on the head's device (heads on several devices)
         self.heads: list[list[dict[str, torch.Tensor]]] = []
+        if all(dev == self.dev0 for dev in self.head_dev):
+            self.fused = [self._fuse(p) for p in model.layers]
+            return
         for p in model.layers:
             per = []
             for h in range(H):
@@ -153,20 +177,94 @@ class DecodeModel:
         x = [self.model.embed[tok[b * B:(b + 1) * B]] for b in range(blocks)]
         x = [xb * (torch.arange(b * B, (b + 1) * B, device=self.dev0) < n)[:, None] for b, xb in enumerate(x)]
         posb = [pos[b * B:(b + 1) * B] for b in range(blocks)]
-        views = [self._view(s) for s in seqs] if self.kv.shared is not None else [None] * n
+        plan = self._plan(seqs) if self.kv.shared is not None else None
+        rope = self._rope_tables(pos) if self.fused is not None else None
+        olat = torch.zeros(blocks * B, self.config.heads, KV_LORA_RANK, device=self.dev0)
         for li in range(self.config.layers):
-            pre = [self._pre(li, x[b], posb[b]) for b in range(blocks)]
-            olat = torch.zeros(blocks * B, self.config.heads, KV_LORA_RANK, device=self.dev0)
-            for i, s in enumerate(seqs):
-                rec, qlat, qr = (t[i % B] for t in pre[i // B])
-                olat[i] = self._attend(li, s, rec, qlat, qr, views[i])
-            x = [self._post(li, x[b], olat[b * B:(b + 1) * B]) for b in range(blocks)]
+            if self.fused is not None:
+                rec, qlat, qr = self._pre_fused(li, x, rope)
+            else:
+                rec, qlat, qr = (torch.cat(t) for t in zip(*(self._pre(li, x[b], posb[b]) for b in range(blocks))))
+            if plan is not None:
+                self._attend_plan(li, plan, rec[:n], qlat, qr, olat)
+            else:
+                for i, s in enumerate(seqs):
+                    olat[i] = self._attend(li, s, rec[i], qlat[i], qr[i])
+            post = self._post_fused if self.fused is not None else self._post
+            x = [post(li, x[b], olat[b * B:(b + 1) * B]) for b in range(blocks)]
             if between_layers is not None and li + 1 < self.config.layers:
                 between_layers()
         logits = torch.cat([_rms(xb, self.model.ln_f) @ self.model.lm_head for xb in x])[:n]
         return logits.argmax(dim=-1).tolist(), logits
 
-    # ---- the layer, in three parts ------------------------------------------------------------
+    # ---- the layer on one device: every head in one product -----------------------------------
+
+    def _fuse(self, p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """One layer's weights for the one-device path: ``w_in [d, 576 + H * 64 + H * 512]`` (the
+        latent, the RoPE key, every head's RoPE query and every head's absorbed latent query
+        ``w_qn[h] @ w_uk[h]``) and ``w_out [H * 512, d]`` (every head's ``w_uv[h] @ w_o[h]``); the
+        absorbed products are formed in float64 and rounded once."""
+        c, H = self.config, self.config.heads
+        d = c.d_model
+        qabs = torch.einsum("dhn,hnc->dhc", p["w_qn"].double().view(d, H, c.nope_dim), p["w_uk"].double())
+        out = torch.einsum("hcv,hvd->hcd", p["w_uv"].double(), p["w_o"].double().view(H, c.v_dim, d))
+        w_in = torch.cat([p["w_dkv"], p["w_kr"], p["w_qr"], qabs.reshape(d, H * KV_LORA_RANK).float()], dim=1)
+        return {"w_in": w_in.contiguous(), "w_out": out.reshape(H * KV_LORA_RANK, d).float().contiguous()}
+
+    def _rope_tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the RoPE factors ``(C, S) [rows, 1, 64]``: ``rope(x) = x * C + roll(x, 32) * S``
+        (``C = [cos, cos]``, ``S = [-sin, sin]``: ``RefModel``'s rotation, the same products)."""
+        ang = pos.to(torch.float64)[:, None] * self.model._inv_freq[None, :]
+        cos, sin = ang.cos().float(), ang.sin().float()
+        return torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
+
+    def _pre_fused(self, li: int, x: list[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every row block of ``x``: records ``[rows, 576]`` (cache dtype), latent queries
+        ``[rows, H, 512]`` and rotated RoPE queries ``[rows, H, 64]`` (views of one product per
+        block; the norms and products run per block of ``ROW_BLOCK`` rows, the element-wise RoPE
+        over all rows)."""
+        c, p, w = self.config, self.model.layers[li], self.fused[li]
+        B, H, L = ROW_BLOCK, c.heads, KV_LORA_RANK
+        y = torch.empty(len(x) * B, w["w_in"].shape[1], device=self.dev0)
+        for b, xb in enumerate(x):
+            torch.matmul(F.rms_norm(xb, (c.d_model,), p["ln1"], _EPS), w["w_in"], out=y[b * B:(b + 1) * B])
+        norms = [F.rms_norm(y[b * B:(b + 1) * B, :L], (L,), p["ln_kv"], _EPS) for b in range(len(x))]
+        ckv = norms[0] if len(norms) == 1 else torch.cat(norms)
+        r = y[:, L:L + (H + 1) * ROPE_DIM].view(-1, H + 1, ROPE_DIM)
+        r = r * rope[0] + torch.roll(r, ROPE_DIM // 2, dims=-1) * rope[1]
+        rec = torch.cat([ckv, r[:, 0]], dim=-1).to(c.cache_dtype)
+        return rec, y[:, L + (H + 1) * ROPE_DIM:].view(-1, H, L), r[:, 1:]
+
+    def _post_fused(self, li: int, x: torch.Tensor, olat: torch.Tensor) -> torch.Tensor:
+        """Rows ``x [B, d]`` and their attention latents ``olat [B, H, 512]``: every head's output
+        projection in one product, the residual, the FFN."""
+        p = self.model.layers[li]
+        x = x + olat.reshape(olat.shape[0], -1) @ self.fused[li]["w_out"]
+        return x + F.silu(F.rms_norm(x, (x.shape[-1],), p["ln2"], _EPS) @ p["w1"]) @ p["w2"]
+
+    # ---- attention over shared caches: every sequence in one plan ------------------------------
+
+    def _plan(self, seqs: Sequence[DecodeSeq]) -> DecodePlan:
+        """This step's attention tables (host lists to one device tensor, once per step)."""
+        pages = [s.pages if s.pages is not None else [t.tolist() for t in s.tables] for s in seqs]
+        return DecodePlan.build(pages, [s.position for s in seqs], self.dcp, self.kv.blocks_per_rank,
+                                self.config.page_tokens, self.kv.devices[0])
+
+    def _attend_plan(self, li: int, plan: DecodePlan, rec: torch.Tensor, qlat: torch.Tensor, qr: torch.Tensor,
+                     olat: torch.Tensor) -> None:
+        """Write every sequence's new record (one indexed copy), then every sequence's attention
+        (``kernels.attention.mla_decode``) into rows ``0 .. n`` of ``olat``."""
+        cache = self.kv.shared[li]
+        dev = cache.device
+        cache.view(torch.uint8)[plan.write_block, plan.write_slot] = rec.to(dev).view(torch.uint8)
+        out = olat if olat.device == dev else torch.zeros_like(olat, device=dev)
+        mla_decode(cache, qlat.to(dev), qr.to(dev), plan, self.scale, out, self.attention)
+        if out is not olat:
+            olat.copy_(out)
+
+    # ---- the layer head by head (heads on several devices) -------------------------------------
+
 
     def _pre(self, li: int, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows ``x [B, d]`` at ``pos [B]``: their records ``[B, 576]`` (cache dtype), latent
@@ -191,38 +289,16 @@ class DecodeModel:
         x1, x2 = x[..., : ROPE_DIM // 2], x[..., ROPE_DIM // 2:]
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
-    def _view(self, s: DecodeSeq) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One sequence's view of the shared caches for this step: the pages of its ranks that hold
-        tokens (``[ranks, pages]`` rows of ``kv.shared``; a rank with a page fewer repeats its
-        first), the mask of its tokens ``[ranks, 1, n_max]`` and ``n_max``, the most tokens a rank
-        holds. The same for every layer; it depends on this sequence alone."""
-        R, P, nb = self.dcp, self.config.page_tokens, self.kv.blocks_per_rank
-        n = s.position + 1
-        ranks = min(R, n)
-        n_max = -(-n // R)
-        pages = -(-n_max // P)
-        host = s.pages if s.pages is not None else [t.tolist() for t in s.tables]
-        rows = []
-        for r in range(ranks):
-            mine = host[r][: -(-rank_token_count(n, r, R) // P)]
-            rows.append([r * nb + b for b in mine + [mine[0]] * (pages - len(mine))])
-        counts = torch.tensor([rank_token_count(n, r, R) for r in range(ranks)], device=self.kv.devices[0])
-        mask = torch.arange(n_max, device=self.kv.devices[0])[None, None, :] < counts[:, None, None]
-        return torch.tensor(rows, dtype=torch.long, device=self.kv.devices[0]), mask, n_max
-
-    def _attend(self, li: int, s: DecodeSeq, rec: torch.Tensor, qlat: torch.Tensor, qr: torch.Tensor,
-                view: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
-        """Write the new token's record on its rank, then the exact merge of every rank's partial
-        attention of the query (``qlat [H, 512]``, ``qr [H, 64]``) over that rank's tokens. With
-        ``view`` (all ranks on one device) every rank's partial comes from one batched product."""
+    def _attend(self, li: int, s: DecodeSeq, rec: torch.Tensor, qlat: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+        """Caches not shared (ranks on several devices): write the new token's record on its rank,
+        then the exact merge of every rank's partial attention of the query (``qlat [H, 512]``,
+        ``qr [H, 64]``) over that rank's tokens, each rank's partial on its device."""
         c, R, P = self.config, self.dcp, self.config.page_tokens
         t = s.position
         owner, local = t % R, t // R
         cache = self.kv.rank_caches[owner][li]
         blk = s.pages[owner][local // P] if s.pages is not None else int(s.tables[owner][local // P])
         cache[blk, local % P] = rec.to(cache.device)       # plain indexing: a copy, for every dtype
-        if view is not None:
-            return self._attend_shared(li, qlat, qr, *view)
         parts = []
         for r in range(R):
             n_r = rank_token_count(t + 1, r, R)
@@ -246,25 +322,6 @@ class DecodeModel:
             num = num + w * o_r
             den = den + w * l_r
         return num / den
-
-    def _attend_shared(self, li: int, qlat: torch.Tensor, qr: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
-                       n_max: int) -> torch.Tensor:
-        """Every rank's partial attention in one batched product over ``[ranks, n_max]`` keys
-        (a rank's missing last token masked), merged exactly across ranks in rank order."""
-        c = self.config
-        dev = self.kv.devices[0]
-        ranks, pages = rows.shape
-        keys = _read_pages(self.kv.shared[li], rows.reshape(-1)).view(ranks, pages * c.page_tokens, -1)
-        keys = keys[:, :n_max].float()                                                # [ranks, n_max, 576]
-        ck, kr = keys[..., :KV_LORA_RANK], keys[..., KV_LORA_RANK:]
-        scores = (qlat.to(dev)[None] @ ck.transpose(1, 2) + qr.to(dev)[None] @ kr.transpose(1, 2)) * self.scale
-        scores = scores.masked_fill(~mask, float("-inf"))                            # [ranks, H, n_max]
-        mx = scores.max(dim=-1, keepdim=True).values                                  # every rank holds a token
-        e = torch.exp(scores - mx)
-        w = torch.exp(mx - mx.max(dim=0).values[None])                                # [ranks, H, 1]
-        num = (w * (e @ ck)).sum(dim=0)
-        den = (w * e.sum(dim=-1, keepdim=True)).sum(dim=0)
-        return (num / den).to(self.dev0)
 
     def _post(self, li: int, x: torch.Tensor, olat: torch.Tensor) -> torch.Tensor:
         """Rows ``x [B, d]`` and their attention latents ``olat [B, H, 512]``: the output projection
