@@ -217,6 +217,7 @@ def run_point(s: Scenario, load: float, traces: str | None = None) -> dict:
         "cpu_s": cpu,
         "sim_s_per_wall_s": sim.env.now / wall if wall > 0 else 0.0,
         "pool_evicted_groups": sim.pool.evicted_groups if sim.pool is not None else 0,
+        **({"cost_notes": sim.cost.fallback_lines()} if hasattr(sim.cost, "fallback_lines") else {}),
         "timeline": {  # at most ~400 samples per series (every k-th point)
             "pool_t": tl.pool_t[::max(1, len(tl.pool_t) // 400)],
             "pool_used": tl.pool_used[::max(1, len(tl.pool_used) // 400)],
