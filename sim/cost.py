@@ -12,6 +12,10 @@ state and sees no SimPy. ``AnalyticalCost`` is the default, parameterized by the
     pool load      bytes / load-worker rate (Mooncake get into the registered buffer + unpack)
 
 Transfers (bytes / bandwidth share + writes / message rate) are priced by the links (``sim/links.py``).
+
+``cost_model(s)`` is the scenario's cost model: ``AnalyticalCost``, or with ``cost.calibration``
+the measured curves of that file (``sim.calibration.CalibratedCost``) with ``AnalyticalCost`` for
+what lies outside them.
 """
 
 from __future__ import annotations
@@ -89,3 +93,13 @@ class AnalyticalCost:
 
     def pool_load_s(self, nbytes: int) -> float:
         return nbytes / self.pool_load_bytes_s
+
+
+def cost_model(s: Scenario) -> CostModel:
+    """The scenario's cost model (see the module docstring); ``CalibrationError`` for a bad file."""
+    analytic = AnalyticalCost.from_scenario(s)
+    if s.cost.calibration is None:
+        return analytic
+    from kvpool.sim.calibration import CalibratedCost, load_calibration
+
+    return CalibratedCost(load_calibration(s.cost.calibration), analytic, s.gpu.nic_gb_s * 1e9)

@@ -80,8 +80,18 @@ def replay_warning(s: Scenario, traces: str | None, rows: Sequence[dict]) -> lis
     return []
 
 
+def cost_lines(rows: Sequence[dict], prefix: str = "") -> list[str]:
+    """Per load, the calibrated cost model's notes (``sim.calibration``: costs outside its measured range)."""
+    out = []
+    for r in rows:
+        for line in r.get("cost_notes", ()):
+            key, value = report.load_of(r)
+            out.append(f"{prefix}{key} {value:g}: {line}")
+    return out
+
+
 def warnings(s: Scenario, traces: str | None, rows: Sequence[dict], prefix: str = "") -> list[str]:
-    return replay_warning(s, traces, rows) + degenerate_lines(rows, prefix)
+    return replay_warning(s, traces, rows) + degenerate_lines(rows, prefix) + cost_lines(rows, prefix)
 
 
 def _provenance(s: Scenario, inputs: Inputs, loads: Sequence[float] = (), with_loads: bool = True) -> dict:

@@ -65,7 +65,7 @@ class Lifecycle:
         self.env = world.env
         self.records: list[RequestRecord] = []
         self.frontend_s = s.cost.frontend_overhead_s
-        self.control_s = s.cost.control_plane_s
+        self.control_s = world.control_plane_s
         self.faults = Faults(s) if s.faults.enabled else None
         self.min_load_tokens = s.pool.min_load_tokens
         self.admit_step = Admit(world.env, world.gate) if world.gate is not None else None

@@ -134,14 +134,37 @@ def _own_file(path: Path) -> bool:
 
 
 def workload_for(s: Scenario, traces: str | None = None) -> Workload:
-    """The scenario's workload: a trace set when given, else its synthetic preset."""
+    """The scenario's workload: a trace set when given, else its synthetic preset; its prompts
+    scaled by ``workload.token_scale`` (``workload.token_scale.scale_workload``; 1: as recorded)."""
     path = traces or s.workload.traces
     if path:
         if s.workload.context_scale != 1:
             raise TraceError(f"workload.context_scale={s.workload.context_scale:g} applies to the synthetic presets only; "
                              "a trace set keeps its recorded sizes (use --set workload.context_scale=1)", file=str(path))
-        return _traces(os.path.abspath(path))
-    return _synthetic(s.workload.preset, s.workload.synthetic_sessions, s.seed, s.workload.context_scale)
+        return _scaled_traces(os.path.abspath(path), s.workload.token_scale)
+    w = _synthetic(s.workload.preset, s.workload.synthetic_sessions, s.seed, s.workload.context_scale)
+    return w if s.workload.token_scale == 1 else _scaled(w, s.workload.token_scale)
+
+
+@lru_cache(maxsize=4)
+def _scaled_traces(path: str, token_scale: float) -> Workload:
+    return _traces(path) if token_scale == 1 else _scaled(_traces(path), token_scale)
+
+
+_scaled_kept: dict[tuple[int, float], tuple[Workload, Workload]] = {}
+
+
+def _scaled(w: Workload, token_scale: float) -> Workload:
+    """``scale_workload(w, token_scale)``, kept for the last few workloads (by identity)."""
+    from kvpool.workload.token_scale import scale_workload
+
+    key = (id(w), token_scale)
+    got = _scaled_kept.get(key)
+    if got is None or got[0] is not w:
+        if len(_scaled_kept) >= _SYNTHETIC_KEPT:
+            del _scaled_kept[next(iter(_scaled_kept))]
+        got = _scaled_kept[key] = (w, scale_workload(w, token_scale))
+    return got[1]
 
 
 def make_replay(s: Scenario, workload: Workload, load: float):
@@ -194,6 +217,7 @@ def run_point(s: Scenario, load: float, traces: str | None = None) -> dict:
         "cpu_s": cpu,
         "sim_s_per_wall_s": sim.env.now / wall if wall > 0 else 0.0,
         "pool_evicted_groups": sim.pool.evicted_groups if sim.pool is not None else 0,
+        **({"cost_notes": sim.cost.fallback_lines()} if hasattr(sim.cost, "fallback_lines") else {}),
         "timeline": {  # at most ~400 samples per series (every k-th point)
             "pool_t": tl.pool_t[::max(1, len(tl.pool_t) // 400)],
             "pool_used": tl.pool_used[::max(1, len(tl.pool_used) // 400)],

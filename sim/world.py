@@ -27,7 +27,7 @@ from kvpool.policy.routing import make_router
 from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacity_tokens
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
-from kvpool.sim.cost import AnalyticalCost, CostModel
+from kvpool.sim.cost import CostModel, cost_model
 from kvpool.sim.gpucache import GPUPrefixCache, Scratch
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
@@ -52,7 +52,9 @@ class World:
     def __init__(self, s: Scenario, *, cost: CostModel | None = None, unbounded: bool = False) -> None:
         self.s = s
         self.env = env = simpy.Environment()
-        self.cost = cost or AnalyticalCost.from_scenario(s)
+        self.cost = cost or cost_model(s)
+        #: fixed time per admitted request before its lookup: the calibration's, else cost.control_plane_s
+        self.control_plane_s = getattr(self.cost, "control_plane_s", s.cost.control_plane_s)
         self.spec = spec = s.kvspec()
         self.chunk_tokens = s.pool.chunk_tokens
         self.keys = KeySpace(namespace_for(spec, s.pool.chunk_tokens), s.pool.chunk_tokens)

@@ -10,6 +10,7 @@ import sys
 
 import typer
 
+from kvpool.cli import calibrate as calibrate_cli
 from kvpool.cli import dashboard as dashboard_cli
 from kvpool.cli import pool as pool_cli
 from kvpool.cli import replay as replay_cli
@@ -37,6 +38,7 @@ app.add_typer(sim_cli.app, name="sim")
 app.add_typer(pool_cli.app, name="pool")
 app.command("serve")(serve_cli.serve)
 app.command("replay")(replay_cli.replay)
+app.command("calibrate")(calibrate_cli.calibrate)
 app.command("dashboard")(dashboard_cli.dashboard)
 
 

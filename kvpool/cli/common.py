@@ -16,8 +16,17 @@ SET_HELP = "Override a scenario field, e.g. --set pool.gib_per_service=512 (repe
 def load_or_exit(name_or_path: str, overrides: list[str] | None = None) -> Scenario:
     """Load a scenario, turning every problem into a clear message and exit status 2."""
     try:
-        return load_scenario(name_or_path, overrides or [])
+        s = load_scenario(name_or_path, overrides or [])
     except ScenarioError as e:
         for line in str(e).split("\n"):
             typer.echo(f"error: {printable(line)}", err=True)
         raise typer.Exit(2) from None
+    if s.cost.calibration is not None:  # a bad calibration file is the scenario's error, said before any run
+        from kvpool.sim.calibration import CalibrationError, load_calibration
+
+        try:
+            load_calibration(s.cost.calibration)
+        except CalibrationError as e:
+            typer.echo(f"error: cost.calibration: {printable(str(e))}", err=True)
+            raise typer.Exit(2) from None
+    return s

@@ -30,8 +30,9 @@ from kvpool.cli.common import SET_HELP, UserError, load_or_exit
 
 TOKEN_SCALE_HELP = (
     "Scale the prompts to a small model: every recorded hash block of B tokens becomes "
-    "b = max(1, round(B * F)) tokens, and a prompt of N tokens becomes max(1, round(N * b / B)) tokens, rounding halves up "
-    "(workload.token_scale); output lengths are kept. A number or a fraction, e.g. 1/64 (default 1: as recorded).")
+    "b = max(1, round(B * F)) tokens, and a prompt of N tokens becomes max(1, round(N * b / B)) tokens, rounding halves up; "
+    "output lengths are kept. A number or a fraction, e.g. 1/64; it sets workload.token_scale, which kvpool sim run "
+    "applies alike (default: the scenario's workload.token_scale, 1: as recorded).")
 
 
 def parse_token_scale(text: str) -> float:
@@ -102,7 +103,7 @@ def replay(
     duration: float = typer.Option(None, "--duration", help="Measured window, seconds (default: the scenario's)."),
     seed: int = typer.Option(None, "--seed", help="Seed of every random choice of the schedule (default: the scenario's)."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
-    token_scale: str = typer.Option("1", "--token-scale", help=TOKEN_SCALE_HELP),
+    token_scale: str = typer.Option(None, "--token-scale", help=TOKEN_SCALE_HELP),
     timeout: float = typer.Option(None, "--timeout", help="Longest one request may take, seconds (default: serve.request_timeout_s + 30)."),
     out: Path = typer.Option(Path("out"), "--out", help="Directory for the JSONL of requests and the JSON summary."),
     json_: bool = typer.Option(False, "--json", help="Print the summary document (id, provenance, results, run)."),
@@ -122,13 +123,15 @@ def replay(
     from kvpool.workload.errors import TraceError
 
     url = check_url(url)
-    scale = parse_token_scale(token_scale)
+    scale = None if token_scale is None else parse_token_scale(token_scale)
     if sessions is not None:
         check("workload.sessions", sessions, "--sessions")
     if rps is not None:
         check("workload.rps", rps, "--rps")
     overrides = run_overrides(set_, duration=duration, seed=seed,
                               sessions=None if sessions is None else str(sessions), rps=None if rps is None else str(rps))
+    if scale is not None:
+        overrides.append(f"workload.token_scale={scale!r}")
     s = load_or_exit(scenario, overrides)
     if timeout is not None and not (math.isfinite(timeout) and 0 < timeout <= 86_400):
         raise UserError(f"--timeout {timeout:g}: must be > 0 and <= 86400 seconds")
@@ -146,10 +149,10 @@ def replay(
         schedule = make_replay(s, workload, load)
     except TraceError as e:
         raise UserError(str(e)) from None
-    prompts = PromptBuilder(s.serve.vocab, scale)
+    prompts = PromptBuilder(s.serve.vocab)  # the workload's sessions are scaled already (workload_for)
     prov = provenance(s, source=scenario, overrides=overrides, set_overrides=set_, traces=traces, load_key=key,
                       loads=[load])
-    prov["serve"] = {"url": url, "token_scale": scale}
+    prov["serve"] = {"url": url, "token_scale": s.workload.token_scale}
     run_id = short_id(prov)
     stem = f"replay-{safe_name(s.name)}-{key}-{load:g}-{run_id}"
     refuse_other_run(out / f"{stem}.json", run_id)

@@ -34,13 +34,22 @@ def decode_gpu_kv_bytes_per_gpu(s: Scenario) -> int:
 
 def prefill_kv_capacity_tokens(s: Scenario) -> int:
     """Tokens one prefill instance's GPUs can cache: each stage's GPUs hold every token of its layers
-    (the MLA latent is replicated over TP ranks), so the fullest stage decides."""
+    (the MLA latent is replicated over TP ranks), so the fullest stage decides. With
+    ``cost.kv_capacity = "serve"``: ``serve.prefill_kv_tokens``, the paged KV every stage of a
+    ``kvpool serve`` prefill engine holds (one block table for all stages)."""
+    if s.cost.kv_capacity == "serve":
+        return s.serve.prefill_kv_tokens
     free = prefill_gpu_kv_bytes_per_gpu(s)
     return min(free // b for b in s.kvspec().stage_bytes_per_token)
 
 
 def decode_kv_capacity_tokens(s: Scenario) -> int:
-    """Tokens one decode instance can hold: DCP spreads tokens over ``dcp`` ranks, each holding all layers."""
+    """Tokens one decode instance can hold: DCP spreads tokens over ``dcp`` ranks, each holding all layers.
+    With ``cost.kv_capacity = "serve"``: ``serve.decode_kv_tokens`` (rounded up to whole pages per
+    DCP rank, as the decode engine allocates them)."""
+    if s.cost.kv_capacity == "serve":
+        per_rank_pages = -(-s.serve.decode_kv_tokens // (s.decode.dcp * s.model.page_tokens))
+        return per_rank_pages * s.model.page_tokens * s.decode.dcp
     return decode_gpu_kv_bytes_per_gpu(s) // s.kvspec().bytes_per_token * s.decode.dcp
 
 

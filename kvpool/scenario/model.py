@@ -221,6 +221,12 @@ class WorkloadConfig(_Section):
         description="synthetic presets only: every prompt-side token count of the sessions times this "
                     "(first prompts, growth, compaction, context limits); outputs and timing unchanged",
     )
+    token_scale: Float = Field(
+        default=1.0, gt=0, le=1,
+        description="every recorded prompt scaled to a small model (workload.token_scale.scale_workload): a hash "
+                    "block of B tokens becomes max(1, round(B x F)) tokens, a prompt of N tokens max(1, round(N x "
+                    "b / B)); outputs unchanged. The simulator and kvpool replay apply it alike (1: as recorded)",
+    )
     shared_prefix_tokens: Int = Field(
         default=0, ge=0, le=MAX_TOKENS,
         description="leading prompt tokens of every main-thread request that are the same in every session "
@@ -274,6 +280,18 @@ class CostConfig(_Section):
         default=0.0, ge=0, le=600,
         description="fixed time from a request's arrival to its admission: API gateway, chat template and "
                     "tokenization in front of the router, s (0: the client talks to the router directly)",
+    )
+    kv_capacity: Literal["hbm", "serve"] = Field(
+        default="hbm",
+        description="where the simulator's GPU KV capacities come from: hbm: derived from HBM, weights and "
+                    "reserves (kvpool scenario show); serve: serve.prefill_kv_tokens per prefill instance and "
+                    "serve.decode_kv_tokens per decode instance, what kvpool serve allocates",
+    )
+    calibration: Annotated[str, Strict(), Field(min_length=1, max_length=4096)] | None = Field(
+        default=None,
+        description="a calibration file (kvpool calibrate): measured prefill, decode, restore and hand-off "
+                    "curves and overheads replace the analytic model inside their grids (a relative path is "
+                    "taken from the working directory, as workload.traces is); none: analytic only",
     )
     control_plane_s: Float = Field(
         default=0.0, ge=0, le=600,

@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Fidelity: the same workload through ``kvpool serve`` (real) and ``kvpool sim run`` (simulated).
+
+One run, in order:
+
+    calibrate  a fresh ``kvpool serve SCENARIO``, measured by ``kvpool calibrate --url`` on its own
+               synthetic prompts (``backend.serve.calibrate``: fresh random ids, never the traces),
+               then stopped; or ``--calibration FILE`` from an earlier run
+    real       per load: a fresh ``kvpool serve SCENARIO`` (empty GPU caches and pool) and
+               ``kvpool replay`` of ``--traces`` at that many sessions for ``--duration`` s with
+               ``workload.token_scale`` = ``--token-scale``; the server is stopped after each load
+    simulated  ``kvpool.sim.run.run_point`` of the same scenario, traces, loads, seed and
+               overrides, plus ``cost.kv_capacity = "serve"`` (the serve capacities) and
+               ``cost.calibration`` = the file: the held-out prediction (the fit never saw the traces)
+    compare    per load: token shares (GPU / pool / computed, error in points), TTFT p50 and p90 and
+               throughput (error in %), requests; a table on stdout, the document in ``--out``, and
+               an overlay plot in ``--plot`` (TTFT CDF real vs simulated and token shares, per load)
+
+Usage (CPU; a GPU scenario the same way, e.g. ``--scenario h200-tiny``):
+
+    python bench/fidelity.py --scenario cpu-tiny --loads 2,3,4 --duration 40 --token-scale 1/32 \
+        --set workload.max_output_tokens=64 --out bench/results/fidelity-cpu.json --plot docs/img/fidelity-cpu.png
+
+``--work DIR`` keeps every load's replay there; ``--reuse`` takes a load's replay (and the
+calibration) from it when present, so loads can be run one command at a time and compared together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KVPOOL = [sys.executable, "-m", "kvpool.cli"]
+SHARES = ("share_gpu", "share_pool", "share_computed")
+RELATIVE = ("ttft_p50_s", "ttft_p90_s", "throughput_tok_s")
+
+
+def log(msg: str) -> None:
+    print(f"[fidelity] {msg}", file=sys.stderr, flush=True)
+
+
+def overrides(a) -> list[str]:
+    return [*a.sets, f"workload.token_scale={float(Fraction(a.token_scale))!r}", f"workload.duration_s={a.duration!r}"]
+
+
+def calibrate(a, work: Path) -> Path:
+    from kvpool.cli.calibrate import start_serve, stop_serve
+
+    path = work / "calibration.json"
+    if a.calibration:
+        return Path(a.calibration)
+    if a.reuse and path.exists():
+        return path
+    proc, url = start_serve(a.scenario, a.sets, work / "serve-calibrate")
+    try:
+        log(f"calibrating {url}")
+        subprocess.run([*KVPOOL, "calibrate", a.scenario, "--url", url, "--out", str(path), *sum((["--set", x] for x in a.sets), [])],
+                       check=True)
+    finally:
+        stop_serve(proc)
+    return path
+
+
+def real_load(a, work: Path, load: int) -> tuple[dict, list[dict]]:
+    from kvpool.cli.calibrate import start_serve, stop_serve
+
+    where = work / f"real-{load}"
+    done = where / "summary.json"
+    if not (a.reuse and done.exists()):
+        where.mkdir(parents=True, exist_ok=True)
+        proc, url = start_serve(a.scenario, a.sets, where / "serve")
+        try:
+            log(f"replaying {load} sessions against {url}")
+            cmd = [*KVPOOL, "replay", a.scenario, "--url", url, "--traces", a.traces, "--sessions", str(load),
+                   "--out", str(where / "replay"), "--json", *sum((["--set", x] for x in overrides(a)), [])]
+            doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        finally:
+            stop_serve(proc)
+        jsonl = next((where / "replay").glob("*.jsonl"))
+        done.write_text(json.dumps({"summary": doc["results"][0], "jsonl": str(jsonl.relative_to(where))}))
+    kept = json.loads(done.read_text())
+    records = [json.loads(line) for line in (where / kept["jsonl"]).read_text().splitlines() if line.strip()]
+    return kept["summary"], records
+
+
+def simulated(a, cal: Path, loads: list[int]) -> list[tuple[dict, list[dict], list[str]]]:
+    from kvpool.scenario.load import load_scenario
+    from kvpool.sim.engine import Simulation
+    from kvpool.sim.run import make_replay, run_point, workload_for
+
+    out = []
+    for load in loads:
+        s = load_scenario(a.scenario, [*overrides(a), 'cost.kv_capacity="serve"', f'cost.calibration="{cal}"',
+                                       'workload.mode="agentx"', f"workload.sessions={load}"])
+        row = run_point(s, load, a.traces)
+        sim = Simulation(s, make_replay(s, workload_for(s, a.traces), load))
+        recs = [r.as_dict() for r in sim.run()]
+        out.append((row, recs, row.get("cost_notes", [])))
+    return out
+
+
+def ttfts(records: list[dict], cutoff_s: float | None = None) -> list[float]:
+    return sorted(r["first_token_s"] - r["arrival_s"] for r in records
+                  if r.get("measured") and not r.get("rejected") and not r.get("error") and r.get("end_s", 0) > 0
+                  and (cutoff_s is None or r["end_s"] <= cutoff_s))
+
+
+def compare(real: dict, sim: dict) -> dict:
+    row = {}
+    for k in SHARES:
+        row[k] = {"real": real[k], "sim": sim[k], "error_points": 100 * (sim[k] - real[k])}
+    for k in RELATIVE:
+        row[k] = {"real": real[k], "sim": sim[k],
+                  "error_pct": 100 * (sim[k] - real[k]) / real[k] if real[k] else None}
+    row["requests"] = {"real": real["requests"], "sim": sim["requests"]}
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'sessions':>8} {'requests':>9} {'GPU %':>15} {'pool %':>15} {'computed %':>15} {'TTFT p50 s':>20} " \
+           f"{'TTFT p90 s':>20} {'tok/s':>20}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        c = r["compare"]
+        sh = [f"{100 * c[k]['real']:5.1f}/{100 * c[k]['sim']:5.1f} {c[k]['error_points']:+4.1f}" for k in SHARES]
+        rel = [f"{c[k]['real']:6.2f}/{c[k]['sim']:6.2f} {c[k]['error_pct'] or 0:+5.0f}%" for k in RELATIVE]
+        print(f"{r['sessions']:>8} {c['requests']['real']:>4}/{c['requests']['sim']:<4} " + " ".join(f"{x:>15}" for x in sh)
+              + " " + " ".join(f"{x:>20}" for x in rel))
+    print("(real/simulated, then the error: points for shares, % for TTFT and throughput)")
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(rows)
+    fig, axes = plt.subplots(2, n, figsize=(4.2 * n, 7), squeeze=False)
+    for i, r in enumerate(rows):
+        ax = axes[0][i]
+        for name, xs, style in (("real", r["ttft_real"], "-"), ("simulated", r["ttft_sim"], "--")):
+            if xs:
+                ax.step(xs, [(k + 1) / len(xs) for k in range(len(xs))], style, where="post", label=name)
+        ax.set_title(f"{r['sessions']} sessions: TTFT CDF")
+        ax.set_xlabel("TTFT, s")
+        ax.set_ylim(0, 1.02)
+        ax.legend(loc="lower right")
+        ax = axes[1][i]
+        c = r["compare"]
+        x = range(len(SHARES))
+        ax.bar([k - 0.2 for k in x], [100 * c[k]["real"] for k in SHARES], 0.4, label="real")
+        ax.bar([k + 0.2 for k in x], [100 * c[k]["sim"] for k in SHARES], 0.4, label="simulated")
+        ax.set_xticks(list(x), ["GPU", "pool", "computed"])
+        ax.set_ylabel("% of prompt tokens")
+        ax.set_title(f"{r['sessions']} sessions: token sources")
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", default="cpu-tiny")
+    p.add_argument("--traces", default=str(ROOT / "tests/data/traces/kv-cache-tester"))
+    p.add_argument("--loads", default="2,3,4", help="AgentX sessions per load, comma-separated")
+    p.add_argument("--duration", type=float, default=40.0)
+    p.add_argument("--token-scale", default="1/32")
+    p.add_argument("--set", dest="sets", action="append", default=[])
+    p.add_argument("--calibration", default=None, help="use this calibration file instead of calibrating first")
+    p.add_argument("--work", default=None, help="keep the replays and the calibration here (default: out/fidelity-SCENARIO)")
+    p.add_argument("--reuse", action="store_true", help="take a load's replay (and the calibration) from --work when present")
+    p.add_argument("--out", default=None)
+    p.add_argument("--plot", default=None)
+    a = p.parse_args()
+    loads = [int(x) for x in a.loads.split(",") if x.strip()]
+    work = Path(a.work or f"out/fidelity-{a.scenario}")
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    cal = calibrate(a, work)
+    reals = [real_load(a, work, n) for n in loads]
+    sims = simulated(a, cal, loads)
+    rows = []
+    for n, (real, rrecs), (srow, srecs, notes) in zip(loads, reals, sims):
+        rows.append({"sessions": n, "compare": compare(real, srow), "cost_notes": notes,
+                     "ttft_real": ttfts(rrecs), "ttft_sim": ttfts(srecs)})
+    print_table(rows)
+    for r in rows:
+        for line in r["cost_notes"]:
+            print(f"note: sessions {r['sessions']}: {line}")
+    caldoc = json.loads(Path(cal).read_text())
+    doc = {"scenario": a.scenario, "traces": a.traces, "loads": loads, "duration_s": a.duration,
+           "token_scale": a.token_scale, "sets": a.sets, "calibration": str(cal),
+           "device": caldoc.get("device"), "kvpool_version": caldoc.get("kvpool_version"),
+           "rows": [{k: v for k, v in r.items()} for r in rows], "wall_s": time.perf_counter() - t0}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+        log(f"wrote {a.out}")
+    if a.plot:
+        plot(rows, Path(a.plot), f"{a.scenario} on {caldoc.get('device', {}).get('name', '?')}: real vs simulated")
+        log(f"wrote {a.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""``kvpool calibrate``: measure a production-mode server's cost curves and write a calibration file.
+
+``kvpool calibrate [SCENARIO] [--url URL] [--set ...] [--out FILE] [--seed S]``
+
+With ``--url``: the running ``kvpool serve`` there, which must run SCENARIO (its model, KV sizes
+and step budget choose the grid). Without: ``kvpool serve SCENARIO --port 0`` is started in a new
+run directory under ``out/calibrate/``, measured and stopped. The measurement is
+``backend.serve.calibrate.measure`` (a progress bar counts its requests); the file is
+``sim.calibration``'s format (``docs/fidelity.md``): ``format``, ``version``, ``kvpool_version``,
+``created_utc``, ``device``, ``scenario`` (name and SHA-256), ``model`` (the served model's
+configuration), ``grid``, the curves (``prefill``, ``decode``, ``restore``, ``handoff``) and
+``overheads``. A scenario uses it with ``--set cost.calibration="FILE"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import typer
+
+from kvpool.cli.common import SET_HELP, UserError, load_or_exit
+
+SERVE_READY_S = 600.0
+
+
+def _device_name(s) -> str:
+    devs = sorted(set(s.serve.devices))
+    if any(d.startswith("cuda") for d in devs):
+        try:
+            import torch
+
+            return torch.cuda.get_device_name(0)
+        except Exception:  # noqa: BLE001 - no torch or no device here: name what the scenario says
+            return ",".join(devs)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def start_serve(scenario: str, sets: list[str], run_dir: Path) -> tuple[subprocess.Popen, str]:
+    """``kvpool serve`` in its own process group; its URL once ``router.ready.json`` exists."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "kvpool.cli", "serve", scenario, "--port", "0", "--run-dir", str(run_dir)]
+    for x in sets:
+        args += ["--set", x]
+    log = (run_dir / "serve.out").open("w")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    ready = run_dir / "router.ready.json"
+    deadline = time.monotonic() + SERVE_READY_S
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise UserError(f"kvpool serve exited with status {proc.returncode}; see {run_dir / 'serve.out'}")
+        if time.monotonic() > deadline:
+            stop_serve(proc)
+            raise UserError(f"kvpool serve was not ready within {SERVE_READY_S:g} s; see {run_dir / 'serve.out'}")
+        time.sleep(0.25)
+    return proc, json.loads(ready.read_text())["url"]
+
+
+def stop_serve(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def calibration_document(s, measured: dict, *, url: str, device: str) -> dict:
+    from kvpool import __version__
+    from kvpool.sim.calibration import FORMAT, VERSION
+    from kvpool.sim.provenance import scenario_sha256
+
+    sv = s.serve
+    return {
+        "format": FORMAT, "version": VERSION, "kvpool_version": __version__,
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": {"name": device, "devices": list(sv.devices)},
+        "scenario": {"name": s.name, "sha256": scenario_sha256(s)},
+        "server": {"url": url},
+        "model": {"name": s.model.name, "layers": s.model.layers, "record_bytes": s.model.record_bytes,
+                  "page_tokens": s.model.page_tokens, "d_model": sv.d_model, "heads": sv.heads, "ffn_dim": sv.ffn_dim,
+                  "vocab": sv.vocab, "cache_dtype": sv.cache_dtype, "stage_layers": list(s.prefill.stage_layers),
+                  "decode_tp": s.decode.tp, "decode_dcp": s.decode.dcp,
+                  "prefill_kv_tokens": sv.prefill_kv_tokens, "decode_kv_tokens": sv.decode_kv_tokens},
+        **measured,
+    }
+
+
+def calibrate(
+    scenario: str = typer.Argument("cpu-tiny", help="Built-in scenario name or TOML file: the one the server runs (or is started with)."),
+    url: str = typer.Option(None, "--url", help="A running kvpool serve of SCENARIO, e.g. http://127.0.0.1:8000 (default: start one)."),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    out: Path = typer.Option(None, "--out", help="The calibration file to write (default: out/calibration-NAME.json)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the calibration's prompt tokens."),
+) -> None:
+    """Measure the workers' cost curves (prefill, decode, restore, hand-off, control plane) through the
+    server's API and write a calibration file the simulator reads (cost.calibration)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvpool.backend.serve.calibrate import default_grid, measure, plan_size
+    from kvpool.cli.replay import check_url
+    from kvpool.outputs import atomic_path, safe_name
+
+    s = load_or_exit(scenario, list(set_))
+    url = check_url(url) if url is not None else None
+    out = out if out is not None else Path("out") / f"calibration-{safe_name(s.name)}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    console = Console(stderr=True)
+    proc = None
+    if url is None:
+        run_dir = Path("out/calibrate") / f"{safe_name(s.name)}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        console.print(f"starting kvpool serve {scenario} (run directory {run_dir})")
+        proc, url = start_serve(scenario, list(set_), run_dir)
+    grid = default_grid(s)
+    try:
+        with Progress(TextColumn("[bold]calibrating[/] " + s.name), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[what]}"), TimeElapsedColumn(), console=console, transient=True) as bar:
+            task = bar.add_task("calibrate", total=plan_size(grid), what="")
+            measured = asyncio.run(measure(url, s, grid=grid, seed=seed,
+                                           on_step=lambda label: bar.update(task, advance=1, what=label)))
+    except (OSError, RuntimeError, asyncio.TimeoutError) as e:  # aiohttp's errors are OSErrors
+        raise UserError(f"calibrating {url}: {e}") from None
+    finally:
+        if proc is not None:
+            stop_serve(proc)
+    doc = calibration_document(s, measured, url=url, device=_device_name(s))
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    d, r, h = doc["decode"]["fit"], doc["restore"]["fit"], doc["handoff"]["fit"]
+    console.print(f"prefill: {len(doc['prefill']['new_tokens'])} x {len(doc['prefill']['cached_tokens'])} grid; "
+                  f"decode step {d['fixed_s'] * 1e3:.2f} ms + {d['per_seq_s'] * 1e3:.3f} ms/seq + "
+                  f"{d['per_ctx_token_s'] * 1e6:.3f} us/ctx token; restore {r['fixed_s'] * 1e3:.2f} ms + "
+                  f"{r['bytes_per_s'] / 1e9:.2f} GB/s per stage; hand-off {h['fixed_s'] * 1e3:.2f} ms + "
+                  f"{h['bytes_per_s'] / 1e9:.2f} GB/s; control plane {doc['overheads']['control_plane_s'] * 1e3:.1f} ms; "
+                  f"{doc['requests']} requests in {doc['wall_s']:.0f} s")
+    typer.echo(f"wrote {out}")

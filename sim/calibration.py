@@ -1,0 +1,215 @@
+"""Measured cost curves (``kvpool calibrate``) as a cost model: the one interface the simulator reads them through.
+
+Contract:
+    * ``load_calibration(path) -> Calibration`` reads a calibration file (JSON, ``FORMAT`` and
+      ``VERSION`` below; written by ``kvpool calibrate``) and checks every part the cost model
+      uses; a bad file is one ``CalibrationError`` naming the file and the field.
+    * ``CalibratedCost(cal, fallback)`` implements ``sim.cost.CostModel``:
+        - ``prefill_step_s(items)``: the measured per-stage step time ``prefill.step_s[i][j]`` over
+          (computed tokens ``prefill.new_tokens[i]``, cached context ``prefill.cached_tokens[j]``),
+          bilinear inside the grid, at (the step's tokens, their token-weighted context);
+        - ``decode_step_s(batch, context)``: ``decode.fixed_s + decode.per_seq_s x batch +
+          decode.per_ctx_token_s x context`` (a least-squares fit of the measured steps) inside the
+          measured batch and context range;
+        - ``pool_load_s(nbytes)``: ``restore.fixed_s + nbytes / restore.bytes_per_s`` (per rank,
+          the NIC's share taken out: the simulator's links price it) inside the measured sizes;
+        - ``unpack_s(nbytes)``: half of the measured hand-off fit at ``nbytes x stages``
+          (``handoff.fixed_s + bytes / handoff.bytes_per_s``), so that the hand-off step's gather
+          plus scatter, ``2 x unpack_s(bytes / stages)``, is the measured hand-off;
+        - outside a curve's measured range the ``fallback`` (the analytic model) answers, and the
+          call is counted in ``fallbacks`` (per curve): the run reports them.
+      ``control_plane_s``: the measured fixed time per request outside prefill, hand-off and the
+      first decode step (``overheads.control_plane_s``), used instead of ``cost.control_plane_s``.
+    * Steps of a pipeline: the file's prefill step is one stage's share (a single-step request's
+      prefill time over ``prefill.pp``), as ``sim.instances.PrefillInstance`` overlaps the stages.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from bisect import bisect_right
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvpool.sim.cost import CostModel
+
+FORMAT = "kvpool-calibration"
+VERSION = 1
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    path: str
+    device: str
+    prefill_pp: int
+    new_tokens: tuple[int, ...]
+    cached_tokens: tuple[int, ...]
+    prefill_step_s: tuple[tuple[float, ...], ...]   # [new][cached]
+    decode_fixed_s: float
+    decode_per_seq_s: float
+    decode_per_ctx_token_s: float
+    decode_batch: tuple[int, int]                   # measured range
+    decode_context: tuple[int, int]
+    restore_fixed_s: float
+    restore_bytes_per_s: float
+    restore_bytes: tuple[int, int]
+    handoff_fixed_s: float
+    handoff_bytes_per_s: float
+    handoff_bytes: tuple[int, int]
+    stages: int
+    control_plane_s: float
+    raw: dict = field(repr=False, compare=False, default_factory=dict)
+
+
+def _get(doc: dict, path: str, where: str):
+    node = doc
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise CalibrationError(f"{where}: missing field {path}")
+        node = node[part]
+    return node
+
+
+def _num(doc: dict, path: str, where: str, *, positive: bool = False) -> float:
+    v = _get(doc, path, where)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise CalibrationError(f"{where}: field {path} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}")
+    return float(v)
+
+
+def _axis(doc: dict, path: str, where: str) -> tuple[int, ...]:
+    v = _get(doc, path, where)
+    if not (isinstance(v, list) and len(v) >= 2 and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+            and all(a < b for a, b in zip(v, v[1:]))):
+        raise CalibrationError(f"{where}: field {path} must be at least two increasing integers >= 0, got {v!r}")
+    return tuple(v)
+
+
+def _range(doc: dict, path: str, where: str) -> tuple[int, int]:
+    v = _get(doc, path, where)
+    if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+            and 0 <= v[0] <= v[1]):
+        raise CalibrationError(f"{where}: field {path} must be [low, high] with 0 <= low <= high, got {v!r}")
+    return (v[0], v[1])
+
+
+def parse_calibration(doc: object, where: str) -> Calibration:
+    """A ``Calibration`` from a parsed file (``where`` names it in errors)."""
+    if not isinstance(doc, dict):
+        raise CalibrationError(f"{where}: not a JSON object")
+    if doc.get("format") != FORMAT:
+        raise CalibrationError(f"{where}: field format must be {FORMAT!r}, got {doc.get('format')!r}")
+    if doc.get("version") != VERSION:
+        raise CalibrationError(f"{where}: field version must be {VERSION}, got {doc.get('version')!r}")
+    new, cached = _axis(doc, "prefill.new_tokens", where), _axis(doc, "prefill.cached_tokens", where)
+    grid = _get(doc, "prefill.step_s", where)
+    if not (isinstance(grid, list) and len(grid) == len(new) and all(isinstance(row, list) and len(row) == len(cached)
+                                                                     for row in grid)):
+        raise CalibrationError(f"{where}: field prefill.step_s must be {len(new)} rows of {len(cached)} numbers "
+                               "(prefill.new_tokens x prefill.cached_tokens)")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise CalibrationError(f"{where}: field prefill.step_s[{i}][{j}] must be a number > 0, got {v!r}")
+    pp = int(_num(doc, "prefill.pp", where, positive=True))
+    return Calibration(
+        path=where, device=str(_get(doc, "device.name", where)), prefill_pp=pp,
+        new_tokens=new, cached_tokens=cached, prefill_step_s=tuple(tuple(float(v) for v in row) for row in grid),
+        decode_fixed_s=_num(doc, "decode.fit.fixed_s", where), decode_per_seq_s=_num(doc, "decode.fit.per_seq_s", where),
+        decode_per_ctx_token_s=_num(doc, "decode.fit.per_ctx_token_s", where),
+        decode_batch=_range(doc, "decode.batch_range", where), decode_context=_range(doc, "decode.context_range", where),
+        restore_fixed_s=_num(doc, "restore.fit.fixed_s", where),
+        restore_bytes_per_s=_num(doc, "restore.fit.bytes_per_s", where, positive=True),
+        restore_bytes=_range(doc, "restore.bytes_range", where),
+        handoff_fixed_s=_num(doc, "handoff.fit.fixed_s", where),
+        handoff_bytes_per_s=_num(doc, "handoff.fit.bytes_per_s", where, positive=True),
+        handoff_bytes=_range(doc, "handoff.bytes_range", where), stages=pp,
+        control_plane_s=_num(doc, "overheads.control_plane_s", where), raw=doc)
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    where = str(path)
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CalibrationError(f"{where}: no such calibration file (cost.calibration)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CalibrationError(f"{where}: not a readable JSON file ({e})") from None
+    return parse_calibration(doc, where)
+
+
+def _bilinear(xs: tuple[int, ...], ys: tuple[int, ...], grid, x: float, y: float) -> float | None:
+    """``grid`` (rows over ``xs``, columns over ``ys``) at (x, y); ``None`` outside [xs] x [ys]."""
+    if not (xs[0] <= x <= xs[-1] and ys[0] <= y <= ys[-1]):
+        return None
+    i = min(len(xs) - 2, bisect_right(xs, x) - 1)
+    j = min(len(ys) - 2, bisect_right(ys, y) - 1)
+    tx = (x - xs[i]) / (xs[i + 1] - xs[i])
+    ty = (y - ys[j]) / (ys[j + 1] - ys[j])
+    top = grid[i][j] * (1 - ty) + grid[i][j + 1] * ty
+    bot = grid[i + 1][j] * (1 - ty) + grid[i + 1][j + 1] * ty
+    return top * (1 - tx) + bot * tx
+
+
+class CalibratedCost:
+    """The measured curves of ``cal``, ``fallback`` outside them (see the module docstring)."""
+
+    def __init__(self, cal: Calibration, fallback: CostModel, nic_bytes_s: float) -> None:
+        self.cal = cal
+        self.fallback = fallback
+        self.nic_bytes_s = nic_bytes_s
+        self.control_plane_s = cal.control_plane_s
+        self.calls: Counter[str] = Counter()
+        self.fallbacks: Counter[str] = Counter()
+
+    def _miss(self, curve: str) -> None:
+        self.fallbacks[curve] += 1
+
+    def prefill_step_s(self, tokens_and_context: list[tuple[int, int]]) -> float:
+        self.calls["prefill"] += 1
+        tokens = sum(t for t, _ in tokens_and_context)
+        ctx = sum(t * c for t, c in tokens_and_context) / tokens if tokens else 0.0
+        c = self.cal
+        got = _bilinear(c.new_tokens, c.cached_tokens, c.prefill_step_s, tokens, ctx)
+        if got is None:
+            self._miss("prefill")
+            return self.fallback.prefill_step_s(tokens_and_context)
+        return got
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        self.calls["decode"] += 1
+        c = self.cal
+        if not (c.decode_batch[0] <= batch <= c.decode_batch[1] and c.decode_context[0] <= context_tokens <= c.decode_context[1]):
+            self._miss("decode")
+            return self.fallback.decode_step_s(batch, context_tokens)
+        return c.decode_fixed_s + c.decode_per_seq_s * batch + c.decode_per_ctx_token_s * context_tokens
+
+    def unpack_s(self, nbytes: int) -> float:
+        self.calls["handoff"] += 1
+        c = self.cal
+        total = nbytes * c.stages
+        if not c.handoff_bytes[0] <= total <= c.handoff_bytes[1]:
+            self._miss("handoff")
+            return self.fallback.unpack_s(nbytes)
+        return (c.handoff_fixed_s + total / c.handoff_bytes_per_s) / 2
+
+    def pool_load_s(self, nbytes: int) -> float:
+        self.calls["restore"] += 1
+        c = self.cal
+        if not c.restore_bytes[0] <= nbytes <= c.restore_bytes[1]:
+            self._miss("restore")
+            return self.fallback.pool_load_s(nbytes)
+        return max(0.0, c.restore_fixed_s + nbytes / c.restore_bytes_per_s - nbytes / self.nic_bytes_s)
+
+    def fallback_lines(self) -> list[str]:
+        """One line per curve that the analytic model answered for, empty when none."""
+        return [f"cost.calibration {self.cal.path}: {n} of {self.calls[k]} {k} costs lay outside the measured range "
+                f"and used the analytic model" for k, n in sorted(self.fallbacks.items()) if n]

@@ -1,0 +1,60 @@
+"""``sim.calibration``: the calibration file read through one interface, the analytic model outside it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool.scenario.load import load_scenario
+from kvpool.sim.calibration import CalibratedCost, CalibrationError, load_calibration
+from kvpool.sim.cost import AnalyticalCost, cost_model
+
+FILE = Path(__file__).resolve().parents[1] / "data" / "calibration" / "cpu-tiny.json"
+
+
+def _cost():
+    s = load_scenario("cpu-tiny", [f'cost.calibration="{FILE}"'])
+    return s, cost_model(s)
+
+
+def test_the_grid_is_interpolated_inside_and_the_analytic_model_answers_outside():
+    s, c = _cost()
+    assert isinstance(c, CalibratedCost)
+    cal = c.cal
+    # on a grid point: the measured step
+    assert c.prefill_step_s([(cal.new_tokens[1], cal.cached_tokens[2])]) == pytest.approx(cal.prefill_step_s[1][2])
+    # between two points: between their values
+    mid = (cal.new_tokens[1] + cal.new_tokens[2]) // 2
+    lo, hi = sorted((cal.prefill_step_s[1][0], cal.prefill_step_s[2][0]))
+    assert lo <= c.prefill_step_s([(mid, 0)]) <= hi
+    assert not c.fallbacks
+    # beyond the grid: the analytic model, counted and reported
+    beyond = [(cal.new_tokens[-1] + 1, 0)]
+    assert c.prefill_step_s(beyond) == AnalyticalCost.from_scenario(s).prefill_step_s(beyond)
+    assert c.fallbacks["prefill"] == 1
+    assert "1 of 3 prefill costs lay outside the measured range" in c.fallback_lines()[0]
+
+
+def test_decode_follows_the_fit_and_the_control_plane_comes_from_the_file():
+    _, c = _cost()
+    f = c.cal
+    assert c.decode_step_s(4, 1000) == pytest.approx(f.decode_fixed_s + 4 * f.decode_per_seq_s + 1000 * f.decode_per_ctx_token_s)
+    assert c.decode_step_s(0, 0) == 0.0
+    assert c.control_plane_s == f.control_plane_s
+
+
+def test_a_bad_file_names_the_field(tmp_path):
+    doc = json.loads(FILE.read_text())
+    doc["prefill"]["step_s"][0][0] = -1
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match=r"prefill.step_s\[0\]\[0\] must be a number > 0"):
+        load_calibration(bad)
+    with pytest.raises(CalibrationError, match="no such calibration file"):
+        load_calibration(tmp_path / "missing.json")
+    doc["version"] = 99
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match="field version must be 1"):
+        load_calibration(bad)
