@@ -12,6 +12,7 @@ from pathlib import Path
 import typer
 
 from kvpool.cli.common import SET_HELP, UserError, load_or_exit
+from kvpool.outputs import check_path_length
 
 DEVICE = re.compile(r"^(cpu|cuda(:[0-9]{1,3})?)$")
 ON_WORKER_EXIT = ("shutdown", "restart")
@@ -74,6 +75,8 @@ def serve(
     from kvpool.backend.serve.pool_setup import ServePoolError
     from kvpool.backend.serve.supervisor import PortError, StartError, run
 
+    if run_dir is not None:
+        check_path_length(run_dir, "--run-dir")
     if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--run-dir {run_dir}: not a directory")
     where = run_dir if run_dir is not None else fresh_run_dir(s.name)

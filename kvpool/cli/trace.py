@@ -120,7 +120,7 @@ def synth(
     is written; the file appears under its name only when complete."""
     from rich.progress import Progress
 
-    from kvpool.outputs import atomic_path, output_dir, output_file, refuse_existing
+    from kvpool.outputs import atomic_path, check_path_length, output_dir, output_file, refuse_existing
     from kvpool.scenario.fields import check
     from kvpool.workload.presets import PRESETS
     from kvpool.workload.synth import generate_session, preset_params
@@ -135,6 +135,7 @@ def synth(
     from kvpool.workload.load import write_weka_jsonl
     from kvpool.workload.synth import write_weka_dir
 
+    check_path_length(out, "--out")
     single = out.name.endswith((".jsonl", ".jsonl.gz"))
     if single:
         output_file(out)

@@ -1,0 +1,50 @@
+"""Inputs found by a campaign of bad and odd inputs that the earlier suites did not try: each ends
+in one ``error:`` line naming the flag or file (exit status 2), and writes nothing."""
+
+import os
+
+import pytest
+
+from kvpool.cli import main
+
+LONG = "b" * 300  # longer than a file system allows one name to be (255 bytes)
+
+
+def run(capsys, *argv):
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return e.value.code, out, err
+
+
+def one_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["sim", "run", "cpu-tiny", "--duration", "5", "--out", LONG], "--out"),
+    (["sim", "compare", "cpu-tiny", LONG, "--duration", "5"], "scenario"),
+    (["sim", "plan", LONG, "--target", "reuse>=1", "--vary", "pool.parts=1..2"], "scenario"),
+    (["scenario", "validate", LONG + ".toml"], "scenario"),
+    (["scenario", "show", LONG], "scenario"),
+    (["trace", "synth", "--preset", "kv-cache-tester", "--sessions", "1", "--out", LONG], "--out"),
+    (["trace", "synth", "--preset", "kv-cache-tester", "--sessions", "1", "--out", LONG + ".jsonl"], "--out"),
+    (["trace", "convert", "src.jsonl", "--to", "weka", "--out", f"x/{LONG}.jsonl"], "--out"),
+    (["replay", "cpu-tiny", "--url", "http://127.0.0.1:9", "--out", LONG], "--out"),
+    (["serve", "cpu-tiny", "--port", "0", "--run-dir", LONG], "--run-dir"),
+])
+def test_a_name_longer_than_the_file_system_allows_is_a_clean_error(capsys, tmp_path, monkeypatch, argv, flag):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src.jsonl").write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n')
+    code, _, err = run(capsys, *argv)
+    line = one_error(err)
+    assert code == 2 and line.startswith(f"error: {flag} ") and "255" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.jsonl"]
+
+
+def test_a_path_longer_than_the_system_allows_is_a_clean_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "sim", "run", "cpu-tiny", "--out", "/".join(["d" * 200] * 25))
+    assert code == 2 and "longer than 4095 bytes" in one_error(err)
