@@ -18,8 +18,9 @@ Contract (stdlib only; shared by the CLI and the simulator's report writer):
       failed write never leaves a partial file, and ``final`` keeps its old content. With
       ``replace=False`` the temporary file is hard-linked to ``final`` instead, which fails with
       ``FileExistsError`` (and leaves ``final`` alone) when something appeared there meanwhile.
-    * ``refuse_existing(path, flag, force)``: a ``UserError`` when ``path`` exists and ``force`` is
-      false (a file the run did not create is not overwritten unless the user says so).
+    * ``refuse_existing(path, flag, force)``: a ``UserError`` when ``path`` exists (a symbolic link
+      counts, even one whose target is missing) and ``force`` is false (a file the run did not create
+      is not overwritten unless the user says so).
     * ``check_path_length(path, flag)``: ``path`` unchanged, or a ``UserError`` naming ``flag`` when
       one of its names is longer than ``NAME_MAX_BYTES`` or the whole longer than ``PATH_MAX_BYTES``
       (the limits of Linux file systems; the system would refuse such a path with ENAMETOOLONG).
@@ -107,7 +108,7 @@ def output_file(path: Path, flag: str = "--out", create: bool = True) -> Path:
 
 def refuse_existing(path: Path, flag: str, force: bool) -> None:
     check_path_length(path, flag)
-    if path.exists() and not force:
+    if os.path.lexists(path) and not force:
         raise UserError(f"{flag} {path}: exists; give --force to overwrite it, or another name")
 
 

@@ -48,3 +48,17 @@ def test_a_path_longer_than_the_system_allows_is_a_clean_error(capsys, tmp_path,
     monkeypatch.chdir(tmp_path)
     code, _, err = run(capsys, "sim", "run", "cpu-tiny", "--out", "/".join(["d" * 200] * 25))
     assert code == 2 and "longer than 4095 bytes" in one_error(err)
+
+
+@pytest.mark.parametrize("command", ["convert", "synth"])
+def test_a_dangling_link_at_the_output_is_not_replaced_without_force(capsys, tmp_path, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src.jsonl").write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n')
+    link = tmp_path / "out.jsonl"
+    link.symlink_to(tmp_path / "elsewhere.jsonl")
+    argv = (["trace", "convert", "src.jsonl", "--to", "weka", "--out", "out.jsonl"] if command == "convert" else
+            ["trace", "synth", "--preset", "kv-cache-tester", "--sessions", "1", "--out", "out.jsonl"])
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and "--out out.jsonl: exists" in one_error(err)
+    assert link.is_symlink() and os.readlink(link) == str(tmp_path / "elsewhere.jsonl")
+    assert not (tmp_path / "elsewhere.jsonl").exists()
