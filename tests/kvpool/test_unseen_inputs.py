@@ -62,3 +62,16 @@ def test_a_dangling_link_at_the_output_is_not_replaced_without_force(capsys, tmp
     assert code == 2 and "--out out.jsonl: exists" in one_error(err)
     assert link.is_symlink() and os.readlink(link) == str(tmp_path / "elsewhere.jsonl")
     assert not (tmp_path / "elsewhere.jsonl").exists()
+
+
+@pytest.mark.parametrize("mode, vary, other", [
+    ("agentx", "workload.rps=0.1..1", "replay"),
+    ("replay", "workload.sessions=2..8", "agentx"),
+])
+def test_plan_refuses_to_vary_the_load_of_the_other_workload_mode(capsys, tmp_path, monkeypatch, mode, vary, other):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "sim", "plan", "cpu-tiny", "--set", f"workload.mode={mode}", "--target", "reuse>=0.5",
+                       "--vary", vary, "--duration", "10", "--max-runs", "2", "--workers", "1")
+    line = one_error(err)
+    assert code == 2 and f"--vary '{vary}'" in line and f"workload.mode={other}" in line
+    assert list(tmp_path.iterdir()) == []
