@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 
 from kvpool.cli.common import SET_HELP, UserError, load_or_exit
-from kvpool.outputs import check_path_length
+from kvpool.outputs import output_dir
 
 DEVICE = re.compile(r"^(cpu|cuda(:[0-9]{1,3})?)$")
 ON_WORKER_EXIT = ("shutdown", "restart")
@@ -28,6 +28,22 @@ def parse_devices(text: str | None) -> tuple[str, ...] | None:
         raise UserError(f"--devices {text}: {bad[0] if bad else text!r} is not a device; allowed: cpu, cuda, cuda:N "
                         "(comma-separated)")
     return devs
+
+
+def check_devices(devs: tuple[str, ...], label: str) -> None:
+    """A ``UserError`` naming ``label`` when a CUDA device of ``devs`` is not on this machine (checked
+    before any worker starts, so a typo is one line, not a worker's traceback)."""
+    cuda = [d for d in devs if d.startswith("cuda")]
+    if not cuda:
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for d in cuda:
+        index = int(d.partition(":")[2] or 0)
+        if index >= count:
+            have = f"CUDA devices cuda:0..cuda:{count - 1}" if count else "no CUDA device torch can use"
+            raise UserError(f"{label} {','.join(devs)}: {d} is not on this machine, which has {have}")
 
 
 def fresh_run_dir(name: str, root: Path = Path("out/serve")) -> Path:
@@ -75,11 +91,8 @@ def serve(
     from kvpool.backend.serve.pool_setup import ServePoolError
     from kvpool.backend.serve.supervisor import PortError, StartError, run
 
-    if run_dir is not None:
-        check_path_length(run_dir, "--run-dir")
-    if run_dir is not None and run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--run-dir {run_dir}: not a directory")
-    where = run_dir if run_dir is not None else fresh_run_dir(s.name)
+    check_devices(devs if devs is not None else s.serve.devices, "--devices" if devs is not None else "serve.devices")
+    where = output_dir(run_dir, "--run-dir") if run_dir is not None else fresh_run_dir(s.name)
     try:
         status = run(s, port=port, run_dir=where, devices=devs, pool_address=pool_address)
     except (PortError, ServePoolError) as e:

@@ -75,3 +75,24 @@ def test_plan_refuses_to_vary_the_load_of_the_other_workload_mode(capsys, tmp_pa
     line = one_error(err)
     assert code == 2 and f"--vary '{vary}'" in line and f"workload.mode={other}" in line
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, label", [
+    (["--devices", "cuda:99"], "--devices cuda:99: cuda:99 is not on this machine"),
+    (["--devices", "cpu,cuda:250"], "--devices cpu,cuda:250: cuda:250 is not on this machine"),
+    (["--set", "serve.devices=['cpu','cuda:999']"], "serve.devices cpu,cuda:999: cuda:999 is not on this machine"),
+])
+def test_serve_refuses_a_cuda_device_the_machine_lacks_before_starting_a_worker(capsys, tmp_path, monkeypatch,
+                                                                                argv, label):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "serve", "cpu-tiny", "--port", "0", "--run-dir", "rd", *argv)
+    assert code == 2 and one_error(err).startswith(f"error: {label}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_run_dir_that_cannot_be_created_is_a_clean_error(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("x")
+    for where in ("/proc/self/x", "file/sub"):
+        code, _, err = run(capsys, "serve", "cpu-tiny", "--port", "0", "--run-dir", where)
+        assert code == 2 and one_error(err).startswith(f"error: --run-dir {where}: cannot create the directory")
