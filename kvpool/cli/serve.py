@@ -4,6 +4,7 @@ on SIGTERM or Ctrl-C (docs/serve.md)."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import tempfile
@@ -85,9 +86,15 @@ def serve(
     from kvpool.backend.serve.model_config import ServeConfigError, ref_config
 
     try:
-        ref_config(s)
+        config = ref_config(s)
     except ServeConfigError as e:
         raise UserError(f"{scenario}: the reference model cannot serve it: {e}") from None
+    memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if config.weight_bytes > memory_bytes:
+        raise UserError(f"{scenario}: the reference model's weights take {config.weight_bytes / 2**30:,.1f} GiB "
+                        f"(serve.d_model {s.serve.d_model}, serve.ffn_dim {s.serve.ffn_dim}, serve.vocab {s.serve.vocab}, "
+                        f"serve.heads {s.serve.heads}, {sum(s.prefill.stage_layers)} layers), more than the "
+                        f"{memory_bytes / 2**30:,.1f} GiB of memory of this machine")
     from kvpool.backend.serve.pool_setup import ServePoolError
     from kvpool.backend.serve.supervisor import PortError, StartError, run
 

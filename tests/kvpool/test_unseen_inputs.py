@@ -96,3 +96,28 @@ def test_serve_run_dir_that_cannot_be_created_is_a_clean_error(capsys, tmp_path,
     for where in ("/proc/self/x", "file/sub"):
         code, _, err = run(capsys, "serve", "cpu-tiny", "--port", "0", "--run-dir", where)
         assert code == 2 and one_error(err).startswith(f"error: --run-dir {where}: cannot create the directory")
+
+
+@pytest.mark.parametrize("sizes", [
+    ["serve.d_model=65536", "serve.ffn_dim=1048576"],
+    ["serve.vocab=1048576", "serve.d_model=65536", "serve.heads=1024"],
+])
+def test_serve_refuses_a_reference_model_larger_than_the_machines_memory(capsys, tmp_path, monkeypatch, sizes):
+    monkeypatch.chdir(tmp_path)
+    sets = [a for s in sizes for a in ("--set", s)]
+    code, _, err = run(capsys, "serve", "cpu-tiny", "--port", "0", "--run-dir", "rd", *sets)
+    line = one_error(err)
+    assert code == 2 and "the reference model's weights take" in line and "serve.d_model 65536" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_weight_size_is_what_the_reference_model_allocates():
+    from kvpool.backend.refmodel import RefModel
+    from kvpool.backend.serve.model_config import ref_config
+    from kvpool.scenario import load_scenario
+
+    config = ref_config(load_scenario("cpu-tiny", ["serve.heads=3", "serve.ffn_dim=700", "serve.vocab=1000",
+                                                   "serve.nope_dim=32", "serve.v_dim=48"]))
+    m = RefModel(config)
+    tensors = [t for layer in m.layers for t in layer.values()] + [m.embed, m.lm_head, m.ln_f]
+    assert config.weight_bytes == sum(t.numel() * t.element_size() for t in tensors)
