@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 
 from kvpool.cli.common import SET_HELP, UserError, load_or_exit
+from kvpool.errors import printable
 from kvpool.outputs import output_dir
 
 DEVICE = re.compile(r"^(cpu|cuda(:[0-9]{1,3})?)$")
@@ -45,6 +46,33 @@ def check_devices(devs: tuple[str, ...], label: str) -> None:
         if index >= count:
             have = f"CUDA devices cuda:0..cuda:{count - 1}" if count else "no CUDA device torch can use"
             raise UserError(f"{label} {','.join(devs)}: {d} is not on this machine, which has {have}")
+
+
+def physical_memory_bytes() -> int:
+    """This machine's physical memory, bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_memory(label: str, s, config, devs: tuple[str, ...]) -> None:
+    """A ``UserError`` when the reference model's weights (built on the CPU whatever the devices), with
+    every worker's paged KV when all workers are on the CPU, exceed this machine's physical memory."""
+    memory_bytes = physical_memory_bytes()
+    have = f"more than the {memory_bytes / 2**30:,.1f} GiB of memory of this machine"
+    kv_bytes = 0
+    if all(d == "cpu" for d in devs):
+        token_bytes = config.record_bytes * config.layers
+        kv_bytes = token_bytes * (s.prefill.instances * s.serve.prefill_kv_tokens
+                                  + s.decode.instances * s.serve.decode_kv_tokens)
+    if kv_bytes + config.weight_bytes <= memory_bytes:
+        return
+    if kv_bytes > config.weight_bytes:
+        raise UserError(f"{label}: the workers' paged KV takes {kv_bytes / 2**30:,.1f} GiB (serve.prefill_kv_tokens "
+                        f"{s.serve.prefill_kv_tokens} x {s.prefill.instances} prefill, serve.decode_kv_tokens "
+                        f"{s.serve.decode_kv_tokens} x {s.decode.instances} decode, {token_bytes} B per token), "
+                        f"with the weights {have}")
+    raise UserError(f"{label}: the reference model's weights take {config.weight_bytes / 2**30:,.1f} GiB "
+                    f"(serve.d_model {s.serve.d_model}, serve.ffn_dim {s.serve.ffn_dim}, serve.vocab {s.serve.vocab}, "
+                    f"serve.heads {s.serve.heads}, {config.layers} layers), {have}")
 
 
 def fresh_run_dir(name: str, root: Path = Path("out/serve")) -> Path:
@@ -89,16 +117,18 @@ def serve(
         config = ref_config(s)
     except ServeConfigError as e:
         raise UserError(f"{scenario}: the reference model cannot serve it: {e}") from None
-    memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if config.weight_bytes > memory_bytes:
-        raise UserError(f"{scenario}: the reference model's weights take {config.weight_bytes / 2**30:,.1f} GiB "
-                        f"(serve.d_model {s.serve.d_model}, serve.ffn_dim {s.serve.ffn_dim}, serve.vocab {s.serve.vocab}, "
-                        f"serve.heads {s.serve.heads}, {sum(s.prefill.stage_layers)} layers), more than the "
-                        f"{memory_bytes / 2**30:,.1f} GiB of memory of this machine")
+    check_memory(scenario, s, config, devs or s.serve.devices)
     from kvpool.backend.serve.pool_setup import ServePoolError
     from kvpool.backend.serve.supervisor import PortError, StartError, run
 
     check_devices(devs if devs is not None else s.serve.devices, "--devices" if devs is not None else "serve.devices")
+    if run_dir is not None:
+        output_dir(run_dir, "--run-dir", create=False)
+        held = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+        if held:
+            raise UserError(f"--run-dir {printable(str(run_dir))}: not empty ({len(held)} entries, e.g. "
+                            f"{printable(held[0])}); serve writes its plan, ready files and logs there: give a new "
+                            "or empty directory")
     where = output_dir(run_dir, "--run-dir") if run_dir is not None else fresh_run_dir(s.name)
     try:
         status = run(s, port=port, run_dir=where, devices=devs, pool_address=pool_address)

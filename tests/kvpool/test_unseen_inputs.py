@@ -95,7 +95,7 @@ def test_serve_run_dir_that_cannot_be_created_is_a_clean_error(capsys, tmp_path,
     (tmp_path / "file").write_text("x")
     for where in ("/proc/self/x", "file/sub"):
         code, _, err = run(capsys, "serve", "cpu-tiny", "--port", "0", "--run-dir", where)
-        assert code == 2 and one_error(err).startswith(f"error: --run-dir {where}: cannot create the directory")
+        assert code == 2 and one_error(err).startswith(f"error: --run-dir {where}: cannot create")
 
 
 @pytest.mark.parametrize("sizes", [
@@ -104,6 +104,7 @@ def test_serve_run_dir_that_cannot_be_created_is_a_clean_error(capsys, tmp_path,
 ])
 def test_serve_refuses_a_reference_model_larger_than_the_machines_memory(capsys, tmp_path, monkeypatch, sizes):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("kvpool.cli.serve.physical_memory_bytes", lambda: 64 << 30, raising=False)
     sets = [a for s in sizes for a in ("--set", s)]
     code, _, err = run(capsys, "serve", "cpu-tiny", "--port", "0", "--run-dir", "rd", *sets)
     line = one_error(err)
@@ -121,3 +122,25 @@ def test_the_weight_size_is_what_the_reference_model_allocates():
     m = RefModel(config)
     tensors = [t for layer in m.layers for t in layer.values()] + [m.embed, m.lm_head, m.ln_f]
     assert config.weight_bytes == sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_serve_refuses_cpu_workers_whose_paged_kv_exceeds_the_machines_memory(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("kvpool.cli.serve.physical_memory_bytes", lambda: 64 << 30)
+    code, _, err = run(capsys, "serve", "cpu-tiny", "--port", "0", "--run-dir", "rd",
+                       "--set", "serve.prefill_kv_tokens=16777216", "--set", "serve.decode_kv_tokens=16777216",
+                       "--set", "prefill.instances=2", "--set", "cluster.gpus_per_server=6",
+                       "--set", "cluster.numa_per_server=3")
+    line = one_error(err)
+    assert code == 2 and "paged KV takes 216.0 GiB" in line and "serve.decode_kv_tokens 16777216" in line
+    assert "64.0 GiB of memory" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_refuses_a_run_dir_holding_files_it_did_not_write(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rd").mkdir()
+    (tmp_path / "rd" / "plan.json").write_text("keep")
+    code, _, err = run(capsys, "serve", "cpu-tiny", "--port", "0", "--run-dir", "rd")
+    assert code == 2 and one_error(err).startswith("error: --run-dir rd: not empty (1 entries, e.g. plan.json)")
+    assert (tmp_path / "rd" / "plan.json").read_text() == "keep"
