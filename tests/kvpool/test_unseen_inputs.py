@@ -144,3 +144,12 @@ def test_serve_refuses_a_run_dir_holding_files_it_did_not_write(capsys, tmp_path
     code, _, err = run(capsys, "serve", "cpu-tiny", "--port", "0", "--run-dir", "rd")
     assert code == 2 and one_error(err).startswith("error: --run-dir rd: not empty (1 entries, e.g. plan.json)")
     assert (tmp_path / "rd" / "plan.json").read_text() == "keep"
+
+
+@pytest.mark.parametrize("flag, value", [("--sessions", "\u0662"), ("--sessions", "1_0"), ("--rps", "0\u066b5"),
+                                         ("--rps", "1_0.5"), ("--sessions", "\uff12")])
+def test_loads_are_ascii_numbers_without_separators(capsys, tmp_path, monkeypatch, flag, value):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "sim", "run", "cpu-tiny", flag, value, "--duration", "5")
+    assert code == 2 and one_error(err).startswith(f"error: {flag} {value!r}: {value!r} is not a")
+    assert list(tmp_path.iterdir()) == []
