@@ -32,6 +32,8 @@ def one_error(err: str) -> str:
     (["trace", "synth", "--preset", "kv-cache-tester", "--sessions", "1", "--out", LONG], "--out"),
     (["trace", "synth", "--preset", "kv-cache-tester", "--sessions", "1", "--out", LONG + ".jsonl"], "--out"),
     (["trace", "convert", "src.jsonl", "--to", "weka", "--out", f"x/{LONG}.jsonl"], "--out"),
+    (["trace", "convert", "src.jsonl", "--to", "weka", "--out", f"{LONG}.jsonl"], "--out"),
+    (["trace", "convert", LONG, "--to", "weka", "--out", "src.jsonl"], "trace"),
     (["replay", "cpu-tiny", "--url", "http://127.0.0.1:9", "--out", LONG], "--out"),
     (["serve", "cpu-tiny", "--port", "0", "--run-dir", LONG], "--run-dir"),
 ])
