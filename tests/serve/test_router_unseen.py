@@ -1,6 +1,7 @@
-"""Request bodies and paths found by a campaign of bad inputs against a running router: each is a
-4xx answer with an OpenAI error object (JSON) naming the problem, never a 500, and the router goes
-on serving."""
+"""Requests found by a campaign of bad and odd inputs against a running server. Bad bodies and
+paths: each is a 4xx answer with an OpenAI error object (JSON) naming the problem, never a 500, and
+the router goes on serving. An odd but valid one: a one-token prompt as the first request after a
+start is answered, not failed after the hand-off timeout."""
 
 from __future__ import annotations
 
@@ -108,3 +109,36 @@ def test_a_body_that_stops_arriving_is_answered_408_after_the_body_timeout(monke
             assert "0.5 s" in _error(rest.decode())["message"]
             await _still_serves(s)
     asyncio.run(body())
+
+
+def test_a_decode_rank_without_tokens_of_the_first_request_still_asks_the_late_stage_for_it():
+    """A one-token prompt under DCP 2 gives rank 1 nothing to receive, so its part of the request is
+    complete at once; a stage that attaches only afterwards (the first request after a start) must
+    still get the rank's WANT, or the stage waits out its whole hand-off timeout."""
+    import time
+
+    import torch
+    import zmq
+
+    from kvpool.backend.handoff import DecodeRank, StagePart, make_transport
+    from kvpool.backend.handoff import messages as m
+    from kvpool.policy.layout import HandoffPlan
+
+    caches = [torch.zeros(4, 16, 1152, dtype=torch.uint8) for _ in range(2)]
+    rank = DecodeRank(1, caches, make_transport("local"), stages=1, slots=2, slot_bytes=1 << 20)
+    stage = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        plan = HandoffPlan(tokens=1, layers=2, record_bytes=1152, ranks=2)
+        assert plan.writes(1) == []  # token 0 lives on rank 0
+        nonce = rank.expect("r1", torch.tensor([0]), {0: StagePart(plan, 0)})
+        stage.connect(rank.endpoint)
+        stage.send(m.encode(m.Attach(0, "stage0")))
+        got, deadline = [], time.monotonic() + 5
+        while time.monotonic() < deadline and not any(isinstance(x, m.Want) for x in got):
+            rank.poll(0.01)
+            while stage.poll(0):
+                got.append(m.decode(stage.recv()))
+        assert m.Want("r1", nonce, 1) in got, got
+    finally:
+        stage.close(linger=0)
+        rank.close()
