@@ -137,6 +137,9 @@ def synth(
 
     check_path_length(out, "--out")
     single = out.name.endswith((".jsonl", ".jsonl.gz"))
+    if not single and out.name.endswith((".json", ".gz", ".json.gz")):
+        raise UserError(f"--out {out}: a file name, but not .jsonl or .jsonl.gz; give a .jsonl/.jsonl.gz file, "
+                        "or a directory name (without such a suffix) for one .json.gz per session")
     if single:
         output_file(out)
         refuse_existing(out, "--out", force)

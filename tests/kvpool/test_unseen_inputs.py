@@ -155,3 +155,23 @@ def test_loads_are_ascii_numbers_without_separators(capsys, tmp_path, monkeypatc
     code, _, err = run(capsys, "sim", "run", "cpu-tiny", flag, value, "--duration", "5")
     assert code == 2 and one_error(err).startswith(f"error: {flag} {value!r}: {value!r} is not a")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("out", ["x.json", "x.gz", "x.json.gz"])
+def test_synth_refuses_a_file_like_out_that_would_become_a_directory(capsys, tmp_path, monkeypatch, out):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "trace", "synth", "--preset", "kv-cache-tester", "--sessions", "1", "--out", out)
+    assert code == 2 and one_error(err).startswith(f"error: --out {out}: a file name, but not .jsonl")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("trace_id", ["", "   "])
+def test_a_weka_trace_with_an_empty_id_is_refused(capsys, tmp_path, monkeypatch, trace_id):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    doc = {"id": trace_id, "block_size": 64, "requests": [{"t": 0.0, "type": "n", "in": 64, "out": 1, "hash_ids": [1]}]}
+    (tmp_path / "t.json").write_text(json.dumps(doc))
+    code, _, err = run(capsys, "trace", "stats", "t.json")
+    line = one_error(err)
+    assert code == 2 and "t.json" in line and "field 'id' is" in line
