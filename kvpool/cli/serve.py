@@ -88,7 +88,7 @@ def serve(
     port: int = typer.Option(8000, "--port", help="Port of the router on 127.0.0.1 (0: any free port)."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     devices: str = typer.Option(None, "--devices", help="Torch devices the workers take in order, e.g. cpu or cuda:0,cuda:1 (default: serve.devices)."),
-    run_dir: Path = typer.Option(None, "--run-dir", help="Directory for the plan, ready files and logs (default: a new one under out/serve/)."),
+    run_dir: Path = typer.Option(None, "--run-dir", help="Directory for the plan, ready files and logs: a new or empty one (default: a new one under out/serve/)."),
     pool: str = typer.Option(None, "--pool", help="embedded (an in-process pool per prefill stage) or mooncake (starts a Mooncake master and store services; default: serve.pool)."),
     pool_address: str = typer.Option(None, "--pool-address", help="Join the Mooncake pool at this address (mooncake://HOST:PORT, from kvpool pool up) instead of starting one; implies --pool mooncake."),
     on_worker_exit: str = typer.Option("shutdown", "--on-worker-exit", help="What a worker's exit while serving does: shutdown (stop everything, exit status 1)."),
