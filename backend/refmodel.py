@@ -87,6 +87,14 @@ class RefConfig:
         return KV_LORA_RANK + ROPE_DIM
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of the float32 weights ``RefModel`` builds (embedding, every layer, LM head)."""
+        d, h, ffn = self.d_model, self.heads, self.ffn_dim or 2 * self.d_model
+        per_layer = (2 * d + KV_LORA_RANK + d * KV_LORA_RANK + d * ROPE_DIM + d * h * (self.nope_dim + ROPE_DIM)
+                     + h * KV_LORA_RANK * (self.nope_dim + self.v_dim) + h * self.v_dim * d + 2 * d * ffn)
+        return 4 * (2 * self.vocab * d + d + self.layers * per_layer)
+
+    @property
     def record_bytes(self) -> int:
         return self.record_elems * torch.empty((), dtype=self.cache_dtype).element_size()
 

@@ -2,7 +2,8 @@
 load field).
 
 Contract: ``parse_loads(text, flag, integer, field)`` turns ``"56,72,96"`` into ``[56, 72, 96]``
-(ints when ``integer``, else floats); ``None`` gives ``[]``. Each value must be a finite number
+(ints when ``integer``, else floats); ``None`` gives ``[]``. Each value is written in ASCII digits
+without ``_`` separators (Python's ``int`` would take ``١٢`` or ``1_0``) and must be a finite number
 > 0 and, when ``field`` names a scenario field (``workload.sessions``, ``workload.rps``), valid
 for that field (its type and bounds, ``kvpool.scenario.fields``). At most ``MAX_LOADS`` values.
 Anything else raises ``kvpool.errors.UserError`` naming ``flag``, the text and what is allowed.
@@ -31,8 +32,8 @@ def parse_loads(text: str | None, flag: str, integer: bool, field: str | None = 
     out = []
     for part in parts:
         try:
-            if integer and len(part.lstrip("+-")) > 18:
-                raise ValueError(part)
+            if integer and len(part.lstrip("+-")) > 18 or not part.isascii() or "_" in part:
+                raise ValueError(part)  # int()/float() take other scripts' digits and 1_000; a flag does not
             v = int(part) if integer else float(part)
         except ValueError:
             shown = part if len(part) <= 40 else part[:30] + "..."

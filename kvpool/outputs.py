@@ -18,8 +18,13 @@ Contract (stdlib only; shared by the CLI and the simulator's report writer):
       failed write never leaves a partial file, and ``final`` keeps its old content. With
       ``replace=False`` the temporary file is hard-linked to ``final`` instead, which fails with
       ``FileExistsError`` (and leaves ``final`` alone) when something appeared there meanwhile.
-    * ``refuse_existing(path, flag, force)``: a ``UserError`` when ``path`` exists and ``force`` is
-      false (a file the run did not create is not overwritten unless the user says so).
+    * ``refuse_existing(path, flag, force)``: a ``UserError`` when ``path`` exists (a symbolic link
+      counts, even one whose target is missing) and ``force`` is false (a file the run did not create
+      is not overwritten unless the user says so).
+    * ``check_path_length(path, flag)``: ``path`` unchanged, or a ``UserError`` naming ``flag`` when
+      one of its names is longer than ``NAME_MAX_BYTES`` or the whole longer than ``PATH_MAX_BYTES``
+      (the limits of Linux file systems; the system would refuse such a path with ENAMETOOLONG).
+      ``output_dir``, ``output_file`` and ``refuse_existing`` check it first.
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvpool.errors import UserError
+from kvpool.errors import UserError, printable
 
 MAX_NAME_CHARS = 100
+NAME_MAX_BYTES = 255
+PATH_MAX_BYTES = 4095
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
 
 
@@ -48,9 +55,27 @@ def safe_name(label: str) -> str:
     return name
 
 
+def _shown(path: Path | str) -> str:
+    text = printable(str(path))
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def check_path_length(path: Path | str, flag: str) -> Path:
+    """``Path(path)``, or a ``UserError`` naming ``flag`` when a name in it or the whole is too long."""
+    raw = os.fsencode(path)
+    if len(raw) > PATH_MAX_BYTES:
+        raise UserError(f"{flag} {_shown(path)}: the path is longer than {PATH_MAX_BYTES} bytes")
+    long = next((part for part in raw.split(b"/") if len(part) > NAME_MAX_BYTES), None)
+    if long is not None:
+        raise UserError(f"{flag} {_shown(path)}: a name in the path has {len(long)} bytes; "
+                        f"a file system allows at most {NAME_MAX_BYTES}")
+    return Path(path)
+
+
 def output_dir(path: Path, flag: str = "--out", create: bool = True) -> Path:
     """``path`` created if missing (``create``); a ``UserError`` naming ``flag`` if it is not, or cannot
     become, a writable folder."""
+    check_path_length(path, flag)
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path}: exists and is not a directory; give a directory for the outputs")
     if not create:
@@ -74,6 +99,7 @@ def output_dir(path: Path, flag: str = "--out", create: bool = True) -> Path:
 
 def output_file(path: Path, flag: str = "--out", create: bool = True) -> Path:
     """``path`` as a file to write: its folder is made writable (``output_dir``), and it is not a folder."""
+    check_path_length(path, flag)
     if path.is_dir():
         raise UserError(f"{flag} {path}: is a directory; give a file name")
     output_dir(path.parent if str(path.parent) else Path("."), flag, create)
@@ -81,7 +107,8 @@ def output_file(path: Path, flag: str = "--out", create: bool = True) -> Path:
 
 
 def refuse_existing(path: Path, flag: str, force: bool) -> None:
-    if path.exists() and not force:
+    check_path_length(path, flag)
+    if os.path.lexists(path) and not force:
         raise UserError(f"{flag} {path}: exists; give --force to overwrite it, or another name")
 
 

@@ -32,6 +32,8 @@ _OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt
 _TARGET = re.compile(r"^\s*([a-z0-9_]+)\s*(>=|<=|>|<)\s*([-+0-9.eE]+)\s*$")
 _VARY = re.compile(r"^\s*([a-z0-9_.]+)\s*=\s*([-+0-9.eE]+)\s*\.\.\s*([-+0-9.eE]+)\s*$")
 LOAD_FIELDS = ("workload.sessions", "workload.rps")
+#: the field that is the load of each workload mode
+_LOAD_OF_MODE = {"agentx": "workload.sessions", "replay": "workload.rps"}
 INTEGER_FIELDS = ("workload.sessions", "cluster.servers", "pool.services_per_server", "prefill.instances",
                   "decode.instances")
 #: runs a batch of (scenario, load) points, returning their metrics in order
@@ -112,6 +114,11 @@ def parse_vary(text: str, base: Scenario) -> Variable:
     name, lo, hi = m.group(1), _number(m.group(2), f"--vary {text!r}: LO"), _number(m.group(3), f"--vary {text!r}: HI")
     if not lo < hi:
         raise PlanError(f"--vary {text!r}: LO must be below HI")
+    if name in LOAD_FIELDS and name != _LOAD_OF_MODE[base.workload.mode]:
+        mode = base.workload.mode
+        other = next(m for m, f in _LOAD_OF_MODE.items() if f == name)
+        raise PlanError(f"--vary {text!r}: {base.name} runs workload.mode={mode!r}, whose load is "
+                        f"{_LOAD_OF_MODE[mode]}; vary that, or add --set workload.mode={other}")
     try:  # the field must exist and accept both ends
         _with(base, name, lo, Variable(name, lo, hi).integer)
         _with(base, name, hi, Variable(name, lo, hi).integer)

@@ -226,6 +226,8 @@ def session_from_weka(doc: Any, *, source: str = "", id_table: list[np.ndarray] 
             raise TraceError("field 'id' is missing")
         if tid is None:
             raise TraceError(f"field 'id' must be a string (or an integer), got {type(trace_id).__name__}")
+        if not tid.strip():
+            raise TraceError(f"field 'id' is {'empty' if not tid else 'blank'}; a trace needs a name")
         if len(tid) > 1024:
             raise TraceError(f"field 'id' is {len(tid)} characters long; at most 1024")
         block = doc.get("block_size")

@@ -76,6 +76,7 @@ class _Request:
     end_s: float = 0.0
     first_s: float = 0.0                         # first READY(IES) of the request handled (monotonic)
     launched_s: float = 0.0                      # last scatter launched (monotonic)
+    wanted: set[int] = field(default_factory=set)  # stages the WANT reached (the others get it on ATTACH)
 
 
 class DecodeRank:
@@ -173,7 +174,8 @@ class DecodeRank:
                        landed={s: set() for s in parts})
         self._reqs[request_id] = req
         for stage in parts:
-            self._send(stage, m.Want(request_id, nonce, self.rank))
+            if self._send(stage, m.Want(request_id, nonce, self.rank)):
+                req.wanted.add(stage)
         self._check_complete(req)
         return nonce
 
@@ -300,8 +302,11 @@ class DecodeRank:
         granted = tuple(s for s in self.stage_slots(msg.stage) if s not in self._quarantine)
         self._send(msg.stage, m.Landing(self.rank, self.epoch, self.descriptor, self.slot_bytes, granted))
         for req in self._reqs.values():
-            if req.state == PENDING and msg.stage in req.parts:
-                self._send(msg.stage, m.Want(req.request_id, req.nonce, self.rank))
+            # a request complete on this rank (nothing of it lands here) still needs its WANT: the stage
+            # waits for every rank's nonce before it sends anything
+            if req.state != FAILED and msg.stage in req.parts and (req.state == PENDING or msg.stage not in req.wanted):
+                if self._send(msg.stage, m.Want(req.request_id, req.nonce, self.rank)):
+                    req.wanted.add(msg.stage)
 
     def _ready(self, request_id: str, nonce: int, stage: int, landed: list[tuple[int, int, int]],
                fence: str = "") -> None:

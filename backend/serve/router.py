@@ -41,11 +41,14 @@ import asyncio
 import json
 import random
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, fields
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from kvpool.backend.serve import tokens as tok
 from kvpool.backend.serve.metrics import CONTENT_TYPE, RouterMetrics
@@ -67,6 +70,10 @@ from kvpool.workload.records import RequestRecord
 ABORT_TIMEOUT_S = 5.0
 #: Longest one engine's /health may take before the router counts it unhealthy, s.
 HEALTH_TIMEOUT_S = 2.0
+#: Longest a request's body may take to arrive once its headers have, s (then 408).
+BODY_TIMEOUT_S = 30.0
+#: What the router serves, for the message of a 404 or 405.
+ROUTES = "POST /v1/completions, GET /v1/models, GET /health, GET /metrics"
 #: How the router's aiohttp runner is built: a client that goes away cancels its request's handler, so
 #: a request waiting at the gate leaves the queue and a running one is aborted on decode at once.
 RUNNER_OPTIONS = {"handler_cancellation": True}
@@ -94,6 +101,11 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status)
+
+
+class BodyError(ApiError):
+    """A request body that could not be read to its end (408, 413, a broken encoding): the answer
+    closes the connection."""
 
 
 #: Engine answers the router passes on with their own status (the prompt does not fit the prefill KV,
@@ -176,6 +188,12 @@ def parse_completion(body: object, *, model: str, vocab: int) -> Completion:
     if isinstance(prompt, str):
         if not prompt:
             raise _bad("prompt", "expected a non-empty string or list of token ids")
+        if not prompt.isascii():
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise _bad("prompt", f"not Unicode text: a lone surrogate (\\u{ord(prompt[e.start]):04x}) "
+                                     f"at position {e.start}") from None
         ids = tuple(tok.encode(prompt))
     elif isinstance(prompt, list) and prompt:
         if isinstance(prompt[0], (list, str)):
@@ -248,7 +266,7 @@ class Router:
         self._ids = 0
         self._http: aiohttp.ClientSession | None = None
         max_body = max(1 << 20, g.max_input_tokens * 12 + (1 << 20))
-        self.app = web.Application(client_max_size=max_body)
+        self.app = web.Application(client_max_size=max_body, middlewares=[_json_errors])
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
@@ -311,9 +329,12 @@ class Router:
         if self.draining:
             return self._fail(ApiError(503, "the server is shutting down", "unavailable", outcome="error"))
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError) as e:
-            return self._fail(ApiError(400, f"the body is not JSON: {e}"))
+            body = await _read_json(request)
+        except ApiError as e:
+            resp = self._fail(e)
+            if isinstance(e, BodyError):
+                resp.force_close()  # what is left of the body is not read as a next request
+            return resp
         try:
             c = parse_completion(body, model=self.model, vocab=self.vocab)
         except ApiError as e:
@@ -629,6 +650,42 @@ class Router:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         return resp
+
+
+async def _read_json(request: web.Request) -> object:
+    """The request's body as JSON, or an ``ApiError``: 400 (not JSON, nested deeper than the parser
+    goes, not what its Content-Encoding says), 413 (over the size limit), 408 (the body did not
+    arrive within ``BODY_TIMEOUT_S``; the connection is then closed)."""
+    try:
+        data = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise BodyError(408, f"the body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+    except web.HTTPRequestEntityTooLarge as e:
+        raise BodyError(413, f"the body is larger than {request.client_max_size} bytes: {e.text}") from None
+    except (web.HTTPException, HttpProcessingError, RequestPayloadError, zlib.error) as e:
+        enc = request.headers.get("Content-Encoding")
+        why = f"the body is not what its Content-Encoding ({enc}) says" if enc else "the body cannot be read"
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise BodyError(400, f"{why}: {detail}") from None
+    try:
+        return json.loads(data.decode(request.charset or "utf-8"))
+    except (ValueError, UnicodeDecodeError, LookupError) as e:
+        raise ApiError(400, f"the body is not JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the body is not JSON this router reads: nested too deep") from None
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable) -> web.StreamResponse:
+    """aiohttp's own 4xx answers (no such path, a method the path does not take) as error objects."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        what = {404: "no such path", 405: "method not allowed"}.get(e.status, e.reason)
+        return ApiError(e.status, f"{request.method} {request.path}: {what}; the router serves {ROUTES}",
+                        type_="not_found" if e.status == 404 else "invalid_request_error").response()
 
 
 async def _send(resp: web.StreamResponse, obj: dict) -> None:

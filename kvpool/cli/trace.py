@@ -120,7 +120,7 @@ def synth(
     is written; the file appears under its name only when complete."""
     from rich.progress import Progress
 
-    from kvpool.outputs import atomic_path, output_dir, output_file, refuse_existing
+    from kvpool.outputs import atomic_path, check_path_length, output_dir, output_file, refuse_existing
     from kvpool.scenario.fields import check
     from kvpool.workload.presets import PRESETS
     from kvpool.workload.synth import generate_session, preset_params
@@ -135,7 +135,11 @@ def synth(
     from kvpool.workload.load import write_weka_jsonl
     from kvpool.workload.synth import write_weka_dir
 
+    check_path_length(out, "--out")
     single = out.name.endswith((".jsonl", ".jsonl.gz"))
+    if not single and out.name.endswith((".json", ".gz", ".json.gz")):
+        raise UserError(f"--out {out}: a file name, but not .jsonl or .jsonl.gz; give a .jsonl/.jsonl.gz file, "
+                        "or a directory name (without such a suffix) for one .json.gz per session")
     if single:
         output_file(out)
         refuse_existing(out, "--out", force)
@@ -185,7 +189,7 @@ def convert(
 ) -> None:
     """Convert between the Weka (AgentX) format and Mooncake JSONL (512-token blocks). The output
     appears under its name only when complete, and never replaces the source."""
-    from kvpool.outputs import atomic_path, output_file, refuse_existing
+    from kvpool.outputs import atomic_path, check_path_length, output_file, refuse_existing
 
     from kvpool.workload.load import write_jsonl_rows, write_weka_jsonl
     from kvpool.workload.mooncake import MOONCAKE_BLOCK_TOKENS, sessions_to_mooncake_rows, weka_to_mooncake_rows
@@ -196,6 +200,8 @@ def convert(
         raise UserError(f"--out must end in .jsonl or .jsonl.gz, got '{out}'")
     if not (math.isfinite(stagger_s) and 0 <= stagger_s <= 86_400):
         raise UserError(f"--stagger-s {stagger_s}: must be a finite number of seconds, >= 0 and <= 86400")
+    check_path_length(out, "--out")
+    check_path_length(src, "trace")
     if out.exists() and src.exists() and (out.resolve() == src.resolve() or src.is_dir() and src.resolve() in out.resolve().parents):
         raise UserError(f"--out {out}: is the source {src} (or inside it); give another file")
     output_file(out, create=False)

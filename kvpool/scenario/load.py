@@ -17,7 +17,8 @@ from typing import Any
 import tomli_w
 from pydantic import BaseModel, ValidationError
 
-from kvpool.errors import printable
+from kvpool.errors import UserError, printable
+from kvpool.outputs import check_path_length
 from kvpool.scenario.model import Scenario
 
 
@@ -129,6 +130,10 @@ def read_toml_bytes(data: bytes, source: str) -> dict:
 def read_raw(name_or_path: str | Path) -> tuple[dict, str]:
     """The raw TOML table of a built-in name or a file, and a label naming where it came from."""
     p = Path(name_or_path)
+    try:
+        check_path_length(p, "scenario")
+    except UserError as e:
+        raise ScenarioError(str(e)) from None
     if p.suffix == ".toml" or p.exists():
         if not p.is_file():
             label = printable(str(p))
