@@ -45,22 +45,36 @@ def _device_name(s) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def fresh_run_dir(run_dir: Path) -> Path:
+    """``run_dir``, or ``run_dir-2``, ``run_dir-3``, ... when it holds files (``kvpool serve`` wants
+    a new or empty run directory)."""
+    candidate, k = run_dir, 1
+    while candidate.exists() and any(candidate.iterdir()):
+        k += 1
+        candidate = run_dir.with_name(f"{run_dir.name}-{k}")
+    return candidate
+
+
 def start_serve(scenario: str, sets: list[str], run_dir: Path) -> tuple[subprocess.Popen, str]:
-    """``kvpool serve`` in its own process group; its URL once ``router.ready.json`` exists."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """``kvpool serve`` in its own process group, with its run directory at ``run_dir`` (or the first
+    free ``run_dir-K``) and its output in ``RUN_DIR.out`` beside it; its URL once
+    ``router.ready.json`` exists."""
+    run_dir = fresh_run_dir(run_dir)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, "-m", "kvpool.cli", "serve", scenario, "--port", "0", "--run-dir", str(run_dir)]
     for x in sets:
         args += ["--set", x]
-    log = (run_dir / "serve.out").open("w")
+    out = run_dir.with_name(run_dir.name + ".out")
+    log = out.open("w")
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     ready = run_dir / "router.ready.json"
     deadline = time.monotonic() + SERVE_READY_S
     while not ready.exists():
         if proc.poll() is not None:
-            raise UserError(f"kvpool serve exited with status {proc.returncode}; see {run_dir / 'serve.out'}")
+            raise UserError(f"kvpool serve exited with status {proc.returncode}; see {out}")
         if time.monotonic() > deadline:
             stop_serve(proc)
-            raise UserError(f"kvpool serve was not ready within {SERVE_READY_S:g} s; see {run_dir / 'serve.out'}")
+            raise UserError(f"kvpool serve was not ready within {SERVE_READY_S:g} s; see {out}")
         time.sleep(0.25)
     return proc, json.loads(ready.read_text())["url"]
 
