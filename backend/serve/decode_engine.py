@@ -37,12 +37,10 @@ A client that disconnects mid-stream aborts its request (pages freed).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import signal
 import sys
-from pathlib import Path
 
 import torch
 from aiohttp import web
@@ -51,7 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kvpool.backend.serve import handoff_plan as hp
 from kvpool.backend.serve.decode_core import DecodeCore, NoRoom, RequestConflict
 from kvpool.backend.serve.model_config import ServeConfigError
-from kvpool.backend.serve.plan import ServePlan, write_ready
+from kvpool.backend.serve.plan import ServePlan, worker_of_argv, write_ready
 from kvpool.backend.serve.protocol import (
     AbortRequest,
     ExpectRequest,
@@ -211,21 +209,11 @@ async def serve(plan: ServePlan, name: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvpool.backend.serve.decode_engine")
-    ap.add_argument("--plan", required=True, type=Path)
-    ap.add_argument("--name", required=True)
-    args = ap.parse_args(argv)
+    plan, worker = worker_of_argv("decode_engine", argv)
     try:
-        plan = ServePlan.read(args.plan)
-        plan.worker(args.name)
-    except (OSError, ValueError, KeyError) as exc:
-        reason = exc.args[0] if isinstance(exc, KeyError) else exc
-        print(f"error: --plan {args.plan} --name {args.name}: {reason}", file=sys.stderr)
-        return 2
-    try:
-        return asyncio.run(serve(plan, args.name))
+        return asyncio.run(serve(plan, worker.name))
     except (ServeConfigError, ValueError) as exc:
-        print(f"error: {args.name}: {exc}", file=sys.stderr)
+        print(f"error: {worker.name}: {exc}", file=sys.stderr)
         return 2
 
 

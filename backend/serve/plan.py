@@ -14,10 +14,14 @@ Contract:
       ``backend.pool.address``) when ``serve.pool = "mooncake"``; empty for the embedded pool. The
       supervisor starts or joins the pool (``backend.serve.pool_setup``) before it builds the plan.
     * ``ServePlan.to_json`` / ``from_json`` round-trip; ``write`` / ``read`` use ``run_dir/plan.json``.
+    * ``worker_of_argv(role, argv) -> (plan, worker)``: a worker process's ``--plan PLAN --name
+      NAME``; a plan that cannot be read, a name it lacks or a worker of another role is one
+      ``error:`` line on stderr and ``SystemExit(2)``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -139,3 +143,22 @@ def wait_ready(path: Path, timeout_s: float, alive: Callable[[], bool] = lambda:
             raise TimeoutError(f"{path.name}: the process exited before it was ready")
         time.sleep(0.05)
     raise TimeoutError(f"{path.name}: not ready after {timeout_s:g} s")
+
+
+def worker_of_argv(role: str, argv: list[str] | None = None) -> tuple[ServePlan, Worker]:
+    """The plan and the worker a ``python -m kvpool.backend.serve.ROLE`` process serves (see the module docstring)."""
+    ap = argparse.ArgumentParser(prog=f"python -m kvpool.backend.serve.{role}")
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--name", required=True)
+    args = ap.parse_args(argv)
+    try:
+        plan = ServePlan.read(args.plan)
+        worker = plan.worker(args.name)
+    except (OSError, ValueError, KeyError) as e:
+        reason = e.args[0] if isinstance(e, KeyError) else e
+        print(f"error: --plan {args.plan} --name {args.name}: {reason}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if worker.role != role:
+        print(f"error: --name {args.name} is a {worker.role}, not a {role}", file=sys.stderr)
+        raise SystemExit(2)
+    return plan, worker

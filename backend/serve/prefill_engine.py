@@ -27,7 +27,6 @@ Routes (bodies JSON; every non-2xx answer is ``{"error": reason}``):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import signal
@@ -36,7 +35,7 @@ import threading
 import time
 
 from kvpool.backend.serve.handoff_plan import write_cap_bytes
-from kvpool.backend.serve.plan import ServePlan, Worker, wait_ready, write_ready
+from kvpool.backend.serve.plan import ServePlan, Worker, wait_ready, worker_of_argv, write_ready
 
 STAGE_READY_WAIT_S = 180.0
 HANDOFF_TIMEOUT_S = 30.0
@@ -251,19 +250,7 @@ async def _serve(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvpool.backend.serve.prefill_engine")
-    ap.add_argument("--plan", required=True)
-    ap.add_argument("--name", required=True)
-    args = ap.parse_args(argv)
-    try:
-        plan = ServePlan.read(args.plan)
-        worker = plan.worker(args.name)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"error: --plan {args.plan} --name {args.name}: {e}", file=sys.stderr)
-        return 2
-    if worker.role != "prefill_engine":
-        print(f"error: --name {args.name} is a {worker.role}, not a prefill_engine", file=sys.stderr)
-        return 2
+    plan, worker = worker_of_argv("prefill_engine", argv)
     try:
         ready = [wait_ready(plan.ready_path(w.name), STAGE_READY_WAIT_S) for w in plan.stages_of(worker.instance)]
     except TimeoutError as e:

@@ -41,7 +41,6 @@ on a small pool of threads; the socket thread only moves messages.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import queue
@@ -52,7 +51,6 @@ import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 import zmq
@@ -61,7 +59,7 @@ from kvpool.backend.connector_worker import ConnectorWorker, WorkerConfig, slot_
 from kvpool.backend.refmodel import RefModel
 from kvpool.backend.serve import stage_link as link
 from kvpool.backend.serve.model_config import ref_config
-from kvpool.backend.serve.plan import ServePlan, Worker, wait_ready, write_ready
+from kvpool.backend.serve.plan import ServePlan, Worker, wait_ready, worker_of_argv, write_ready
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -346,19 +344,7 @@ class StageServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvpool.backend.serve.prefill_stage")
-    ap.add_argument("--plan", required=True)
-    ap.add_argument("--name", required=True)
-    args = ap.parse_args(argv)
-    try:
-        plan = ServePlan.read(args.plan)
-        worker = plan.worker(args.name)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"error: --plan {args.plan} --name {args.name}: {e}", file=sys.stderr)
-        return 2
-    if worker.role != "prefill_stage":
-        print(f"error: --name {args.name} is a {worker.role}, not a prefill_stage", file=sys.stderr)
-        return 2
+    plan, worker = worker_of_argv("prefill_stage", argv)
     server = StageServer(plan, worker)
     signal.signal(signal.SIGTERM, lambda *_: server.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: server.stopping.set())
