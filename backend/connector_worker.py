@@ -669,46 +669,22 @@ class ConnectorWorker:
             return report("size_mismatch")
         if len(plan.group_ids) != n or n != plan.chunks:
             raise ValueError(f"save plan of {plan.chunks} chunks has {n} keys and {len(plan.group_ids)} groups")
-        base = self.save_offset_bytes
+        in_place = self._arena_pool is not None
+        window = self.save_window_objects if in_place and self.device.type == "cuda" else self.save_slots
         done = 0
-        if self._arena_pool is not None:
-            window = self.save_window_objects if self.device.type == "cuda" else self.save_slots
-            try:
-                table_all = self._check_table(block_ids, plan.first_chunk, n, unique=False)
-                while done < n:
-                    if self.clock() > deadline:
-                        return report("timeout")
-                    m = min(window, n - done)
-                    statuses, dp, du = self._save_in_place(
-                        objs.keys[done : done + m], plan.group_ids[done : done + m], table_all, done, m, ready
-                    )
-                    pack_s += dp
-                    put_s += du
-                    stored += sum(st == Status.OK for st in statuses)
-                    done += m
-                    bad = [st for st in statuses if st != Status.OK]
-                    if bad:
-                        return report(_REASON.get(bad[0], "failed"))
-            except (ValueError, IndexError, TypeError, RuntimeError) as e:
-                return report(f"error: {e}")
-            return report()
         try:
+            table_all = self._check_table(block_ids, plan.first_chunk, n, unique=False) if in_place else None
             while done < n:
                 if self.clock() > deadline:
                     return report("timeout")
-                m = min(self.save_slots, n - done)
-                t1 = self.clock()
-                self._pack(base, m, self._table(block_ids, plan.first_chunk + done, m))
-                t2 = self.clock()
-                pack_s += t2 - t1
-                statuses = self.pool.put(
-                    objs.keys[done : done + m],
-                    plan.group_ids[done : done + m],
-                    ref,
-                    [base + k * self.slot_bytes for k in range(m)],
-                    [self.object_bytes] * m,
-                )
-                put_s += self.clock() - t2
+                m = min(window, n - done)
+                keys, groups = objs.keys[done : done + m], plan.group_ids[done : done + m]
+                if in_place:
+                    statuses, dp, du = self._save_in_place(keys, groups, table_all, done, m, ready)
+                else:
+                    statuses, dp, du = self._save_through_slots(keys, groups, ref, block_ids, plan.first_chunk + done, m)
+                pack_s += dp
+                put_s += du
                 stored += sum(st == Status.OK for st in statuses)
                 done += m
                 bad = [st for st in statuses if st != Status.OK]
@@ -717,6 +693,17 @@ class ConnectorWorker:
         except (ValueError, IndexError, TypeError, RuntimeError) as e:
             return report(f"error: {e}")
         return report()
+
+    def _save_through_slots(self, keys, groups, ref, block_ids: torch.Tensor, first_chunk: int,
+                            m: int) -> tuple[list[Status], float, float]:
+        """Pack one window into the registered save slots, then put it: ``(statuses, pack_s, put_s)``."""
+        base = self.save_offset_bytes
+        t1 = self.clock()
+        self._pack(base, m, self._table(block_ids, first_chunk, m))
+        t2 = self.clock()
+        statuses = self.pool.put(keys, groups, ref, [base + k * self.slot_bytes for k in range(m)],
+                                 [self.object_bytes] * m)
+        return statuses, t2 - t1, self.clock() - t2
 
     def _pack(self, base: int, m: int, table: torch.Tensor) -> None:
         cfg, ct = self.config, self.config.chunk_tokens
