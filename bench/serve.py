@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,34 +47,6 @@ KVPOOL = [sys.executable, "-m", "kvpool.cli"]
 
 def log(msg: str) -> None:
     print(f"[serve-bench] {msg}", file=sys.stderr, flush=True)
-
-
-def start_server(scenario: str, port: int, run_dir: Path, sets: list[str]) -> tuple[subprocess.Popen, str]:
-    args = [*KVPOOL, "serve", scenario, "--port", str(port), "--run-dir", str(run_dir)]
-    for s in sets:
-        args += ["--set", s]
-    log("starting " + " ".join(args[2:]))
-    proc = subprocess.Popen(args, stdout=(run_dir.parent / "serve.out").open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    ready = run_dir / "router.ready.json"
-    deadline = time.monotonic() + 600
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise SystemExit(f"kvpool serve exited {proc.returncode}:\n" + (run_dir.parent / "serve.out").read_text()[-4000:])
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit("kvpool serve not ready within 600 s")
-        time.sleep(0.5)
-    return proc, json.loads(ready.read_text())["url"]
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.wait()
 
 
 def replay(scenario: str, url: str, traces: str, sessions: int, duration_s: float, token_scale: str,
@@ -213,12 +184,12 @@ def main() -> None:
     ap.add_argument("--token-scale", default="1/16")
     ap.add_argument("--traces", default=str(ROOT / "tests/data/traces/kv-cache-tester"))
     ap.add_argument("--set", dest="sets", action="append", default=[], help="scenario override (repeatable)")
-    ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--turns", type=int, default=3, help="turns of the correctness session")
     ap.add_argument("--out", default=str(ROOT / "bench/results/serve-h200.json"))
     a = ap.parse_args()
 
     from kvpool.backend.serve.model_config import ref_config
+    from kvpool.cli.calibrate import start_serve, stop_serve
     from kvpool.backend.serve.reference import reference_generate
     from kvpool.scenario.load import load_scenario
 
@@ -227,7 +198,8 @@ def main() -> None:
     dev = torch.device(s.serve.devices[0])
     work = Path(tempfile.mkdtemp(prefix="kvpool-serve-bench-"))
     loads = [int(x) for x in a.loads.split(",")]
-    proc, url = start_server(a.scenario, a.port, work / "run", a.sets)
+    log(f"starting kvpool serve {a.scenario}")
+    proc, url = start_serve(a.scenario, a.sets, work / "run")
     results, records_by_load = [], {}
     try:
         session = correctness_session(url, s.model.name, s.serve.vocab, a.turns, first_tokens=600,
@@ -245,7 +217,8 @@ def main() -> None:
                 f"{summary['ttft_p50_s']:.2f} s p90 {summary['ttft_p90_s']:.2f} s, gpu/pool/computed "
                 f"{summary['share_gpu']:.2f}/{summary['share_pool']:.2f}/{summary['share_computed']:.2f}")
     finally:
-        status = stop_server(proc)
+        stop_serve(proc)
+        status = proc.returncode
     check = []
     for turn in session:
         want = reference_generate(config, turn["prompt"], len(turn["answer"]), s.decode.dcp, device=str(dev))
