@@ -13,12 +13,11 @@ from __future__ import annotations
 import torch
 
 from kvpool.backend.refmodel import KV_LORA_RANK, ROPE_DIM, RefConfig
+from kvpool.backend.serve.tokens import EOS_TOKEN  # noqa: F401  (the model's end token, defined once)
 from kvpool.scenario.model import Scenario
 
 DTYPES = {"bfloat16": torch.bfloat16, "float8_e4m3fn": torch.float8_e4m3fn}
 
-#: Token id that ends a generation unless ``ignore_eos`` (ids 0-255 are UTF-8 bytes).
-EOS_TOKEN = 256
 
 
 class ServeConfigError(ValueError):

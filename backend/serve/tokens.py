@@ -16,8 +16,8 @@ from collections.abc import Iterable
 
 #: Ids below this are bytes of UTF-8 text.
 BYTE_IDS = 256
-#: The id that ends a generation unless ``ignore_eos`` (``model_config.EOS_TOKEN``, the same value; a
-#: test checks it): kept here too so the router's process need not import torch.
+#: The id that ends a generation unless ``ignore_eos`` (defined here, where the router's process can
+#: import it without torch; ``model_config`` exports the same object).
 EOS_TOKEN = 256
 
 
