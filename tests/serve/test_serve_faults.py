@@ -5,9 +5,11 @@ replay`` of the kv-cache-tester traces runs against it.
   ``DEAD_WORKER_BOUND_S``, its stream with an error naming the engine; the supervisor reports the
   engine by name and exits with status 1 (``--on-worker-exit shutdown``); the replay counts the
   failed requests as errors and finishes within its bound.
-* On a Mooncake pool: the store service is killed, then the master; serving goes on (the supervisor
-  reports each pool process once), the requests after the kills compute what the pool cannot load
-  (their records say ``restore_failed`` or ``lookup_answered = false``) and succeed. Then a prefill
+* On a Mooncake pool: the store service is killed while a prompt's KV is only in the pool; that
+  prompt's next request finds its keys (they still exist for the master's ``--client_ttl``), fails to
+  read them and computes them (``restore_failed``). A replay then runs; the master is killed; serving
+  goes on (the supervisor reports each pool process once), a request after the kill computes its
+  prompt without an answered lookup, and no request gets KV from the pool. Then a prefill
   stage is killed while a request waits in its engine: it ends within its bound with a 503 naming
   the stage, and the supervisor exits 1 naming it, the replay counting the errors as above.
 * Bad requests against the real server (a prompt over ``gate.max_input_tokens``, unknown fields,
@@ -64,6 +66,11 @@ MOONCAKE_REPLAY_DURATION_S = 24.0
 FIRST_TOKEN_BOUND_S = 30.0
 #: Finished requests the replay has before a fault is injected (past the warm-up's cold prompts).
 OK_BEFORE_FAULT = 4
+#: A prompt only the pool holds (16 chunks), and one that evicts it from the 4,096-token prefill KV
+#: (250 of its 256 pages), leaving at most EVICTING_SLACK_TOKENS of the first prompt's pages cached.
+POOL_ONLY_TOKENS = 1024
+EVICTING_TOKENS = 4000
+EVICTING_SLACK_TOKENS = 4096 - EVICTING_TOKENS
 
 
 def ok_requests(url: str) -> int:
@@ -241,13 +248,31 @@ def mooncake(tmp_path_factory):
         served.stop()  # asserts every process of router.ready.json (the pool's too) is gone
 
 
+def only_in_the_pool(url: str) -> list[int]:
+    """A prompt whose KV the pool holds and the GPU prefix cache does not: it is computed and saved,
+    then a prompt of nearly the whole prefill KV evicts its pages (a prefix loses its tail first, so
+    at most the leading pages that prompt leaves over can still hit)."""
+    prompt = prompt_of(POOL_ONLY_TOKENS, 11)
+    for tokens in (prompt, prompt_of(EVICTING_TOKENS, 12)):
+        status, body = post(url, {"prompt": tokens, "max_tokens": 2})
+        assert status == 200 and body["kvpool"]["record"]["save_bytes"] > 0, body
+    return prompt
+
+
 def test_pool_faults_recompute_and_a_killed_prefill_stage_ends_the_serve(mooncake, tmp_path):
     master_pid, service_pid = mooncake.ready["pool"]
+    pooled = only_in_the_pool(mooncake.url)
+    os.kill(service_pid, signal.SIGKILL)                              # its keys still "exist" (--client_ttl)
+    status, body = post(mooncake.url, {"prompt": pooled, "max_tokens": 2}, timeout_s=DEAD_MASTER_BOUND_S)
+    assert status == 200, body                                        # the failed read is computed
+    rec = body["kvpool"]["record"]
+    assert rec["lookup_answered"] and rec["restore_failed"], rec
+    assert rec["pool_tokens"] == 0 and rec["gpu_tokens"] < POOL_ONLY_TOKENS - EVICTING_SLACK_TOKENS, rec
+    assert rec["gpu_tokens"] + rec["computed_tokens"] == POOL_ONLY_TOKENS, rec
+
     replay = start_replay(mooncake.url, tmp_path, sessions=REPLAY_SESSIONS, duration_s=MOONCAKE_REPLAY_DURATION_S,
                           sets=REPLAY_SETS)
-    wait_ok(mooncake.url, ok_requests(mooncake.url) + OK_BEFORE_FAULT)
-    os.kill(service_pid, signal.SIGKILL)
-    wait_ok(mooncake.url, ok_requests(mooncake.url) + 2, DEAD_MASTER_BOUND_S * 3)  # requests go on
+    wait_ok(mooncake.url, ok_requests(mooncake.url) + OK_BEFORE_FAULT, DEAD_MASTER_BOUND_S * 3)  # requests go on
     os.kill(master_pid, signal.SIGKILL)
     t0 = time.monotonic()                                             # a request after the master died computes
     status, body = post(mooncake.url, {"prompt": prompt_of(300, 3), "max_tokens": 2},
@@ -271,8 +296,7 @@ def test_pool_faults_recompute_and_a_killed_prefill_stage_ends_the_serve(mooncak
     assert "pool process service0 exited" in out and "pool process master exited" in out
 
     records = assert_replay_counted_errors(replay, ("prefill0-stage0",))
-    failed_reads = [r for r in records if not r["error"] and r["restore_failed"]]
-    assert failed_reads, "no request computed what the dead store service could not load"
-    for r in failed_reads:
-        assert r["gpu_tokens"] + r["pool_tokens"] + r["computed_tokens"] == r["in_tokens"]
-        assert r["pool_tokens"] == 0 and r["computed_tokens"] > 0
+    for r in records:                                                 # no replayed request got KV from the pool
+        if not r["error"]:
+            assert r["gpu_tokens"] + r["pool_tokens"] + r["computed_tokens"] == r["in_tokens"], r
+            assert r["pool_tokens"] == 0, r
