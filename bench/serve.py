@@ -13,16 +13,22 @@ One run, in order:
               answer and new tokens) whose answers must equal ``reference_generate`` on the same
               device, the no-cache recompute (no GPU prefix cache, no pool, no hand-off)
     limits    measured in the same run after the server stopped: pinned host -> device copy and a
-              device copy (GB/s, 256 MiB), and the bare model forward pass over the work of the
+              device copy (GB/s, 256 MiB); when the prefill stages and the decode ranks are on
+              different GPUs, the GPU-to-GPU copy of every stage-to-decode pair (the hand-off's
+              paths; ``handoff_to_peer_copy`` per load is the hand-off GB/s over their median);
+              and the bare model forward pass over the work of the
               highest load: prefill of its requests' computed tokens (a sample of them, the
               cached prefix computed first and not timed) and decode steps at its concurrency.
               ``stack_ratio`` = served throughput / bare-forward throughput of the same tokens:
               what HTTP, routing, scheduling, the connector and the hand-off leave of the model's
               own speed (the bare forward runs prefill and decode one after the other, the
-              server overlaps them, so the ratio can exceed 1 below saturation).
+              server overlaps them, so the ratio can exceed 1 below saturation; given only when
+              every worker runs on the one device the bare forward uses).
 
 Prints one JSON document (and writes it to ``--out``). Usage, on a machine with a GPU:
     python bench/serve.py [--loads 2,4,8] [--duration 60] [--token-scale 1/16]
+and on eight GPUs (the seed's 1P1D, one GPU per worker):
+    python bench/serve.py --scenario h200x8-tiny --loads 4,8,16 --out bench/results/serve-h200x8.json
 """
 
 from __future__ import annotations
@@ -124,6 +130,32 @@ def copy_limits(dev: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> di
             "device_copy_gb_s": gb_s(nbytes, best(lambda: b.copy_(a)))}
 
 
+def peer_copy_limits(plan, nbytes: int = 256 << 20, reps: int = 5) -> dict:
+    """GPU-to-GPU copy GB/s from every prefill stage's device to every decode device of ``plan``
+    (the hand-off's paths), best of ``reps``; empty when no such pair is on two different GPUs."""
+    stages = sorted({w.devices[0] for w in plan.workers if w.role == "prefill_stage"})
+    decodes = sorted({d for w in plan.workers if w.role == "decode_engine" for d in w.devices})
+    pairs = [(a, b) for a in stages for b in decodes if a != b and a.startswith("cuda") and b.startswith("cuda")]
+    if not pairs:
+        return {}
+    by_pair = {}
+    for a, b in pairs:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=a)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=b)
+        times = []
+        for _ in range(reps):
+            sync(src.device), sync(dst.device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync(src.device), sync(dst.device)
+            times.append(time.perf_counter() - t0)
+        by_pair[f"{a}->{b}"] = gb_s(nbytes, min(times))
+        del src, dst
+    values = sorted(by_pair.values())
+    return {"peer_copy_gb_s_min": values[0], "peer_copy_gb_s_median": statistics.median(values),
+            "peer_copy_gb_s": by_pair}
+
+
 def bare_forward(config, records: list[dict], sessions: int, max_seqs: int, dcp: int, dev: torch.device,
                  sample: int = 12) -> dict:
     """The model's own speed on the work of ``records`` (see the module docstring)."""
@@ -189,6 +221,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from kvpool.backend.serve.model_config import ref_config
+    from kvpool.backend.serve.plan import build_plan
     from kvpool.cli.calibrate import start_serve, stop_serve
     from kvpool.backend.serve.reference import reference_generate
     from kvpool.scenario.load import load_scenario
@@ -227,9 +260,14 @@ def main() -> None:
                       "gpu_tokens": r["gpu_tokens"], "pool_tokens": r["pool_tokens"],
                       "computed_tokens": r["computed_tokens"]})
     limits = copy_limits(dev)
+    limits.update(peer_copy_limits(build_plan(s, work / "plan", router_port=0)))
+    if "peer_copy_gb_s_median" in limits:
+        for summary in results:
+            summary["handoff_to_peer_copy"] = summary["handoff_gb_s"] / limits["peer_copy_gb_s_median"]
     top = loads[-1]
     bare = bare_forward(config, records_by_load[top], top, s.decode.max_seqs, s.decode.dcp, dev)
-    if bare:
+    if bare and len(set(s.serve.devices)) == 1:
+        # the bare forward runs on one device: a ratio only where the server runs on that one too
         bare["stack_ratio"] = results[-1]["throughput_tok_s"] / bare["bare_throughput_tok_s"]
     doc = {"bench": "serve", "scenario": a.scenario, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%d"), "loads": loads, "duration_s": a.duration,
