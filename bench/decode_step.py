@@ -10,6 +10,13 @@ of ``--baseline-rev`` (read with ``git show``), run on the same weights in the s
     .venv/bin/python bench/decode_step.py --device cpu --batches 1,8 --contexts 256 --layers 4
     .venv/bin/python bench/decode_step.py --device cuda:0 --batches 1,8,32 --contexts 1024,5779
 
+Limits measured in the same run, per case: ``memory_floor_s``, the bytes a step must read at
+least (every layer's weights and the output head once, each sequence's KV records of every layer)
+over the read rate of a device copy (a 256 MiB copy reads and writes each byte, so half its
+traffic), and ``launch_floor_s``, the step's kernel launches (profiled CUDA kernels on a GPU,
+torch operators and Triton launches on the CPU) times the time one launch of a one-element add
+takes; ``step_over_memory_floor`` and ``step_over_launch_floor`` are the step's median over each.
+
 Prints one JSON object.
 """
 
@@ -127,6 +134,50 @@ def run_case(impl: Any, name: str, model: RefModel, config, dcp: int, batch: int
             "step_s_min": min(times), **counts}
 
 
+def copy_read_bytes_per_s(dev: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Bytes per second a device copy reads (best of ``reps``; it also writes as many)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(reps):
+        sync(dev)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync(dev)
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times)
+
+
+def launch_s(dev: torch.device, launches: int = 2000) -> float:
+    """Seconds per launch of a one-element add (launched back to back, synchronised at the end)."""
+    x = torch.zeros(1, device=dev)
+    for _ in range(10):
+        x.add_(1)
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(launches):
+        x.add_(1)
+    sync(dev)
+    return (time.perf_counter() - t0) / launches
+
+
+def weight_bytes(model: RefModel) -> int:
+    """Bytes of every layer's weights and the output head (what a step reads at least once)."""
+    tensors = [t for layer in model.layers for t in layer.values()] + [model.lm_head, model.ln_f]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def with_floors(case: dict, config, weights_bytes: int, read_bytes_per_s: float, per_launch_s: float) -> dict:
+    """``case`` with its memory and launch floors (see the module docstring)."""
+    kv_bytes = case["batch"] * case["context_tokens"] * config.layers * config.record_bytes
+    launches = case.get("cuda_kernels_per_step", case["torch_ops_per_step"] + case["triton_launches_per_step"])
+    memory_floor_s = (weights_bytes + kv_bytes) / read_bytes_per_s
+    launch_floor_s = launches * per_launch_s
+    return {**case, "bytes_read_floor": weights_bytes + kv_bytes, "memory_floor_s": memory_floor_s,
+            "launch_floor_s": launch_floor_s, "step_over_memory_floor": case["step_s"] / memory_floor_s,
+            "step_over_launch_floor": case["step_s"] / launch_floor_s}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenario", default="h200-tiny")
@@ -159,11 +210,13 @@ def main() -> None:
         # after the new one: under Triton's interpreter (the CPU with --attention triton) a kernel
         # first interpreted after the baseline's step fails to run; the other order works
         impls.append(("baseline", load_baseline(a.baseline_rev), {}))
+    read_bytes_per_s, per_launch_s, weights = copy_read_bytes_per_s(dev), launch_s(dev), weight_bytes(model)
     results = []
     for ctx in contexts:
         for batch in batches:
             for name, impl, kwargs in impls:
-                results.append(run_case(impl, name, model, config, dcp, batch, ctx, dev, a.reps, kwargs))
+                case = run_case(impl, name, model, config, dcp, batch, ctx, dev, a.reps, kwargs)
+                results.append(with_floors(case, config, weights, read_bytes_per_s, per_launch_s))
                 print(json.dumps(results[-1]), file=sys.stderr)
     speedups = []
     for r in results:
@@ -181,7 +234,10 @@ def main() -> None:
                       "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                       "layers": config.layers, "d_model": config.d_model, "heads": config.heads, "dcp": dcp,
                       "cache_dtype": str(config.cache_dtype), "attention": a.attention,
-                      "baseline_rev": a.baseline_rev, "results": results, "speedups": speedups}, indent=1))
+                      "baseline_rev": a.baseline_rev,
+                      "limits": {"copy_read_gb_s": read_bytes_per_s / 1e9, "launch_us": per_launch_s * 1e6,
+                                 "weights_bytes": weights},
+                      "results": results, "speedups": speedups}, indent=1))
 
 
 if __name__ == "__main__":
