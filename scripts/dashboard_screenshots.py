@@ -15,19 +15,13 @@ Usage: .venv/bin/python scripts/dashboard_screenshots.py [--out docs/img] [--pag
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+from kvpool.dashboard.browser import CHROMIUM, CHROMIUM_ARGS, DashboardError, missing_chromium, served_dashboard
+
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 WIDTH_PX = 1400
 RUN_TIMEOUT_MS = 300_000
 
@@ -37,26 +31,6 @@ PAGES = {
     "compare": ("Compare", "Run comparison", "All metrics", "dashboard-compare.png"),
     "plan": ("Plan", "Run search", "Explored curve", "dashboard-plan.png"),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"error: kvpool dashboard exited with status {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    sys.exit(f"error: {url} did not answer in {timeout_s:.0f} s")
 
 
 def _shoot(page, url: str, name: str, out: Path) -> Path:
@@ -89,20 +63,14 @@ def main() -> None:
     unknown = [n for n in names if n not in PAGES]
     if unknown:
         sys.exit(f"error: --pages {a.pages}: unknown page {unknown[0]!r}; allowed: {', '.join(PAGES)}")
-    if not os.path.exists(CHROMIUM):
-        sys.exit(f"error: {CHROMIUM} is missing: scripts/setup.sh dev installs Debian's chromium")
+    missing = missing_chromium()
+    if missing:
+        sys.exit(f"error: {missing}")
     from playwright.sync_api import sync_playwright
 
     a.out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    kvpool = str(Path(sys.executable).with_name("kvpool"))
-    proc = subprocess.Popen([kvpool, "dashboard", "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"})
-    url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc)
-        with sync_playwright() as p:
+        with served_dashboard() as url, sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
             try:
                 page = browser.new_page(viewport={"width": WIDTH_PX, "height": 1000})
@@ -113,13 +81,8 @@ def main() -> None:
                     print(f"wrote {path} ({time.monotonic() - t0:.0f} s)")
             finally:
                 browser.close()
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    except DashboardError as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -7,71 +7,24 @@ the test's tmp_path. Uses Debian's /usr/bin/chromium (never ``playwright install
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
-
 import pytest
 
 from conftest import SMALL_DURATION_S, SMALL_LOADS, SMALL_SYNTHETIC
 
+from kvpool.dashboard.browser import CHROMIUM, CHROMIUM_ARGS, missing_chromium, served_dashboard
 from kvpool.scenario import load_scenario, to_toml
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-KVPOOL = str(Path(sys.executable).with_name("kvpool"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"kvpool dashboard exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.3)
-    raise AssertionError(f"{url} did not become healthy in {timeout_s:.0f} s")
 
 
 @pytest.fixture
 def dashboard(tmp_path):
-    port = _free_port()
-    log = (tmp_path / "dashboard.log").open("w")
-    proc = subprocess.Popen([KVPOOL, "dashboard", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, env={**os.environ, "STREAMLIT_BROWSER_GATHER_USAGE_STATS": "false"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, proc)
+    with (tmp_path / "dashboard.log").open("w") as log, served_dashboard(log, timeout_s=60.0) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
 
 
 def test_load_a_scenario_run_a_sweep_and_see_the_plots(dashboard, tmp_path):
     from playwright.sync_api import sync_playwright
 
-    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: scripts/setup.sh installs Debian's chromium"
+    assert missing_chromium() is None, missing_chromium()
     scenario = tmp_path / "e2e.toml"
     scenario.write_text(to_toml(load_scenario("mi355x-1p1d", ['name="e2e-1p1d"'])))
 
@@ -112,7 +65,7 @@ def test_run_a_capacity_search_and_see_its_chart(dashboard, tmp_path):
     """The Plan page in the browser: a two-run search (both ends of the range), its verdict and chart."""
     from playwright.sync_api import sync_playwright
 
-    assert os.path.exists(CHROMIUM), f"{CHROMIUM} is missing: scripts/setup.sh installs Debian's chromium"
+    assert missing_chromium() is None, missing_chromium()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
