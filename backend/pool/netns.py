@@ -23,6 +23,11 @@ Contract:
       <how_to_allow> to start anyway.") unless ``allow_public_listeners`` is true, in which case it
       returns the problem for the caller to show as a warning. ``listen_interfaces=None`` reads them
       from ``KVPOOL_LISTEN_INTERFACES`` (comma-separated names; unset or empty: none).
+    * ``loopback_up()`` sets IFF_UP on ``lo`` (``SIOCSIFFLAGS``, what ``ip link set lo up`` does; needs
+      ``CAP_NET_ADMIN`` in the namespace, which ``unshare -n`` as root or ``unshare -rn`` gives).
+      ``python -m kvpool.backend.pool.netns COMMAND [ARG...]`` brings ``lo`` up and executes
+      ``COMMAND``, for machines without ``ip``: ``unshare -n python -m kvpool.backend.pool.netns
+      <command>``. A failure is one ``error:`` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -31,10 +36,13 @@ import fcntl
 import os
 import socket
 import struct
+import sys
 from collections.abc import Sequence
 
 IFF_UP = 0x1
 SIOCGIFFLAGS = 0x8913
+SIOCSIFFLAGS = 0x8914
+IFREQ = "16sH22x"   # struct ifreq: the name, the flags, the rest of the union
 HOW_TO = "unshare -n sh -c 'ip link set lo up; exec <command>'"
 LISTEN_ENV = "KVPOOL_LISTEN_INTERFACES"
 
@@ -52,10 +60,17 @@ def interface_up(name: str) -> bool:
     """Whether interface ``name`` exists in this namespace and has the IFF_UP flag."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            res = fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack("16sH22x", name.encode()[:15], 0))
+            res = fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack(IFREQ, name.encode()[:15], 0))
         except OSError:
             return False
-    return bool(struct.unpack("16sH22x", res)[1] & IFF_UP)
+    return bool(struct.unpack(IFREQ, res)[1] & IFF_UP)
+
+
+def loopback_up() -> None:
+    """Set IFF_UP on ``lo`` in this namespace (``OSError`` without ``CAP_NET_ADMIN`` there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = struct.unpack(IFREQ, fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack(IFREQ, b"lo", 0)))[1]
+        fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack(IFREQ, b"lo", flags | IFF_UP))
 
 
 def listen_interfaces_from_env() -> tuple[str, ...]:
@@ -97,3 +112,27 @@ def check_listeners(allow_public_listeners: bool, how_to_allow: str,
     if problem and not allow_public_listeners:
         raise PublicListenersRefused(f"refusing to start: {problem} Or {how_to_allow} to start anyway.")
     return problem
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m kvpool.backend.pool.netns COMMAND [ARG...]``: bring ``lo`` up, then execute COMMAND."""
+    if not argv:
+        print("error: usage: python -m kvpool.backend.pool.netns COMMAND [ARG...] (brings lo up, then runs "
+              "COMMAND; inside a private namespace: unshare -n python -m kvpool.backend.pool.netns COMMAND)",
+              file=sys.stderr)
+        return 2
+    try:
+        loopback_up()
+    except OSError as e:
+        print(f"error: cannot bring the loopback interface up: {e.strerror} (needs CAP_NET_ADMIN in this "
+              f"network namespace: run it under 'unshare -n' as root, or 'unshare -rn')", file=sys.stderr)
+        return 2
+    try:
+        os.execvp(argv[0], list(argv))
+    except OSError as e:
+        print(f"error: {argv[0]}: {e.strerror}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
