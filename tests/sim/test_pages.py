@@ -172,3 +172,25 @@ def test_the_serve_pipeline_keeps_step_order_and_at_most_pp_steps_in_flight(orde
         assert done["long"] == pytest.approx((0.0, 2.0))
         assert done["short"] == pytest.approx((1.0, 1.02))
         assert done["late"] == pytest.approx((1.01, 1.03))
+
+
+@pytest.mark.parametrize("faults", [[], ["faults.hang_prob_other=0.2", "faults.hang_s=5", "faults.request_timeout_s=6",
+                                        "faults.restore_fail_prob=0.3", "faults.save_fail_prob=0.3"]])
+def test_every_page_goes_back_by_the_end_of_a_run_faults_or_not(faults):
+    """On the repository's traces at 4 sessions (the prefill KV fills), with and without failures:
+    when the run ends no request holds a page or waits for one."""
+    from trace_builders import KV_TRACES
+
+    from kvpool.sim.run import make_replay, workload_for
+
+    calibration = KV_TRACES.parents[1] / "calibration" / "cpu-tiny.json"
+    s = load_scenario("cpu-tiny", ['cost.kv_capacity="serve"', f'cost.calibration="{calibration}"',
+                                   "workload.token_scale=0.03125", "workload.duration_s=60",
+                                   "workload.max_output_tokens=16", f'workload.traces="{KV_TRACES}"', *faults])
+    sim = Simulation(s, make_replay(s, workload_for(s), 4))
+    recs = sim.run()
+    pages = sim.world.prefills[0].pages
+    assert len(recs) > 8 and pages.cache.evictions > 0  # the cache filled
+    assert pages.cache.held_pages == 0 and pages.waiting == 0
+    if faults:
+        assert any(r.error for r in recs)
