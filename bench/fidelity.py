@@ -10,7 +10,7 @@ One run, in order:
                ``kvpool replay`` of ``--traces`` at that many sessions for ``--duration`` s with
                ``workload.token_scale`` = ``--token-scale``; the server is stopped after each load
     simulated  ``kvpool.sim.run.run_point`` of the same scenario, traces, loads, seed and
-               overrides, plus ``cost.kv_capacity = "serve"`` (the serve capacities) and
+               overrides, plus ``cost.kv_capacity = "serve"`` (the serve capacities and page discipline) and
                ``cost.calibration`` = the file: the held-out prediction (the fit never saw the traces)
     compare    per load: token shares (GPU / pool / computed, error in points), TTFT p50 and p90 and
                throughput (error in %), requests; a table on stdout, the document in ``--out``, and

@@ -8,6 +8,7 @@ Modules (stdlib + numpy only; a test forbids simpy, torch, triton, mooncake and 
     grouptable the same policy over integer group ids in numpy (the simulator's hot path)
     admission  the KV admission gate in front of decode
     routing    power-of-two and session-affinity prefill routing, decode-aware decode choice
+    pagecache  the prefill's paged KV: pages held by requests in flight, the prefix cache's LRU
     layout     PP -> DCP token mapping, gather and write plans for the prefill -> decode handoff
 
 Time is always passed in (``now``), randomness always comes from a passed-in seeded RNG.

@@ -20,12 +20,16 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import simpy
 
 from kvpool.sim.cost import CostModel
 from kvpool.sim.events import call_later, fire
 from kvpool.sim.gpucache import GPUPrefixCache
+
+if TYPE_CHECKING:
+    from kvpool.sim.steps.pages import PrefillPages
 
 
 class Workers:
@@ -80,6 +84,8 @@ class PrefillInstance:
         self.max_batched_tokens = max_batched_tokens
         self.cost = cost
         self.cache = cache
+        #: serve mode's paged KV (``sim.steps.pages``; then ``cache`` is unused), else None
+        self.pages: PrefillPages | None = None
         self.loaders = [Workers(load_workers) for _ in range(pp * tp)]
         self.outstanding_tokens = 0
         self.step_s = 0.0
@@ -87,6 +93,11 @@ class PrefillInstance:
         self.computed_tokens = 0
         self._computes: deque[_Compute] = deque()
         self._idle = True  # no step under way or about to start
+        #: serve mode (``ordered_pipeline``): every stage computes its steps in the order they came
+        #: and at most ``pp`` steps are in flight, as the prefill engine schedules them
+        self.ordered = False
+        self._stage_free = [0.0] * pp  # ordered: when stage j (>= 1) ends the last step it was given
+        self._in_flight: deque[float] = deque()  # ordered: when each step in flight leaves the last stage
 
     @property
     def ranks(self) -> int:
@@ -121,13 +132,31 @@ class PrefillInstance:
                 return True
         return False
 
-    def _step(self, _ev=None) -> None:
+    def ordered_pipeline(self) -> None:
+        """Keep the prefill engine's pipeline (serve mode): a step leaves stage 0 after its step
+        time, then passes every later stage in order, each taking the step time once the stage
+        has ended the steps before it; its requests' last chunks complete when it leaves the last
+        stage. A new step starts at stage 0 only while fewer than ``pp`` steps are in flight. (The
+        default model lets every step complete ``pp - 1`` of its own step times after it left
+        stage 0, which lets a short step overtake a long one.)"""
+        self.ordered = True
+
+    def _step(self, ev=None) -> None:
         """Start a step over the queue's head (written as callbacks: a step is one scheduled
         call, which takes the next step or goes idle when it ends)."""
         if not self._computes:  # cancelled while the step was due
             self.step_s = 0.0
             self._idle = True
             return
+        if self.ordered:
+            flight = self._in_flight
+            if ev is not None and getattr(ev, "value", None) == "in-flight":
+                flight.popleft()  # the step it waited for has left the pipeline
+            while flight and flight[0] <= self.env.now:
+                flight.popleft()
+            if len(flight) >= self.pp:  # wait for the oldest step in flight to leave
+                call_later(self.env, flight[0] - self.env.now, self._step, "in-flight")
+                return
         budget = self.max_batched_tokens
         now = self.env.now
         batch: list[tuple[_Compute, int]] = []
@@ -147,6 +176,9 @@ class PrefillInstance:
         batch, step = ev.value
         env = self.env
         self.busy_s += step
+        if self.ordered:
+            self._pipeline_done(batch, step)
+            return
         for c, take in batch:
             c.remaining -= take
             c.context += take
@@ -158,6 +190,29 @@ class PrefillInstance:
                     call_later(env, fill, lambda _e, d=c.done, t=c.start_s: fire(d, t))
                 else:
                     c.done.succeed(c.start_s)
+        if self._computes:
+            self._step()
+        else:
+            self.step_s = 0.0
+            self._idle = True
+
+    def _pipeline_done(self, batch: list[tuple[_Compute, int]], step: float) -> None:
+        """``ordered_pipeline``: a step has left stage 0 now; it passes the later stages in order."""
+        env = self.env
+        now = end = env.now
+        free = self._stage_free
+        for j in range(1, self.pp):
+            end = max(end, free[j]) + step
+            free[j] = end
+        for c, take in batch:
+            c.remaining -= take
+            c.context += take
+            self.computed_tokens += take
+            if c.remaining == 0 and not c.cancelled:
+                self._computes.remove(c)
+                call_later(env, end - now, lambda _e, d=c.done, t=c.start_s: fire(d, t))
+        if end > now:
+            self._in_flight.append(end)
         if self._computes:
             self._step()
         else:

@@ -8,11 +8,16 @@
     2. route     decode instance (given by the gate, else ``policy.routing.choose_decode``), then
                  a prefill instance of its group (the group's router, ``policy.routing``)
     3. lookup    the request's ``Prompt`` (``sim.prompt``), then GPU prefix cache, pool and
-                 ``policy.hits`` (``sim.steps.lookup``)
+                 ``policy.hits`` (``sim.steps.lookup``); in serve mode (``cost.kv_capacity =
+                 "serve"``) it first waits, first come first served, for pages for its whole
+                 prompt on its prefill (``sim.steps.pages``), which it holds until its hand-off
+                 and its save have both ended
     4. restore   pool -> every prefill rank, when the pool holds part of the prompt
                  (``sim.steps.restore``)
-    5. compute   chunked prefill, then the GPU cache keeps the prompt (``sim.steps.compute``)
-    6. save      the prompt's new chunks -> pool, in the background (``sim.steps.save``)
+    5. compute   chunked prefill, then the GPU cache keeps the prompt (``sim.steps.compute``;
+                 in serve mode its full pages are committed)
+    6. save      the prompt's new chunks -> pool, in the background (``sim.steps.save``; in
+                 serve mode its pages wait for it)
     7. hand-off  prefill stages -> decode ranks (``sim.steps.handoff``)
     8. decode    continuous batching on the decode instance (``DecodeInstance.generate``)
     9. finish    ``rec.end_s``; the gate's reservation goes back; after a play's last request
@@ -131,6 +136,13 @@ class Lifecycle:
     # 3. lookup --------------------------------------------------------------------------
     def lookup(self, r: Request) -> None:
         r.prompt = self.prompts.build(r.d, r.prefill.index)
+        pages = r.prefill.pages
+        if pages is None:
+            self.looked_up(r)
+        else:  # serve mode: it waits for its pages, then looks up
+            pages.admit(r, lambda: self.looked_up(r), lambda _r: self.fail(r, "prefill_kv"))
+
+    def looked_up(self, r: Request) -> None:
         self.lookup_step(r)
         f = self.faults
         if f is not None and f.hangs(r.rec.key, r.rec.computed_tokens >= self.min_load_tokens):
@@ -158,13 +170,35 @@ class Lifecycle:
     def computed(self, r: Request) -> None:
         r.stage = COMPUTED
         groups = r.prompt.groups
+        pages = r.prefill.pages
+        new = None
         if self.world.pool is not None and groups.ids.size:
             skip = r.hits.pool_prefix_chunks  # held by every stage already
             new = groups.part(skip) if skip else groups
-            if new.ids.size:
+            if not new.ids.size:
+                new = None
+        if pages is None:
+            if new is not None:
                 f = self.faults
                 self.save_step(r, new, f is not None and f.save_fails(r.rec.key))
-        self.handoff_step(r, lambda: self.decode(r))  # 7. hand-off
+            self.handoff_step(r, lambda: self.decode(r))  # 7. hand-off
+            return
+        # serve mode: its pages go once its hand-off and its save have both ended
+        r.holds = 1 if new is None else 2
+        if new is not None:
+            f = self.faults
+            self.save_step(r, new, f is not None and f.save_fails(r.rec.key), lambda: self.unhold(r))
+        self.handoff_step(r, lambda: self.handed_off(r))  # 7. hand-off
+
+    def handed_off(self, r: Request) -> None:
+        self.unhold(r)
+        self.decode(r)
+
+    def unhold(self, r: Request) -> None:
+        """Serve mode: one of its hand-off and save has ended; after both, its pages go back."""
+        r.holds -= 1
+        if not r.holds:
+            r.prefill.pages.release(r)
 
     # 8. decode --------------------------------------------------------------------------
     def decode(self, r: Request) -> None:
@@ -213,6 +247,8 @@ class Lifecycle:
             p.outstanding_tokens -= rec.in_tokens
             if r.stage == QUEUED:
                 p.cancel(r.compute_ev)
+            if p.pages is not None and not p.pages.cancel(r):  # waiting for pages, or holding them
+                p.pages.release(r)  # (its hand-off and save, once under way, give them back)
         if self.admit_step is not None:
             self.admit_step.release(rec.key)
         self.prompts.forget(r.d)

@@ -3,7 +3,9 @@
 Contract: a ``Request`` is made when the request arrives and filled in as it goes: ``rec`` (its
 ``RequestRecord``, which the run returns) from the start; ``prefill``/``decode`` once routed;
 ``prompt`` (its ``sim.prompt.Prompt``) and the lookup's results (``hits``, ``gpu_use``,
-``in_dram``) once looked up; ``stage`` (``QUEUED``: its compute is queued on the prefill, as
+``in_dram``) once looked up; ``pages`` (serve mode, ``sim.steps.pages``: its pages on its prefill, held
+from its admission there until its hand-off and save end, ``holds`` counting those two) once admitted
+there; ``stage`` (``QUEUED``: its compute is queued on the prefill, as
 ``compute_ev``; ``COMPUTED``: its hand-off is under way; ``DECODING``: it waits for or runs on its
 decode instance, whose first-token event is ``first_ev``), which is what a failure has to give back
 (``sim.lifecycle``). ``finished(d)`` is the driver's, called once when the request is done,
@@ -17,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvpool.policy.hits import HitResult
+from kvpool.policy.pagecache import PageAllocation
 from kvpool.sim.gpucache import Use
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.prompt import Prompt
@@ -31,7 +34,7 @@ class Request:
     """See the module docstring."""
 
     __slots__ = ("d", "rec", "finished", "prefill", "decode", "prompt", "hits", "gpu_use", "in_dram", "stage",
-                 "compute_ev", "first_ev")
+                 "compute_ev", "first_ev", "pages", "holds")
 
     def __init__(self, d, rec: RequestRecord, finished: Callable[[object], None]) -> None:
         self.d = d  # the replay's Dispatch
@@ -46,3 +49,5 @@ class Request:
         self.stage = ROUTING
         self.compute_ev = None  # its compute's done event while queued on the prefill
         self.first_ev = None  # its first token's event once it went to decode
+        self.pages: PageAllocation | None = None  # in serve mode: its pages on its prefill, once admitted there
+        self.holds = 0  # in serve mode: its hand-off and save still under way (its pages go when none is)

@@ -3,7 +3,8 @@
 Contract:
     * ``World(s, cost=, unbounded=)`` builds everything a request meets on its way
       (``sim.lifecycle``): the SimPy environment, the cost model, the key space, the prefill and
-      decode instances (each prefill with its GPU prefix cache), the pool (``None`` without one),
+      decode instances (each prefill with its GPU prefix cache; with ``cost.kv_capacity = "serve"``
+      its paged KV, ``sim.steps.pages``, instead), the pool (``None`` without one),
       the network (``sim.cluster.Network``), the SSD links, in a shared multi-server pool one link
       per rail for the other servers' NICs (``pool_rails``, ``sim.steps.nics``), one router per decode group and
       the admission gate (``None`` when disabled). It holds no request state and decides nothing.
@@ -33,6 +34,7 @@ from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
 from kvpool.sim.links import FairLink
 from kvpool.sim.pool import SimPool
+from kvpool.sim.steps.pages import PrefillPages
 
 
 @dataclass
@@ -80,6 +82,11 @@ class World:
                            on_occupancy=self._decode_occupancy)
             for i, pl in enumerate(self.layout.decode)
         ]
+        if s.cost.kv_capacity == "serve" and not unbounded:  # kvpool serve's page discipline
+            page = s.model.page_tokens
+            for p in self.prefills:
+                p.pages = PrefillPages(max(1, cache_tokens // page), page)
+                p.ordered_pipeline()
         self._decode_capacity_tokens = sum(d.capacity_tokens for d in self.decodes)
         #: per decode group: its prefill instances (every instance when a group has none)
         self.group_prefills = [[p.index for p, pl in zip(self.prefills, self.layout.prefill) if pl.group == g]

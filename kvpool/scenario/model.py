@@ -284,8 +284,11 @@ class CostConfig(_Section):
     kv_capacity: Literal["hbm", "serve"] = Field(
         default="hbm",
         description="where the simulator's GPU KV capacities come from: hbm: derived from HBM, weights and "
-                    "reserves (kvpool scenario show); serve: serve.prefill_kv_tokens per prefill instance and "
-                    "serve.decode_kv_tokens per decode instance, what kvpool serve allocates",
+                    "reserves (kvpool scenario show), the prefill's prefix cache evicting at insert; serve: "
+                    "serve.prefill_kv_tokens per prefill instance and serve.decode_kv_tokens per decode "
+                    "instance, what kvpool serve allocates, with its prefill's page discipline (a request holds "
+                    "pages for its whole prompt from admission until its hand-off and save end, and waits "
+                    "for them; docs/fidelity.md)",
     )
     calibration: Annotated[str, Strict(), Field(min_length=1, max_length=4096)] | None = Field(
         default=None,

@@ -5,7 +5,8 @@ context) on its prefill instance (chunked prefill, ``PrefillInstance.compute``),
 record's ``compute_queued_s`` and keeping the queued compute as ``r.compute_ev``. When they are
 done: the record's ``compute_start_s`` (its first step) and ``prefill_end_s``, the instance's
 outstanding tokens drop, the prompt's full blocks are held by the GPU cache, used now
-(``sim.steps.gpu.insert``), and ``then()``. A request that failed meanwhile (``rec.error``) stops
+(``sim.steps.gpu.insert``; in serve mode its full pages are committed, ``sim.steps.pages``), and
+``then()``. A request that failed meanwhile (``rec.error``) stops
 there: the failure gave back what it held.
 """
 
@@ -37,5 +38,9 @@ class Compute:
         rec.compute_start_s = rec.compute_queued_s if start_s is None else start_s
         rec.prefill_end_s = now
         r.prefill.outstanding_tokens -= rec.in_tokens
-        gpu.insert(r, now)
+        pages = r.prefill.pages
+        if pages is None:
+            gpu.insert(r, now)
+        else:
+            pages.commit(r)
         then()

@@ -2,7 +2,8 @@
 
 Contract: ``Lookup(world)(r)`` takes a routed request (``r.prefill`` set) and its ``r.prompt``;
 it counts the prompt's leading blocks held by the prefill's GPU cache as used now
-(``sim.steps.gpu.use``), checks every rank x chunk group of ``r.prompt.groups`` in the pool in one batched call
+(``sim.steps.gpu.use``; in serve mode the GPU hit is the pages its admission reused,
+``sim.steps.pages``), checks every rank x chunk group of ``r.prompt.groups`` in the pool in one batched call
 (``SimPool.lookup_runs``; with an SSD tier the presence rows, a chunk on the SSD counting for
 every stage) and decides with ``policy.hits.compute_hits``. It fills ``r.hits`` and
 ``r.in_dram`` and the record's token sources and ``prefill_start_s``.
@@ -31,7 +32,8 @@ class Lookup:
         now = self.env.now
         p, prompt, rec = r.prefill, r.prompt, r.rec
         bt = r.d.session.block_tokens
-        run = gpu.use(r, now)
+        pages = p.pages
+        gpu_tokens = gpu.use(r, now) * bt if pages is None else pages.gpu_tokens(r)
         groups = prompt.groups
         pool = self.pool
         present = runs = None
@@ -43,7 +45,7 @@ class Lookup:
                 on_ssd = pool.ssd_lookup(p.server, groups, now)
                 r.in_dram = np.logical_and.reduce(present)
                 present = present | on_ssd  # [rank, chunk]
-        hits = r.hits = compute_hits(rec.in_tokens, run * bt, present, chunk_tokens=self.chunk_tokens,
+        hits = r.hits = compute_hits(rec.in_tokens, gpu_tokens, present, chunk_tokens=self.chunk_tokens,
                                      page_tokens=self.page_tokens, min_load_tokens=self.min_load_tokens,
                                      stage_runs=runs)
         rec.gpu_tokens = hits.gpu_tokens

@@ -4,11 +4,14 @@ Contract: ``Save(world, nics)(r, groups)`` for the chunk groups of ``r``'s promp
 did not hold (a part of ``r.prompt.groups``): every rank packs its objects (in parallel: the largest rank's pack time,
 ``CostModel.unpack_s``), sends them over its NICs (``PoolNics``) and, once every byte has landed,
 puts them with their group ids (``SimPool.save``: ``policy.grouptable`` eviction); the record's
-``save_bytes`` grows then and the pool's time series is sampled. Nothing waits for it. A save that
-fails (``lost``, ``[faults]``) moves its bytes and puts nothing.
+``save_bytes`` grows then and the pool's time series is sampled, then ``done()`` when given (serve
+mode's pages wait for it; nothing else does). A save that fails (``lost``, ``[faults]``) moves its
+bytes and puts nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvpool.policy.grouptable import GroupIds
 from kvpool.sim.events import call_later
@@ -27,17 +30,18 @@ class Save:
         self.rank_bytes = world.rank_bytes
         self.pack_s = world.cost.unpack_s  # packing costs what unpacking does
 
-    def __call__(self, r: Request, groups: GroupIds, lost: bool = False) -> None:
+    def __call__(self, r: Request, groups: GroupIds, lost: bool = False, done: Callable[[], None] | None = None) -> None:
         env, p, rec = self.env, r.prefill, r.rec
         chunks = int(groups.ids.size)
         nbytes = [chunks * b for b in self.rank_bytes]
 
         def put() -> None:
             rec.save_bytes += sum(nbytes)
-            if lost:
-                return
-            self.pool.save(p.server, p.ranks, groups, env.now)
-            self.world.sample_pool()
+            if not lost:
+                self.pool.save(p.server, p.ranks, groups, env.now)
+                self.world.sample_pool()
+            if done is not None:
+                done()
 
         def send(_e) -> None:
             j = Join(env, put)

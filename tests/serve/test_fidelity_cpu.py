@@ -3,8 +3,11 @@ the same workload on the calibrated scenario agree on where the prompt tokens ca
 
 The calibration (``tests/data/calibration/cpu-tiny.json``) was written by ``kvpool calibrate
 cpu-tiny`` on its own synthetic prompts, so the traces replayed here are held out. The simulator
-runs with the deployment's serve capacities (``cost.kv_capacity = "serve"``) and the replay's
-prompt scaling (``workload.token_scale``), the two mechanisms that otherwise differ.
+runs with the deployment's serve capacities and page discipline (``cost.kv_capacity = "serve"``: a
+request holds pages for its whole prompt while in flight, ``sim.steps.pages``) and the replay's
+prompt scaling (``workload.token_scale``), the mechanisms that otherwise differ. At 3 sessions the
+prefill KV fills: a request waits for pages, and what the cache keeps depends on which request
+released its pages first.
 """
 
 from __future__ import annotations
@@ -59,9 +62,7 @@ def test_computed_and_reused_tokens_are_within_two_points_of_the_real_run(both):
     assert abs(sim["reuse"] - real["reuse"]) <= 0.02, (real["reuse"], sim["reuse"])
 
 
-@pytest.mark.xfail(strict=True, reason="the simulated GPU prefix cache has the whole serve.prefill_kv_tokens; the "
-                   "real one shares its pages with the requests in flight, so it keeps less and the pool serves "
-                   "what it lost (docs/fidelity.md)")
+@pytest.mark.timeout(240)
 def test_gpu_and_pool_shares_are_within_two_points_of_the_real_run(both):
     real, sim = both
     for k in SHARES:
