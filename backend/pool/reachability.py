@@ -6,9 +6,9 @@ Contract (``Reachability``, thread-safe):
     * ``usable()`` is asked before every pool call. Up: ``True``. Down: ``False`` at once, except
       that at most once per ``reprobe_every_s`` one caller runs ``probe()`` (itself bounded, e.g. a
       TCP connect with a timeout); a probe that succeeds marks it up and lets that call through
-      (the call itself then decides: no answer marks it down again). While one caller probes, the
-      others get ``False`` at once. So while the master stays lost, a call costs at most one
-      probe, and at most one call per ``reprobe_every_s`` pays a probe.
+      (the call itself then decides: no answer marks it down again). Callers that come while one
+      probes wait for that probe and take its outcome (no second probe). So while the master
+      stays lost, a call costs at most one probe, and one probe runs per ``reprobe_every_s``.
     * ``down_since_s`` (monotonic seconds, ``None`` while up), ``reason`` and ``losses`` (how
       often it went down) describe it for metrics and health answers.
 """
@@ -40,9 +40,9 @@ class Reachability:
         self.reprobe_every_s = reprobe_every_s
         self._clock = clock
         self._lock = threading.Lock()
+        self._probe_lock = threading.Lock()  # held by the one caller that probes
         self._down_since_s: float | None = None
         self._next_probe_s = 0.0
-        self._probing = False
         self.reason = ""
         self.losses = 0
         self.probes = 0
@@ -77,22 +77,26 @@ class Reachability:
         with self._lock:
             if self._down_since_s is None:
                 return True
-            if self._probing or self._clock() < self._next_probe_s:
+            if self._clock() < self._next_probe_s and not self._probe_lock.locked():
                 return False
-            self._probing = True
-            self.probes += 1
-        ok = False
-        try:
-            ok = bool(self._probe())
-        finally:
+        with self._probe_lock:  # one probe at a time; a caller that waited takes its outcome
             with self._lock:
-                self._probing = False
-                if ok:
-                    self._down_since_s = None
-                    self.reason = ""
-                else:
-                    self._next_probe_s = self._clock() + self.reprobe_every_s
-        return ok
+                if self._down_since_s is None:
+                    return True
+                if self._clock() < self._next_probe_s:
+                    return False
+                self.probes += 1
+            ok = False
+            try:
+                ok = bool(self._probe())
+            finally:
+                with self._lock:
+                    if ok:
+                        self._down_since_s = None
+                        self.reason = ""
+                    else:
+                        self._next_probe_s = self._clock() + self.reprobe_every_s
+            return ok
 
 
 __all__ = ["REPROBE_EVERY_S", "Reachability"]

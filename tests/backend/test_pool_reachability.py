@@ -60,7 +60,7 @@ def test_lost_again_after_a_probe_restarts_the_period():
     assert r.usable()
 
 
-def test_while_one_caller_probes_the_others_are_refused_at_once():
+def test_callers_during_a_probe_wait_for_it_and_take_its_outcome():
     clock, entered, release = Clock(), threading.Event(), threading.Event()
 
     def slow_probe() -> bool:
@@ -68,16 +68,35 @@ def test_while_one_caller_probes_the_others_are_refused_at_once():
         release.wait(5.0)
         return True
 
-    r = Reachability(slow_probe, reprobe_every_s=0.0, clock=clock)
+    r = Reachability(slow_probe, reprobe_every_s=1.0, clock=clock)
     r.lost("x")
-    got = []
-    t = threading.Thread(target=lambda: got.append(r.usable()))
-    t.start()
+    clock.t += 1.0
+    got: list[bool] = []
+    first = threading.Thread(target=lambda: got.append(r.usable()))
+    first.start()
     assert entered.wait(5.0)
-    assert not r.usable() and r.probes == 1                                  # refused, no second probe
+    second = threading.Thread(target=lambda: got.append(r.usable()))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive() and got == []                                   # it waits for the probe
     release.set()
-    t.join(5.0)
-    assert got == [True] and r.up
+    first.join(5.0)
+    second.join(5.0)
+    assert got == [True, True] and r.probes == 1 and r.up
+
+
+def test_a_failed_probe_answers_the_callers_that_waited_for_it():
+    clock = Clock()
+    r = Reachability(lambda: False, reprobe_every_s=1.0, clock=clock)
+    r.lost("x")
+    clock.t += 1.0
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(r.usable())) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5.0)
+    assert results == [False] * 4 and r.probes == 1
 
 
 def test_a_negative_period_is_refused():
