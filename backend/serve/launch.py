@@ -37,7 +37,7 @@ class ServeStartError(RuntimeError):
     """``kvpool serve`` exited before it was ready, or was not ready within the bound."""
 
 
-def fresh_run_dir(run_dir: Path) -> Path:
+def unused_run_dir(run_dir: Path) -> Path:
     """``run_dir``, or ``run_dir-2``, ``run_dir-3``, ... when it holds files."""
     candidate, k = run_dir, 1
     while candidate.exists() and any(candidate.iterdir()):
@@ -123,7 +123,7 @@ def serve_argv(scenario: str, sets: list[str], run_dir: Path, pool: str | None =
 def start_serve(scenario: str, sets: list[str], run_dir: Path, *, pool: str | None = None, env: dict | None = None,
                 ready_timeout_s: float = READY_TIMEOUT_S) -> ServeProcess:
     """``kvpool serve SCENARIO`` ready at a free port (see the module docstring)."""
-    run_dir = fresh_run_dir(Path(run_dir))
+    run_dir = unused_run_dir(Path(run_dir))
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = run_dir.with_name(run_dir.name + ".out")
     with log.open("wb") as f:
@@ -137,4 +137,4 @@ def start_serve(scenario: str, sets: list[str], run_dir: Path, *, pool: str | No
         raise
 
 
-__all__ = ["ServeProcess", "ServeStartError", "fresh_run_dir", "serve_argv", "start_serve"]
+__all__ = ["ServeProcess", "ServeStartError", "unused_run_dir", "serve_argv", "start_serve"]
