@@ -37,6 +37,8 @@ Contract:
       caller must keep the pages of a save unchanged until its future resolves. A put the pool
       refuses (``FULL`` after its bounded retries, ``NO_ANSWER``, ...) ends the save with the
       chunks stored so far; nothing is retried here beyond the pool's own retries.
+    * **A lost master** (a ``Reachable`` pool whose ``reachable()`` is false): a load or save ends
+      ``"no_answer"`` before its next round or window, without packing or reading anything.
     * On a GPU, objects go host -> device through a device window of ``device_window_bytes``
       (pinned host arena, one stream, synchronized before the host slots are reused); on the
       CPU, unpack and pack work on the registered slots directly.
@@ -68,7 +70,7 @@ import torch
 
 from kvpool import kernels
 from kvpool.backend.connector_data import LoadPlan, SavePlan, StageReport, StageSaveReport
-from kvpool.backend.pool.api import ArenaPiece, ArenaPool, BufferRef, Pool, Status
+from kvpool.backend.pool.api import ArenaPiece, ArenaPool, BufferRef, Pool, Reachable, Status
 from kvpool.kernels import _checks as kernel_checks
 from kvpool.kernels.format import ChunkFormat
 from kvpool.policy.kvspec import KVSpec
@@ -202,6 +204,7 @@ class ConnectorWorker:
         self._staging: torch.Tensor | None = None  # device window of loads (GPU caches only)
         self._save_staging: torch.Tensor | None = None  # and of saves (their own: they run concurrently)
         self._arena_pool: ArenaPool | None = pool if config.use_pool_arena and isinstance(pool, ArenaPool) else None
+        self._reachable: Callable[[], bool] = pool.reachable if isinstance(pool, Reachable) else (lambda: True)
         self._pool_view: torch.Tensor | None = None  # the pool's arena as a CPU uint8 tensor (no copy)
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._dev_load: torch.Tensor | None = None  # in-place path: two halves of objects, dense
@@ -370,6 +373,9 @@ class ConnectorWorker:
                 if self.clock() > deadline:
                     drain(False)
                     return report(False, "timeout")
+                if not self._reachable():
+                    drain(False)
+                    return report(False, "no_answer")
                 m = min(per_round, n - done)
                 half = rounds % 2 if overlap else 0
                 base = half * (self.load_slots // 2) * self.slot_bytes
@@ -677,6 +683,8 @@ class ConnectorWorker:
             while done < n:
                 if self.clock() > deadline:
                     return report("timeout")
+                if not self._reachable():
+                    return report("no_answer")
                 m = min(window, n - done)
                 keys, groups = objs.keys[done : done + m], plan.group_ids[done : done + m]
                 if in_place:

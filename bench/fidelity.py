@@ -50,38 +50,40 @@ def overrides(a) -> list[str]:
 
 
 def calibrate(a, work: Path) -> Path:
-    from kvpool.cli.calibrate import start_serve, stop_serve
+    from kvpool.backend.serve.launch import start_serve
 
     path = work / "calibration.json"
     if a.calibration:
         return Path(a.calibration)
     if a.reuse and path.exists():
         return path
-    proc, url = start_serve(a.scenario, a.sets, work / "serve-calibrate")
+    served = start_serve(a.scenario, a.sets, work / "serve-calibrate")
+    url = served.url
     try:
         log(f"calibrating {url}")
         subprocess.run([*KVPOOL, "calibrate", a.scenario, "--url", url, "--out", str(path), *sum((["--set", x] for x in a.sets), [])],
                        check=True)
     finally:
-        stop_serve(proc)
+        served.stop()
     return path
 
 
 def real_load(a, work: Path, load: int) -> tuple[dict, list[dict]]:
-    from kvpool.cli.calibrate import start_serve, stop_serve
+    from kvpool.backend.serve.launch import start_serve
 
     where = work / f"real-{load}"
     done = where / "summary.json"
     if not (a.reuse and done.exists()):
         where.mkdir(parents=True, exist_ok=True)
-        proc, url = start_serve(a.scenario, a.sets, where / "serve")
+        served = start_serve(a.scenario, a.sets, where / "serve")
+        url = served.url
         try:
             log(f"replaying {load} sessions against {url}")
             cmd = [*KVPOOL, "replay", a.scenario, "--url", url, "--traces", a.traces, "--sessions", str(load),
                    "--out", str(where / "replay"), "--json", *sum((["--set", x] for x in overrides(a)), [])]
             doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
         finally:
-            stop_serve(proc)
+            served.stop()
         jsonl = next((where / "replay").glob("*.jsonl"))
         done.write_text(json.dumps({"summary": doc["results"][0], "jsonl": str(jsonl.relative_to(where))}))
     kept = json.loads(done.read_text())

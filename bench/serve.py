@@ -221,8 +221,12 @@ def main() -> None:
     a = ap.parse_args()
 
     from kvpool.backend.serve.model_config import ref_config
+<<<<<<< HEAD
     from kvpool.backend.serve.plan import build_plan
     from kvpool.cli.calibrate import start_serve, stop_serve
+=======
+    from kvpool.backend.serve.launch import start_serve
+>>>>>>> servecpu
     from kvpool.backend.serve.reference import reference_generate
     from kvpool.scenario.load import load_scenario
 
@@ -232,7 +236,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvpool-serve-bench-"))
     loads = [int(x) for x in a.loads.split(",")]
     log(f"starting kvpool serve {a.scenario}")
-    proc, url = start_serve(a.scenario, a.sets, work / "run")
+    served = start_serve(a.scenario, a.sets, work / "run")
+    url = served.url
     results, records_by_load = [], {}
     try:
         session = correctness_session(url, s.model.name, s.serve.vocab, a.turns, first_tokens=600,
@@ -250,8 +255,7 @@ def main() -> None:
                 f"{summary['ttft_p50_s']:.2f} s p90 {summary['ttft_p90_s']:.2f} s, gpu/pool/computed "
                 f"{summary['share_gpu']:.2f}/{summary['share_pool']:.2f}/{summary['share_computed']:.2f}")
     finally:
-        stop_serve(proc)
-        status = proc.returncode
+        status = served.stop()
     check = []
     for turn in session:
         want = reference_generate(config, turn["prompt"], len(turn["answer"]), s.decode.dcp, device=str(dev))

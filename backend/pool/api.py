@@ -23,6 +23,11 @@ Contract (every implementation; ``tests/backend/test_pool_contract.py`` checks e
       evictions, or ``None`` when the pool cannot answer.
     * Every call is bounded in time and thread-safe.
 
+Optional capability, ``Reachable`` (the Mooncake pool): ``reachable() -> bool`` says, at once (or
+after one bounded probe), whether calls would reach the pool's master now; ``False`` means a call
+would answer ``NO_ANSWER`` / ``None`` without trying, so a caller can skip the work that precedes
+it (packing a save).
+
 Optional capability, ``ArenaPool`` (the embedded pool): a pool that holds its objects in one host
 arena may lend them in place instead of copying them into a registered buffer:
     * ``lease_read(keys, sizes)`` is one read call (as ``get``): per key ``OK`` / ``MISSING`` /
@@ -170,6 +175,13 @@ class ArenaPool(Protocol):
     def lease_read(self, keys: Sequence[str], sizes_bytes: Sequence[int]) -> ArenaRead: ...
 
     def reserve_write(self, keys: Sequence[str], groups: Sequence[str], sizes_bytes: Sequence[int]) -> ArenaWrite: ...
+
+
+@runtime_checkable
+class Reachable(Protocol):
+    """A pool that knows when its master is lost (module docstring)."""
+
+    def reachable(self) -> bool: ...
 
 
 @runtime_checkable

@@ -19,9 +19,16 @@ explicitly (``reference/mooncake-store.md`` sections 5-7):
       ``FAILED``). Keep the lease TTL well above the longest batch read.
     * **Dead store service.** Its keys still "exist" until the master's ``--client_ttl``; reads of
       them fail at once with -800 -> ``FAILED`` (a miss; the caller recomputes).
-    * **Dead or hung master.** Calls fail with -900 (dead: after ~4.3 s of reconnects) or -901
-      (hung: after ``MC_RPC_TIMEOUT_MS``) -> ``NO_ANSWER``; ``exists`` returns ``None``. A restarted
-      master has forgotten every key: reads are misses until the data is saved again.
+    * **Dead or hung master.** Calls fail with -900 (dead: the first call at once, later ones after
+      ~4.3 s of reconnects) or -901 (hung: after ``MC_RPC_TIMEOUT_MS``) -> ``NO_ANSWER``; ``exists``
+      returns ``None``. A restarted master has forgotten every key: reads are misses until the
+      data is saved again.
+    * **A lost master costs later calls nothing** (``reachability``, a ``Reachability``): the first
+      call that gets no answer marks the pool down; from then on ``exists`` returns ``None``, ``get``,
+      ``put`` and ``remove`` return ``NO_ANSWER`` for every key at once, without a Mooncake call,
+      except that at most once per ``reprobe_every_s`` one call first probes the master's port (a
+      TCP connect bounded by ``probe_timeout_s``); when it connects, that call goes to Mooncake
+      again, and an answer marks the pool up. ``reachable()`` is that check.
     * **Wrong size.** ``get`` asks for exactly the range's size. An object that is larger makes
       Mooncake return -600; one ``get_size`` call then tells ``WRONG_SIZE`` from other errors. An
       object that is smaller returns its size -> ``WRONG_SIZE``.
@@ -57,6 +64,7 @@ from kvpool.backend.pool.api import BufferRef, PoolStats, Status
 from kvpool.backend.pool.buffers import BufferRegistry, check_batch
 from kvpool.backend.pool.metrics import MetricsUnavailable, read_master_metrics
 from kvpool.backend.pool.netns import check_listeners
+from kvpool.backend.pool.reachability import REPROBE_EVERY_S, Reachability
 
 # Mooncake error codes (mooncake-store types.h) that kvpool distinguishes.
 INVALID_PARAMS = -600
@@ -123,6 +131,8 @@ class MooncakePool:
             to reach a pool on another host). False: ``PublicListenersRefused`` there.
         local_segment_bytes: memory this client mounts into the pool itself (0: a pure client);
             > 0 turns on the same-host fast path (module docstring).
+        reprobe_every_s: while the master is lost, least time between two probes of its port.
+        probe_timeout_s: bound on one probe (a TCP connect to the master's RPC port).
     """
 
     def __init__(
@@ -138,6 +148,8 @@ class MooncakePool:
         connect_timeout_s: float = 2.0,
         allow_public_listeners: bool = False,
         local_segment_bytes: int = 0,
+        reprobe_every_s: float = REPROBE_EVERY_S,
+        probe_timeout_s: float = 0.5,
     ) -> None:
         if local_segment_bytes < 0:
             raise ValueError(f"local_segment_bytes must be >= 0, got {local_segment_bytes}")
@@ -145,6 +157,8 @@ class MooncakePool:
         self.address = PoolAddress.parse(address) if isinstance(address, str) else address
         self.put_retry = put_retry
         self.metrics_timeout_s = metrics_timeout_s
+        self.probe_timeout_s = probe_timeout_s
+        self.reachability = Reachability(self._probe_master, reprobe_every_s)
         try:  # Mooncake's setup retries an absent master for ~90 s; answer at once instead
             socket.create_connection((self.address.host, self.address.rpc_port), timeout=connect_timeout_s).close()
         except OSError as e:
@@ -193,6 +207,8 @@ class MooncakePool:
         self._check_open()
         self._buffers.check(buffer)
         check_batch(keys, offsets_bytes, sizes_bytes, buffer, groups)
+        if keys and not self.reachability.usable():
+            return [Status.NO_ANSWER] * len(keys)
         out = [Status.FULL] * len(keys)
         pending = list(range(len(keys)))
         deadline = time.monotonic() + self.put_retry.budget_s
@@ -208,6 +224,7 @@ class MooncakePool:
                 [sizes_bytes[i] for i in pending],
                 cfg,
             )
+            self._saw(codes)
             retry = []
             for i, code in zip(pending, codes):
                 out[i] = status_of(code)
@@ -232,14 +249,18 @@ class MooncakePool:
         check_batch(keys, offsets_bytes, sizes_bytes, buffer)
         if not keys:
             return []
+        if not self.reachability.usable():
+            return [Status.NO_ANSWER] * len(keys)
         codes = self._store.batch_get_into(
             list(keys), [buffer.address + off for off in offsets_bytes], list(sizes_bytes)
         )
+        self._saw(codes)
         expired = [i for i, c in enumerate(codes) if c == LEASE_EXPIRED]
         if expired:  # the batch outlasted the lease: read those keys once more under a fresh lease
             again = self._store.batch_get_into(
                 [keys[i] for i in expired], [buffer.address + offsets_bytes[i] for i in expired], [sizes_bytes[i] for i in expired]
             )
+            self._saw(again)
             codes = list(codes)
             for i, c in zip(expired, again):
                 codes[i] = c
@@ -258,7 +279,10 @@ class MooncakePool:
         self._check_open()
         if not keys:
             return []
+        if not self.reachability.usable():
+            return None
         codes = self._store.batch_is_exist(list(keys))
+        self._saw(codes)
         if len(codes) != len(keys) or any(c < 0 for c in codes):
             return None
         return [c == 1 for c in codes]
@@ -267,7 +291,30 @@ class MooncakePool:
         self._check_open()
         if not keys:
             return []
-        return [status_of(c) for c in self._store.batch_remove(list(keys), force=True)]
+        if not self.reachability.usable():
+            return [Status.NO_ANSWER] * len(keys)
+        codes = self._store.batch_remove(list(keys), force=True)
+        self._saw(codes)
+        return [status_of(c) for c in codes]
+
+    def reachable(self) -> bool:
+        """Whether calls go to the master now (``False``: it was lost and no probe found it since)."""
+        return self.reachability.usable()
+
+    def _saw(self, codes: Sequence[int]) -> None:
+        """Mark the master lost when a call got no answer, found when it answered."""
+        lost = [c for c in codes if c in NO_ANSWER_CODES]
+        if lost:
+            self.reachability.lost(f"the master at {self.address.master} gave no answer (code {lost[0]})")
+        elif len(codes):
+            self.reachability.answered()
+
+    def _probe_master(self) -> bool:
+        try:
+            socket.create_connection((self.address.host, self.address.rpc_port), timeout=self.probe_timeout_s).close()
+        except OSError:
+            return False
+        return True
 
     def stats(self) -> PoolStats | None:
         url = self.address.metrics_url

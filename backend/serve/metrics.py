@@ -6,6 +6,8 @@ Contract:
     * ``observe_record(record)`` adds a finished request's prompt tokens by source (``gpu``,
       ``pool`` = pool + SSD tokens, ``computed``) and its prompt tokens (the denominator), as
       ``summarize`` counts them for ``share_gpu`` / ``share_pool`` / ``share_computed``.
+    * ``pool``: the deployment's pool series (``backend.serve.pool_metrics.PoolSeries``), set by the
+      router from the prefill engines' before each render.
     * Outcomes of ``kvpool:requests_total``: ``ok``, ``bad_request`` (4xx before the gate),
       ``rejected`` (the gate's verdict), ``error`` (an engine failed or timed out), ``cancelled``
       (the client went away).
@@ -16,6 +18,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvpool.backend.serve.pool_metrics import PoolSeries
 from kvpool.workload.records import RequestRecord
 
 OUTCOMES = ("ok", "bad_request", "rejected", "error", "cancelled")
@@ -46,6 +49,7 @@ class RouterMetrics:
         self.prompt_tokens = Counter("kvpool:prompt_tokens", "Prompt tokens of finished requests (the denominator of "
                                      "prompt_tokens_by_source)", registry=r)
         self.generation_tokens = Counter("kvpool:generation_tokens", "Tokens generated for finished requests", registry=r)
+        self.pool = PoolSeries(r, ("tier",))
         for o in OUTCOMES:
             self.requests.labels(outcome=o)
         for s in SOURCES:

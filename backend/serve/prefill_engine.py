@@ -21,8 +21,15 @@ Routes (bodies JSON; every non-2xx answer is ``{"error": reason}``):
         ``HANDOFF_TIMEOUT_S``). 503: a stage died or missed a deadline (named), or the engine
         stops. 504: no answer within ``serve.request_timeout_s``.
     ``GET /health``  ``protocol.Health``: ``ok`` (200), ``starting`` or ``failed`` (503, with the
-        reason in ``detail.error``).
-    ``GET /metrics``  Prometheus text of this engine's own registry (``METRICS`` lists the series).
+        reason in ``detail.error``). ``detail.pool_up`` lists, per stage, whether its pool client
+        reaches its pool (null: the stage did not answer within ``POOL_HEALTH_WAIT_S``); a lost pool
+        is no failure (prefill recomputes), so the status stays ``ok``.
+    ``GET /metrics``  Prometheus text of this engine's own registry (``METRICS`` lists the series);
+        the pool's series come from the stages' ``pool`` command, asked at each scrape (bounded by
+        ``POOL_METRICS_WAIT_S``, ``backend.serve.pool_metrics``).
+
+The pool questions go through a stage client of their own (``PoolInfo``, one thread), so they never
+wait behind the scheduler's work.
 """
 
 from __future__ import annotations
@@ -39,6 +46,10 @@ from kvpool.backend.serve.plan import ServePlan, Worker, wait_ready, worker_of_a
 
 STAGE_READY_WAIT_S = 180.0
 HANDOFF_TIMEOUT_S = 30.0
+#: Bound on the stages' pool answers for one ``/metrics`` scrape (a Mooncake stage reads the master's metrics).
+POOL_METRICS_WAIT_S = 1.0
+#: Bound on the stages' pool state for one ``/health`` answer.
+POOL_HEALTH_WAIT_S = 0.5
 
 #: The Prometheus series of ``/metrics`` (names as exposed; counters end in ``_total``).
 METRICS = (
@@ -58,10 +69,43 @@ METRICS = (
     "kvpool:prefill_waiting_requests, kvpool:prefill_running_requests (gauges)",
     "kvpool:prefill_steps_done, kvpool:prefill_step_tokens_done (gauges: chunked-prefill steps, their tokens)",
     "kvpool:prefill_step_requests, kvpool:prefill_step_tokens (histograms: requests and tokens per step)",
+    "kvpool:pool_capacity_bytes, kvpool:pool_used_bytes, kvpool:pool_objects {tier, stage} (gauges)",
+    "kvpool:pool_evicted_objects_total, kvpool:pool_evicted_bytes_total {tier, stage}",
+    "kvpool:pool_up{stage} (gauge: 1 when the stage's pool client reaches its pool)",
     "kvpool_connector_* (backend.connector_metrics)",
 )
 
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class PoolInfo:
+    """The stages' pool answers (the stages' ``pool`` command) through a stage client used by one thread only."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.endpoints = endpoints
+        self._exec = ThreadPoolExecutor(1, thread_name_prefix="prefill-pool-info")
+        self._client = None
+
+    def _states(self, with_stats: bool, timeout_s: float) -> list[dict | None]:
+        import zmq
+
+        from kvpool.backend.serve import stage_link as link
+
+        if self._client is None:
+            self._client = link.StageClient(zmq.Context.instance(), self.endpoints)
+        n = len(self.endpoints)
+        got = self._client.call_all(list(range(n)), "pool", [{"stats": with_stats}] * n, timeout_s)
+        self._client.poll()  # late answers of an earlier question are of no use
+        return got
+
+    async def states(self, with_stats: bool, timeout_s: float) -> list[dict | None]:
+        """Each stage's ``pool`` answer, or ``None`` for a stage that did not answer within ``timeout_s``."""
+        return await asyncio.wrap_future(self._exec.submit(self._states, with_stats, timeout_s))
+
+    def close(self) -> None:
+        self._exec.shutdown(wait=False, cancel_futures=True)
 
 
 class EngineMetrics:
@@ -71,6 +115,7 @@ class EngineMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         from kvpool.backend.connector_metrics import ConnectorMetrics
+        from kvpool.backend.serve.pool_metrics import PoolSeries
 
         r = self.registry = CollectorRegistry()
         self.by_source = Counter("kvpool:prompt_tokens_by_source", "Prompt tokens by where their KV came from",
@@ -103,6 +148,7 @@ class EngineMetrics:
         self.step_tokens = Histogram("kvpool:prefill_step_tokens", "Tokens computed in a prefill step",
                                      buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
         self.connector = ConnectorMetrics(r)
+        self.pool = PoolSeries(r, ("tier", "stage"))
 
     def observe_step(self, requests: int, tokens: int) -> None:
         self.step_requests.observe(requests)
@@ -172,7 +218,7 @@ def pool_namespace(scenario, spec) -> str:
         "v_dim": s.v_dim, "ffn_dim": s.ffn_dim, "vocab": s.vocab, "cache_dtype": s.cache_dtype})
 
 
-def make_app(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics):
+def make_app(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics, info: PoolInfo):
     from aiohttp import web
 
     from kvpool.backend.serve.protocol import Health, PrefillRequest, ProtocolError
@@ -221,13 +267,18 @@ def make_app(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics):
             return web.json_response(h.to_json(), status=503)
         if not sched.started.is_set():
             return web.json_response(Health("starting", "prefill_engine", worker.instance).to_json(), status=503)
+        states = await info.states(False, POOL_HEALTH_WAIT_S)
         detail = {"stages": sched.pp, "kv_blocks": sched.blocks.num_blocks, "cached_blocks": sched.blocks.cached_blocks,
-                  "running": sched.running, "waiting": sched.waiting}
+                  "running": sched.running, "waiting": sched.waiting,
+                  "pool_up": [bool(st["up"]) if st and st.get("ok") else None for st in states]}
         return web.json_response(Health("ok", "prefill_engine", worker.instance, detail).to_json())
 
     async def metrics_route(request: web.Request):
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        from kvpool.backend.serve.pool_metrics import stage_rows
+
+        metrics.pool.set(stage_rows(await info.states(True, POOL_METRICS_WAIT_S)))
         return web.Response(body=metrics.text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application(client_max_size=64 << 20)
@@ -235,10 +286,11 @@ def make_app(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics):
     return app
 
 
-async def _serve(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics, stop: asyncio.Event) -> None:
+async def _serve(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics, info: PoolInfo,
+                 stop: asyncio.Event) -> None:
     from aiohttp import web
 
-    runner = web.AppRunner(make_app(plan, worker, sched, metrics), access_log=None)
+    runner = web.AppRunner(make_app(plan, worker, sched, metrics, info), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -257,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     sched = build_scheduler(plan, worker, ready)
+    info = PoolInfo([r["endpoint"] for r in ready])
     metrics = EngineMetrics(sched)
     sched.on_finish = metrics.observe
     sched.on_step = metrics.observe_step
@@ -271,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         loop.add_signal_handler(sig, stop.set)
     t0 = time.monotonic()
     try:
-        loop.run_until_complete(_serve(plan, worker, sched, metrics, stop))
+        loop.run_until_complete(_serve(plan, worker, sched, metrics, info, stop))
     finally:
+        info.close()
         sched.shutdown()
         thread.join(timeout=5.0)
         print(json.dumps({"stopped": worker.name, "after_s": round(time.monotonic() - t0, 3)}), flush=True)

@@ -33,10 +33,16 @@ the ready file is ``{"pid", "endpoint"}``). Every reply has ``"ok"``; failures c
         through the engine (stage -> engine -> next stage).
     ``handoff {rid, decode, blocks, plan, timeout_s}`` -> ``{"report": handoff StageReport}``
         this stage's KV of the request's tokens to every rank of decode instance ``decode``.
+    ``pool {stats}``                  -> ``{"pool", "tier", "up", "reason", "stats"}``: this stage's pool
+        client: ``pool`` (``embedded``: this stage's own pool; ``mooncake``: the whole shared pool),
+        ``tier`` (``dram``), ``up`` (false: the client lost the Mooncake master and answers every
+        call as unanswered; with ``stats`` it first re-probes a lost master, bounded), ``reason``
+        (why not up), ``stats`` (with ``stats``: the pool's ``PoolStats`` fields, or null when the
+        pool gives none; without: null).
     ``stop``                          -> closes everything and exits 0.
 Compute runs on one compute thread (commands in arrival order), hand-offs on one hand-off
 thread (one at a time), loads and saves on the connector worker's threads, pool existence checks
-on a small pool of threads; the socket thread only moves messages.
+on a small pool of threads, ``pool`` on its own thread; the socket thread only moves messages.
 """
 
 from __future__ import annotations
@@ -65,6 +71,10 @@ GIB = 1 << 30
 MIB = 1 << 20
 #: How long a hand-off waits for a decode engine's ready file before it fails.
 DECODE_READY_WAIT_S = 5.0
+#: Bound on reading a Mooncake master's metrics for the ``pool`` command.
+POOL_METRICS_TIMEOUT_S = 0.5
+#: The tier every stage's pool is (the production pools hold DRAM only).
+POOL_TIER = "dram"
 
 
 def pool_capacity_bytes(scenario) -> int:
@@ -82,7 +92,7 @@ def make_pool(scenario, pool_address: str = ""):
         if not pool_address:
             raise SystemExit("error: serve.pool is mooncake but the plan names no pool_address")
         try:
-            return MooncakePool(pool_address)
+            return MooncakePool(pool_address, metrics_timeout_s=POOL_METRICS_TIMEOUT_S)
         except (ValueError, PoolUnavailable, PublicListenersRefused) as e:
             raise SystemExit(f"error: serve.pool is mooncake, pool_address {pool_address}: {e}") from None
     from kvpool.backend.pool.embedded import EmbeddedPool
@@ -146,6 +156,7 @@ class StageServer:
         self.compute_exec = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}-compute", initializer=init)
         self.handoff_exec = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}-handoff", initializer=init)
         self.pool_exec = ThreadPoolExecutor(2, thread_name_prefix=f"stage{self.stage}-pool", initializer=init)
+        self.info_exec = ThreadPoolExecutor(1, thread_name_prefix=f"stage{self.stage}-info")
         self.stopping = threading.Event()
 
     # -- socket thread -----------------------------------------------------------------------
@@ -226,6 +237,21 @@ class StageServer:
         if not all(isinstance(k, str) for k in keys):
             raise link.LinkError("keys: expected strings")
         self._in_thread(self.pool_exec, ident, header, lambda: ({"present": self.pool.exists(keys)}, ()))
+
+    def cmd_pool(self, ident, header, tensors) -> None:
+        with_stats = bool(header.get("stats", False))
+        self._in_thread(self.info_exec, ident, header, lambda: (self.pool_state(with_stats), ()))
+
+    def pool_state(self, with_stats: bool) -> dict:
+        """The ``pool`` command's answer (module docstring)."""
+        reach = getattr(self.pool, "reachability", None)
+        if reach is None:
+            up = True
+        else:
+            up = self.pool.reachable() if with_stats else reach.up
+        stats = self.pool.stats() if with_stats else None
+        return {"pool": self.scenario.serve.pool, "tier": POOL_TIER, "up": up,
+                "reason": "" if up or reach is None else reach.reason, "stats": asdict(stats) if stats else None}
 
     def cmd_load(self, ident, header, tensors) -> None:
         plan = link.load_plan_from_json(header.get("plan"))
@@ -332,7 +358,7 @@ class StageServer:
         return self.sender.send(rid, target, self.caches, blocks, hplan, timeout_s=left)
 
     def close(self) -> None:
-        for ex in (self.compute_exec, self.handoff_exec, self.pool_exec):
+        for ex in (self.compute_exec, self.handoff_exec, self.pool_exec, self.info_exec):
             ex.shutdown(wait=False, cancel_futures=True)
         try:
             self.connector.close()

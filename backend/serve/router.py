@@ -8,8 +8,12 @@ Routes (aiohttp; the supervisor binds it on 127.0.0.1 only):
                            (400) and so is any other field (400).
     GET /v1/models         the one model served (``model.name`` of the scenario).
     GET /health            200 when every engine answers its ``/health`` with ``ok`` (and the
-                           supervisor's children run), else 503 naming the ones that do not.
-    GET /metrics           Prometheus text (``backend.serve.metrics``).
+                           supervisor's children run), else 503 naming the ones that do not;
+                           ``pool`` says ``up``, or ``down`` while a prefill stage's client has lost
+                           the Mooncake master (serving goes on: prefill recomputes).
+    GET /metrics           Prometheus text (``backend.serve.metrics``); the pool's series
+                           (``backend.serve.pool_metrics``) from the prefill engines' ``/metrics``,
+                           each asked within ``POOL_SCRAPE_TIMEOUT_S``.
 
 A completion (``protocol`` holds the engine messages):
     1. parse and check the body (400 naming the field), ``gate.check`` (400 naming the verdict);
@@ -70,6 +74,8 @@ from kvpool.workload.records import RequestRecord
 ABORT_TIMEOUT_S = 5.0
 #: Longest one engine's /health may take before the router counts it unhealthy, s.
 HEALTH_TIMEOUT_S = 2.0
+#: Longest one prefill engine's /metrics may take inside the router's /metrics (then its pool is left out), s.
+POOL_SCRAPE_TIMEOUT_S = 2.0
 #: Longest a request's body may take to arrive once its headers have, s (then 408).
 BODY_TIMEOUT_S = 30.0
 #: What the router serves, for the message of a 404 or 405.
@@ -303,14 +309,33 @@ class Router:
             "max_model_len": self.gate_config.max_input_tokens + self.gate_config.max_output_tokens}]})
 
     async def metrics_text(self, _request: web.Request) -> web.Response:
+        from kvpool.backend.serve.pool_metrics import deployment_row
+
+        async def one(url: str) -> str | None:
+            try:
+                async with self._session().get(f"{url}/metrics",
+                                               timeout=aiohttp.ClientTimeout(total=POOL_SCRAPE_TIMEOUT_S)) as r:
+                    return await r.text() if r.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                return None
+
+        texts = await asyncio.gather(*(one(u) for _, u in self.engines.prefill))
+        row = deployment_row(self.scenario.serve.pool, [t for t in texts if t is not None])
+        self.metrics.pool.set([row] if row is not None else [])
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def health(self, _request: web.Request) -> web.Response:
+        pool_down: list[str] = []
+
         async def one(name: str, url: str) -> tuple[str, str]:
             try:
                 async with self._session().get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
                     body = await r.json(content_type=None)
                     status = body.get("status", "?") if isinstance(body, dict) else "?"
+                    detail = body.get("detail") if isinstance(body, dict) else None
+                    ups = detail.get("pool_up") if isinstance(detail, dict) else None
+                    if isinstance(ups, list) and any(u is False for u in ups):
+                        pool_down.append(name)
                     return name, status if r.status == 200 else f"HTTP {r.status} ({status})"
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 return name, f"unreachable ({type(e).__name__}: {e})"
@@ -318,7 +343,9 @@ class Router:
         engines = dict(await asyncio.gather(*(one(n, u) for n, u in self.engines.all())))
         problem = self.healthy_children()
         ok = problem is None and not self.draining and all(s == "ok" for s in engines.values())
-        body = {"status": "ok" if ok else ("draining" if self.draining else "unhealthy"), "engines": engines}
+        body = {"status": "ok" if ok else ("draining" if self.draining else "unhealthy"), "engines": engines,
+                "pool": f"down ({', '.join(sorted(pool_down))}: the pool client lost its master; prefill recomputes)"
+                        if pool_down else "up"}
         if problem is not None:
             body["processes"] = problem
         return web.json_response(body, status=200 if ok else 503)

@@ -4,7 +4,7 @@
 
 With ``--url``: the running ``kvpool serve`` there, which must run SCENARIO (its model, KV sizes
 and step budget choose the grid). Without: ``kvpool serve SCENARIO --port 0`` is started in a new
-run directory under ``out/calibrate/``, measured and stopped. The measurement is
+run directory under ``out/calibrate/`` (``backend.serve.launch.start_serve``), measured and stopped. The measurement is
 ``backend.serve.calibrate.measure`` (a progress bar counts its requests); the file is
 ``sim.calibration``'s format (``docs/fidelity.md``): ``format``, ``version``, ``kvpool_version``,
 ``created_utc``, ``device``, ``scenario`` (name and SHA-256), ``model`` (the served model's
@@ -18,9 +18,6 @@ import asyncio
 import datetime
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -43,51 +40,6 @@ def _device_name(s) -> str:
     import platform
 
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def fresh_run_dir(run_dir: Path) -> Path:
-    """``run_dir``, or ``run_dir-2``, ``run_dir-3``, ... when it holds files (``kvpool serve`` wants
-    a new or empty run directory)."""
-    candidate, k = run_dir, 1
-    while candidate.exists() and any(candidate.iterdir()):
-        k += 1
-        candidate = run_dir.with_name(f"{run_dir.name}-{k}")
-    return candidate
-
-
-def start_serve(scenario: str, sets: list[str], run_dir: Path) -> tuple[subprocess.Popen, str]:
-    """``kvpool serve`` in its own process group, with its run directory at ``run_dir`` (or the first
-    free ``run_dir-K``) and its output in ``RUN_DIR.out`` beside it; its URL once
-    ``router.ready.json`` exists."""
-    run_dir = fresh_run_dir(run_dir)
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    args = [sys.executable, "-m", "kvpool.cli", "serve", scenario, "--port", "0", "--run-dir", str(run_dir)]
-    for x in sets:
-        args += ["--set", x]
-    out = run_dir.with_name(run_dir.name + ".out")
-    log = out.open("w")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    ready = run_dir / "router.ready.json"
-    deadline = time.monotonic() + SERVE_READY_S
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise UserError(f"kvpool serve exited with status {proc.returncode}; see {out}")
-        if time.monotonic() > deadline:
-            stop_serve(proc)
-            raise UserError(f"kvpool serve was not ready within {SERVE_READY_S:g} s; see {out}")
-        time.sleep(0.25)
-    return proc, json.loads(ready.read_text())["url"]
-
-
-def stop_serve(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def calibration_document(s, measured: dict, *, url: str, device: str) -> dict:
@@ -124,6 +76,7 @@ def calibrate(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvpool.backend.serve.calibrate import default_grid, measure, plan_size
+    from kvpool.backend.serve.launch import ServeStartError, start_serve
     from kvpool.cli.replay import check_url
     from kvpool.outputs import atomic_path, safe_name
 
@@ -132,11 +85,15 @@ def calibrate(
     out = out if out is not None else Path("out") / f"calibration-{safe_name(s.name)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     console = Console(stderr=True)
-    proc = None
+    served = None
     if url is None:
         run_dir = Path("out/calibrate") / f"{safe_name(s.name)}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         console.print(f"starting kvpool serve {scenario} (run directory {run_dir})")
-        proc, url = start_serve(scenario, list(set_), run_dir)
+        try:
+            served = start_serve(scenario, list(set_), run_dir, ready_timeout_s=SERVE_READY_S)
+        except ServeStartError as e:
+            raise UserError(str(e)) from None
+        url = served.url
     grid = default_grid(s)
     try:
         with Progress(TextColumn("[bold]calibrating[/] " + s.name), BarColumn(), MofNCompleteColumn(),
@@ -147,8 +104,8 @@ def calibrate(
     except (OSError, RuntimeError, asyncio.TimeoutError) as e:  # aiohttp's errors are OSErrors
         raise UserError(f"calibrating {url}: {e}") from None
     finally:
-        if proc is not None:
-            stop_serve(proc)
+        if served is not None:
+            served.stop()
     doc = calibration_document(s, measured, url=url, device=_device_name(s))
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

@@ -89,6 +89,8 @@ def test_master_killed_gives_no_hits_then_recovers_after_restart(
 
         local.start_master()  # forgets every key; the service re-mounts within a few seconds
         wait_for(lambda: (st := pool.stats()) is not None and st.capacity_bytes > 0, 15, "the service re-mounting")
+        # the client marked the lost master down; a probe finds it again and the calls reach it
+        wait_for(lambda: pool.exists(["probe"]) is not None, 15, "the client reaching the master again")
         time.sleep(sc.no_answer_pause_s)
         after = e.serve("after", TOKENS)  # answered, nothing held: compute and save again
         assert after.metrics.lookup_answered and after.metrics.pool_tokens == 0
@@ -202,6 +204,7 @@ def test_master_hung_mid_load_fails_within_the_rpc_timeout_and_the_request_recom
         # A master hung longer than the client TTL (2 s here) drops the service on waking (no
         # heartbeats seen), forgetting its keys; the service re-mounts by itself.
         wait_for(lambda: (st := pool.stats()) is not None and st.capacity_bytes > 0, 15, "the service re-mounting")
+        wait_for(lambda: pool.exists(["probe"]) is not None, 15, "the client reaching the master again")
         again = e.serve("again", TOKENS)
         assert_matches_reference(e, again, TOKENS)
         assert again.metrics.pool_tokens == 4 * CHUNK or (again.save is not None and again.save.stored)

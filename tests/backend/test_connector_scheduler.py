@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -157,6 +158,11 @@ def test_no_answer_means_compute_and_pauses_lookups(local_pool_factory, mooncake
         assert not again.answered and len(spy.exist_calls) == calls and sched.no_answer_count == 1
     finally:
         local.resume_master()
+    # the client marked the master down; its next probe (a period later) finds it again
+    end = time.monotonic() + 15.0
+    while pool.exists(["probe"]) is None:
+        assert time.monotonic() < end, "the client did not reach the master again within 15 s"
+        time.sleep(0.2)
     clock.now_s += 30.0  # the pause is over: the pool is asked again and answers
     back = sched.lookup("r3", digests, 4 * CHUNK + 1)
     assert back.answered and back.hit.pool_prefix_chunks == 4

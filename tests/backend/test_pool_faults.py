@@ -24,8 +24,11 @@ from pool_testing import TEST_RPC_TIMEOUT_MS
 KIB = 1 << 10
 MIB = 1 << 20
 OBJ = 512 * KIB
-#: A dead master costs ~4.3 s per call (reconnect attempts), a hung one MC_RPC_TIMEOUT_MS.
+#: The call that finds the master dead: -900 at once, or after ~4.3 s of reconnects; a hung one MC_RPC_TIMEOUT_MS.
 DEAD_MASTER_BOUND_S = 8.0
+#: Every later call while the master stays dead: refused without a Mooncake call, or after one probe of
+#: the master's port (refused at once on loopback).
+LOST_MASTER_CALL_BOUND_S = 0.25
 HUNG_MASTER_BOUND_S = TEST_RPC_TIMEOUT_MS / 1000 + 3.0
 #: Reads from a dead store service fail after the transport's reconnect attempts (~1 s measured).
 DEAD_SERVICE_BOUND_S = 3.0
@@ -144,14 +147,23 @@ def test_killed_master_gives_no_answer_then_recovers_empty_after_restart(local_p
 
     answer, took_s = timed(pool.exists, keys)
     assert answer is None and took_s < DEAD_MASTER_BOUND_S  # "no answer", never a guess
-    statuses, took_s = timed(pool.get, keys, rd, offsets, [OBJ] * 8)
-    assert set(statuses) == {Status.NO_ANSWER} and took_s < DEAD_MASTER_BOUND_S
-    statuses, took_s = timed(pool.put, ["m/new"], ["m/g"], rs, [0], [OBJ])
-    assert statuses == [Status.NO_ANSWER] and took_s < DEAD_MASTER_BOUND_S  # not retried as "full"
+    assert not pool.reachability.up and pool.reachability.losses == 1
+    for _ in range(3):  # the pool is down: every call answers at once, across probe periods
+        statuses, took_s = timed(pool.get, keys, rd, offsets, [OBJ] * 8)
+        assert set(statuses) == {Status.NO_ANSWER} and took_s < LOST_MASTER_CALL_BOUND_S
+        statuses, took_s = timed(pool.put, ["m/new"], ["m/g"], rs, [0], [OBJ])
+        assert statuses == [Status.NO_ANSWER] and took_s < LOST_MASTER_CALL_BOUND_S  # not retried as "full"
+        answer, took_s = timed(pool.exists, keys)
+        assert answer is None and took_s < LOST_MASTER_CALL_BOUND_S
+        assert not pool.reachable()
+        time.sleep(pool.reachability.reprobe_every_s)
+    assert pool.reachability.probes >= 2 and pool.reachability.losses == 1  # one per period after the first
     assert pool.stats() is None
 
     local.start_master()  # same ports; it has forgotten every key
+    # the next probe finds it (within one probe period) and the calls reach it again
     wait_for(lambda: pool.exists(keys) is not None, 15.0, "the client reconnecting")
+    assert pool.reachability.up and pool.reachable()
     assert pool.exists(keys) == [False] * 8  # no hits after a master restart
     assert pool.get(keys[:1], rd, [0], [OBJ]) == [Status.MISSING]
 

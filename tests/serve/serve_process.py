@@ -1,9 +1,9 @@
 """``kvpool serve`` and ``kvpool replay`` as real processes on loopback, for the acceptance tests.
 
-``start_serve(run_dir, sets, pool=...)`` starts ``kvpool serve cpu-tiny --port 0`` in its own process
-group and waits (bounded) for ``run_dir/router.ready.json``; ``RealServe.stop()`` sends SIGTERM,
-waits for the exit status and asserts that every process the ready file names (the supervisor,
-every worker, every pool process) is gone. ``start_replay`` runs ``kvpool replay ... --json`` as a
+``start_serve(run_dir, sets, pool=...)`` starts ``kvpool serve cpu-tiny --port 0`` through
+``backend.serve.launch.start_serve`` (its own process group, ``run_dir/router.ready.json`` awaited
+within ``START_BOUND_S``); ``RealServe.stop()`` sends SIGTERM, waits for the exit status and asserts
+that every process the ready file names (the supervisor, every worker, every pool process) is gone. ``start_replay`` runs ``kvpool replay ... --json`` as a
 process; ``Replay.finish()`` waits for it (bounded) and returns its summary document and records.
 A Mooncake deployment needs a private network namespace (``require_private_netns``: the test fails,
 never skips, outside one) and ``mooncake_master`` beside this Python or on ``PATH``.
@@ -19,10 +19,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from kvpool.backend.serve import launch
+from kvpool.backend.serve.launch import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACES = ROOT / "tests" / "data" / "traces" / "kv-cache-tester"
@@ -76,89 +79,42 @@ def get_text(url: str, timeout_s: float = 10.0) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-@dataclass
 class RealServe:
-    """One ``kvpool serve`` process; ``ready`` is its router.ready.json."""
+    """One ``kvpool serve`` (``backend.serve.launch.ServeProcess``, its attributes and methods) whose
+    ``stop`` asserts a clean end."""
 
-    proc: subprocess.Popen
-    run_dir: Path
-    log: Path
-    ready: dict = field(default_factory=dict)
-    status: int | None = None
+    def __init__(self, served: ServeProcess) -> None:
+        self.served = served
 
-    @property
-    def url(self) -> str:
-        return self.ready["url"]
-
-    @property
-    def workers(self) -> dict[str, int]:
-        return self.ready["workers"]
-
-    def pids(self) -> dict[str, int]:
-        """Every process the ready file names: the supervisor, each worker, each pool process."""
-        out = {"supervisor": self.ready["pid"], **self.workers}
-        out.update({f"pool process {i}": pid for i, pid in enumerate(self.ready.get("pool", []))})
-        return out
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_ready(self, timeout_s: float = START_BOUND_S) -> RealServe:
-        path = self.run_dir / "router.ready.json"
-        end = time.monotonic() + timeout_s
-        while not path.exists():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"kvpool serve exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
-            if time.monotonic() > end:
-                raise AssertionError(f"kvpool serve was not ready within {timeout_s:g} s:\n{self.output()[-4000:]}")
-            time.sleep(0.1)
-        self.ready = json.loads(path.read_text())
-        return self
-
-    def wait_exit(self, timeout_s: float) -> int:
-        """The supervisor's exit status (it exits by itself, e.g. after a worker died) within ``timeout_s``."""
-        self.status = self.proc.wait(timeout_s)
-        return self.status
+    def __getattr__(self, name: str):
+        return getattr(self.served, name)
 
     def stop(self) -> int:
-        """SIGTERM (unless it already exited), its exit status; asserts no process of the ready file is left."""
+        """SIGTERM (unless it already exited), its exit status; asserts it exited within ``STOP_BOUND_S``
+        and that no process of the ready file is left."""
+        left: dict[str, int] = {}
         try:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-            self.status = self.proc.wait(STOP_BOUND_S)
+            status = self.served.stop(STOP_BOUND_S)
         finally:
-            if self.proc.poll() is None:  # it did not stop: the test fails below, nothing stays behind
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
             end = time.monotonic() + GONE_BOUND_S
-            left = {name: pid for name, pid in self.pids().items() if alive(pid)} if self.ready else {}
+            left = {name: pid for name, pid in self.served.pids().items() if alive(pid)}
             while left and time.monotonic() < end:
                 time.sleep(0.1)
                 left = {name: pid for name, pid in left.items() if alive(pid)}
             for pid in left.values():
                 os.kill(pid, signal.SIGKILL)
         assert not left, f"processes left running after kvpool serve exited: {left}"
-        return self.status
+        assert status != -signal.SIGKILL, f"kvpool serve did not exit within {STOP_BOUND_S:g} s of SIGTERM"
+        return status
 
 
 def start_serve(run_dir: Path, sets: list[str], *, pool: str | None = None, env: dict | None = None) -> RealServe:
     """``kvpool serve cpu-tiny --port 0 --run-dir run_dir --set ...`` (``--pool``), ready."""
-    argv = [sys.executable, "-c", CLI, "serve", "cpu-tiny", "--port", "0", "--run-dir", str(run_dir)]
-    for s in sets:
-        argv += ["--set", s]
-    if pool is not None:
-        argv += ["--pool", pool]
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    log = run_dir.parent / f"{run_dir.name}.serve.log"
-    with log.open("wb") as f:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, **(env or {})})
-    served = RealServe(proc, run_dir, log)
     try:
-        return served.wait_ready()
-    except BaseException:
-        served.stop()
-        raise
+        return RealServe(launch.start_serve("cpu-tiny", sets, run_dir, pool=pool, env=env, ready_timeout_s=START_BOUND_S))
+    except launch.ServeStartError as e:
+        out = run_dir.with_name(run_dir.name + ".out")
+        raise AssertionError(f"{e}:\n{out.read_text(errors='replace')[-4000:] if out.exists() else ''}") from None
 
 
 @dataclass

@@ -31,12 +31,13 @@ SHARES = ("share_gpu", "share_pool", "share_computed")
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
     """The real run's summary and the simulated one's, of the same workload."""
-    from kvpool.cli.calibrate import start_serve, stop_serve
+    from kvpool.backend.serve.launch import start_serve
     from kvpool.scenario.load import load_scenario
     from kvpool.sim.run import run_point
 
     tmp = tmp_path_factory.mktemp("fidelity")
-    proc, url = start_serve("cpu-tiny", [], tmp / "serve")
+    served = start_serve("cpu-tiny", [], tmp / "serve")
+    url = served.url
     try:
         cmd = [sys.executable, "-m", "kvpool.cli", "replay", "cpu-tiny", "--url", url, "--traces", str(TRACES),
                "--sessions", str(SESSIONS), "--out", str(tmp / "replay"), "--json"]
@@ -44,7 +45,7 @@ def both(tmp_path_factory):
             cmd += ["--set", x]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     finally:
-        stop_serve(proc)
+        served.stop()
     assert done.returncode == 0, done.stderr[-2000:]
     real = json.loads(done.stdout)["results"][0]
     s = load_scenario("cpu-tiny", [*SETS, 'cost.kv_capacity="serve"', f'cost.calibration="{CALIBRATION}"',

@@ -18,10 +18,11 @@ The Mooncake deployment needs a private network namespace (the test fails outsid
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
-from serve_process import post, require_private_netns, start_replay, start_serve
+from serve_process import get_text, post, require_private_netns, start_replay, start_serve
 
 from kvpool.backend.serve.model_config import ref_config
 from kvpool.backend.serve.reference import reference_generate
@@ -108,3 +109,64 @@ def test_a_multi_turn_session_decodes_as_the_no_cache_recompute(deployment):
     assert sources[2][1] >= 640 and sources[2][0] == 0, sources       # turn 2's chunks from the pool
     assert [sum(s) for s in sources] == [len(p) for p in prompts]
     assert records[2]["restore_bytes"] > 0 and not records[2]["restore_failed"]
+
+
+def _pool_samples(text: str) -> dict[str, list[tuple[dict, float]]]:
+    from kvpool.backend.pool.metrics import parse_prometheus
+
+    return {k: v for k, v in parse_prometheus(text).items() if k.startswith("kvpool:pool_")}
+
+
+def _router_pool(url: str) -> dict[str, float]:
+    """The router's pool series (one tier, no other label) by name."""
+    status, text = get_text(f"{url}/metrics")
+    assert status == 200
+    out = {}
+    for name, samples in _pool_samples(text).items():
+        assert len(samples) == 1, (name, samples)
+        labels, value = samples[0]
+        assert labels == ({} if name == "kvpool:pool_up" else {"tier": "dram"}), (name, labels)
+        out[name] = value
+    return out
+
+
+def test_the_pool_series_count_a_request_s_saved_chunks(deployment):
+    """The router's pool capacity, use, objects and evictions: the deployment's pool (embedded: the
+    stages' pools added up, each the scenario's share; Mooncake: the one pool), and a fresh prompt of
+    three chunks adds three objects per stage and their bytes."""
+    from kvpool.backend.serve.prefill_stage import pool_capacity_bytes
+    from kvpool.policy.kvspec import KVSpec
+
+    pool, served = deployment
+    scenario = load_scenario("cpu-tiny", SERVE_SETS)
+    cfg = ref_config(scenario)
+    spec = KVSpec(model=scenario.model.name, layers=cfg.layers, record_bytes=cfg.record_bytes,
+                  stage_layers=tuple(cfg.stage_layers), page_tokens=cfg.page_tokens)
+    chunk, pp = scenario.pool.chunk_tokens, scenario.prefill.pp
+    chunk_bytes = sum(spec.chunk_object_bytes(s, chunk) for s in range(pp))
+    before = _router_pool(served.url)
+    want_capacity = pool_capacity_bytes(scenario) * pp  # one prefill instance; Mooncake: the whole pool
+    assert before["kvpool:pool_capacity_bytes"] == want_capacity, before
+    assert before["kvpool:pool_up"] == 1.0
+    rng = random.Random(19 if pool == "embedded" else 20)
+    status, body = post(served.url, {"prompt": [rng.randrange(scenario.serve.vocab) for _ in range(3 * chunk + 1)],
+                                     "max_tokens": 1})
+    assert status == 200 and body["kvpool"]["record"]["save_bytes"] == 3 * chunk_bytes, body
+    after = _router_pool(served.url)
+    assert after["kvpool:pool_objects"] - before["kvpool:pool_objects"] == 3 * pp, (before, after)
+    assert after["kvpool:pool_used_bytes"] - before["kvpool:pool_used_bytes"] >= 3 * chunk_bytes, (before, after)
+    assert after["kvpool:pool_used_bytes"] <= after["kvpool:pool_capacity_bytes"]
+    assert after["kvpool:pool_evicted_objects_total"] >= before["kvpool:pool_evicted_objects_total"]
+    assert get_text(f"{served.url}/health")[1].count('"pool": "up"') == 1
+
+    # the prefill engine's series are per stage; the router's add them up (embedded) or are the one pool's
+    engine = json.loads((served.run_dir / "prefill0.ready.json").read_text())["url"]
+    status, text = get_text(f"{engine}/metrics")
+    per_stage = _pool_samples(text)
+    assert status == 200 and sorted(lab["stage"] for lab, _ in per_stage["kvpool:pool_up"]) == ["0", "1"]
+    caps = [v for _, v in per_stage["kvpool:pool_capacity_bytes"]]
+    objects = [v for _, v in per_stage["kvpool:pool_objects"]]
+    if pool == "embedded":
+        assert caps == [pool_capacity_bytes(scenario)] * pp and sum(objects) == after["kvpool:pool_objects"]
+    else:
+        assert caps == [want_capacity] * pp and max(objects) == after["kvpool:pool_objects"]

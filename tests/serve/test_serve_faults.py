@@ -8,8 +8,11 @@ replay`` of the kv-cache-tester traces runs against it.
 * On a Mooncake pool: the store service is killed while a prompt's KV is only in the pool; that
   prompt's next request finds its keys (they still exist for the master's ``--client_ttl``), fails to
   read them and computes them (``restore_failed``). A replay then runs; the master is killed; serving
-  goes on (the supervisor reports each pool process once), a request after the kill computes its
-  prompt without an answered lookup, and no request gets KV from the pool. Then a prefill
+  goes on (the supervisor reports each pool process once), the requests after the kill compute their
+  prompts without an answered lookup, and no request gets KV from the pool. Once a stage's pool
+  client has found the master lost, it answers at once without asking Mooncake: requests after the
+  first one cost what a request without a pool costs (``NO_MASTER_REQUEST_BOUND_S``), and the
+  router's ``/health`` and ``kvpool:pool_up`` say the pool is down. Then a prefill
   stage is killed while a request waits in its engine: it ends within its bound with a 503 naming
   the stage, and the supervisor exits 1 naming it, the replay counting the errors as above.
 * Bad requests against the real server (a prompt over ``gate.max_input_tokens``, unknown fields,
@@ -36,7 +39,7 @@ import urllib.request
 import pytest
 from serve_process import get_text, post, require_private_netns, start_replay, start_serve
 
-from kvpool.backend.serve.prefill_scheduler import EXISTS_WAIT_S, LIVENESS_EVERY_S
+from kvpool.backend.serve.prefill_scheduler import LIVENESS_EVERY_S
 from kvpool.cli import main as kvpool_main
 
 SERVE_SETS = ["serve.prefill_kv_tokens=4096"]
@@ -51,15 +54,27 @@ DEAD_WORKER_BOUND_S = LIVENESS_EVERY_S + 5.0
 #: The supervisor's exit after a worker died: its watch, the drain of the requests still running
 #: (their engines answer or fail at once), every child's SIGTERM.
 SHUTDOWN_BOUND_S = 30.0
-#: A request while the master is dead: an unanswered lookup (EXISTS_WAIT_S), a save that gets no
-#: answer (Mooncake's reconnects, ~5 s), compute.
-DEAD_MASTER_BOUND_S = EXISTS_WAIT_S + 10.0
-#: A request sent after the master died, behind the replay's lanes (each request ahead of it in the
-#: prefill engine may take DEAD_MASTER_BOUND_S).
-QUEUED_NO_MASTER_BOUND_S = DEAD_MASTER_BOUND_S * (REPLAY_SESSIONS + 1)
-#: A request in the prefill engine when a stage dies while the master is dead: the lookup's wait,
-#: the liveness check, the answer.
-DEAD_STAGE_NO_MASTER_BOUND_S = EXISTS_WAIT_S + DEAD_WORKER_BOUND_S
+#: The Mooncake calls in flight when the master dies: -900 at once, or after Mooncake's reconnects
+#: (~4.3 s). The first one marks its stage's pool client down; from then on it answers every call
+#: at once until a probe of the master's port connects again.
+MASTER_LOSS_FOUND_S = 5.0
+#: A short prompt's request while its prefill engine works on the replay's (compute, hand-off,
+#: decode of two tokens on two shared cores).
+REQUEST_BOUND_S = 3.0
+#: A request once the calls in flight at the master's death have ended, behind the replay's lanes:
+#: no lookup, load or save waits on the master, so each request ahead of it costs REQUEST_BOUND_S.
+NO_MASTER_REQUEST_BOUND_S = REQUEST_BOUND_S * (REPLAY_SESSIONS + 1)
+#: A request while the master is dead, the first after the kill included: a call in flight at its
+#: death (a save queued behind one waits for it), then a request as above.
+DEAD_MASTER_BOUND_S = MASTER_LOSS_FOUND_S + NO_MASTER_REQUEST_BOUND_S
+#: The request sent right after the master died, behind the replay's lanes.
+QUEUED_NO_MASTER_BOUND_S = DEAD_MASTER_BOUND_S
+#: Requests sent one after the other once the master is dead (the first at once, the others from
+#: MASTER_LOSS_FOUND_S after the kill).
+NO_MASTER_REQUESTS = 3
+#: A request in the prefill engine when a stage dies while the master is dead: the lookup answers at
+#: once (the pool is down), then the liveness check and the answer.
+DEAD_STAGE_NO_MASTER_BOUND_S = DEAD_WORKER_BOUND_S
 #: The Mooncake replay's window outlasts its three faults (~20 s after the warm-up).
 MOONCAKE_REPLAY_DURATION_S = 24.0
 #: A short prompt's first token while the replay runs (its prefill waits for the replay's).
@@ -273,16 +288,27 @@ def test_pool_faults_recompute_and_a_killed_prefill_stage_ends_the_serve(mooncak
     replay = start_replay(mooncake.url, tmp_path, sessions=REPLAY_SESSIONS, duration_s=MOONCAKE_REPLAY_DURATION_S,
                           sets=REPLAY_SETS)
     wait_ok(mooncake.url, ok_requests(mooncake.url) + OK_BEFORE_FAULT, DEAD_MASTER_BOUND_S * 3)  # requests go on
+    assert re.search(r"^kvpool:pool_up 1\.0$", get_text(f"{mooncake.url}/metrics")[1], re.M)  # the master answers
     os.kill(master_pid, signal.SIGKILL)
-    t0 = time.monotonic()                                             # a request after the master died computes
-    status, body = post(mooncake.url, {"prompt": prompt_of(300, 3), "max_tokens": 2},
-                        timeout_s=QUEUED_NO_MASTER_BOUND_S)
-    took_s = time.monotonic() - t0
-    assert status == 200, body
-    rec = body["kvpool"]["record"]
-    assert not rec["lookup_answered"] and (rec["pool_tokens"], rec["computed_tokens"]) == (0, 300), rec
-    assert took_s < QUEUED_NO_MASTER_BOUND_S, took_s
-    assert get_text(f"{mooncake.url}/health")[0] == 200               # a lost pool is not a broken engine
+    killed = time.monotonic()
+    took = []                                                         # requests after the master died compute
+    for k in range(NO_MASTER_REQUESTS):
+        if k == 1:                                                    # the calls in flight at the kill have ended
+            time.sleep(max(0.0, killed + MASTER_LOSS_FOUND_S - time.monotonic()))
+        t0 = time.monotonic()
+        status, body = post(mooncake.url, {"prompt": prompt_of(300, 3 + k), "max_tokens": 2},
+                            timeout_s=QUEUED_NO_MASTER_BOUND_S)
+        took.append(time.monotonic() - t0)
+        assert status == 200, body
+        rec = body["kvpool"]["record"]
+        assert not rec["lookup_answered"] and (rec["pool_tokens"], rec["computed_tokens"]) == (0, 300), rec
+        assert rec["save_bytes"] == 0, rec
+    assert took[0] < QUEUED_NO_MASTER_BOUND_S, took                   # it may find the master lost
+    assert max(took[1:]) < NO_MASTER_REQUEST_BOUND_S, took            # none waits on the lost master
+    status, health = get_text(f"{mooncake.url}/health")
+    assert status == 200, health                                      # a lost pool is not a broken engine
+    assert '"pool": "down (prefill0: the pool client lost its master; prefill recomputes)"' in health, health
+    assert re.search(r"^kvpool:pool_up 0\.0$", get_text(f"{mooncake.url}/metrics")[1], re.M)
 
     probe = InFlight(mooncake.url, {"prompt": prompt_of(3000, 1), "max_tokens": 2})
     time.sleep(1.0)                                                   # in the prefill engine's queue or lookup
