@@ -221,12 +221,8 @@ def main() -> None:
     a = ap.parse_args()
 
     from kvpool.backend.serve.model_config import ref_config
-<<<<<<< HEAD
-    from kvpool.backend.serve.plan import build_plan
-    from kvpool.cli.calibrate import start_serve, stop_serve
-=======
     from kvpool.backend.serve.launch import start_serve
->>>>>>> servecpu
+    from kvpool.backend.serve.plan import build_plan
     from kvpool.backend.serve.reference import reference_generate
     from kvpool.scenario.load import load_scenario
 
