@@ -10,8 +10,9 @@ One run, in order:
               TTFT p50/p90, token sources, restore per stage, hand-off GB/s (from the records'
               hand-off bytes and seconds)
     check     the GPU correctness check: a multi-turn session (each turn = the previous prompt, its
-              answer and new tokens) whose answers must equal ``reference_generate`` on the same
-              device, the no-cache recompute (no GPU prefix cache, no pool, no hand-off)
+              answer and new tokens; the first one 600 tokens, or index_topk + 64 with the DSA
+              indexer so that every turn selects) whose answers must equal ``reference_generate``
+              on the same device, the no-cache recompute (no GPU prefix cache, no pool, no hand-off)
     limits    measured in the same run after the server stopped: pinned host -> device copy and a
               device copy (GB/s, 256 MiB); when the prefill stages and the decode ranks are on
               different GPUs, the GPU-to-GPU copy of every stage-to-decode pair (the hand-off's
@@ -236,7 +237,10 @@ def main() -> None:
     url = served.url
     results, records_by_load = [], {}
     try:
-        session = correctness_session(url, s.model.name, s.serve.vocab, a.turns, first_tokens=600,
+        # with the DSA indexer the first turn is longer than index_topk, so every turn's prefill and
+        # decode select tokens
+        first = max(600, config.index_topk + 64) if config.indexer_layers else 600
+        session = correctness_session(url, s.model.name, s.serve.vocab, a.turns, first_tokens=first,
                                       grow_tokens=300, out_tokens=16, seed=s.seed)
         for n in loads:
             summary, records = replay(a.scenario, url, a.traces, n, a.duration, a.token_scale, work / f"load{n}", a.sets)

@@ -9,8 +9,10 @@ Contract:
       reach a handler through its request's ``asyncio.Queue`` (``loop.call_soon_threadsafe``).
     * Ranks: ``decode.dcp`` DCP ranks, rank ``r``'s KV on ``devices[r % len(devices)]``, each with
       ``serve.decode_kv_tokens / dcp`` tokens of pages. Per prefill instance ``i`` one
-      ``DecodeRank`` per DCP rank (``stages = prefill.pp``, ``serve.landing_slots`` slots of
-      ``handoff_plan.write_cap_bytes``), all scattering into the same caches; ``rank_endpoints[i]``
+      ``DecodeRank`` per DCP rank (``stages = handoff_plan.senders``: ``prefill.pp``, twice that
+      with the DSA indexer, whose records cross as parts of their own; ``serve.landing_slots``
+      slots of ``handoff_plan.write_cap_bytes``), all scattering into the same caches
+      (``DcpCaches.handoff_caches``: latents, then indexer caches); ``rank_endpoints[i]``
       lists instance ``i``'s in rank order. A request is expected on every instance's ranks (the
       expect does not say which prefill instance computes it); the first instance whose ranks are
       all ready is its hand-off, the others are forgotten (their stages are told FAIL).
@@ -107,7 +109,7 @@ class DecodeCore:
         self.free: list[list[int]] = [list(range(self.blocks_per_rank - 1, -1, -1)) for _ in range(self.dcp)]
         slot_bytes = hp.write_cap_bytes(scenario)
         self.ranks: list[list[DecodeRank]] = [
-            [DecodeRank(r, self.kv.rank_caches[r], make_transport(hp.TRANSPORT), stages=self.pp,
+            [DecodeRank(r, self.kv.handoff_caches(r), make_transport(hp.TRANSPORT), stages=hp.senders(scenario),
                         slots=s.landing_slots, slot_bytes=slot_bytes) for r in range(self.dcp)]
             for _ in range(scenario.prefill.instances)
         ]
@@ -164,8 +166,8 @@ class DecodeCore:
         pages = [[self.free[r].pop() for _ in range(need[r])] for r in range(self.dcp)]
         tables = [torch.tensor(p, dtype=torch.long, device=self.kv.devices[r]) for r, p in enumerate(pages)]
         rq = _Req(req.request_id, req.prompt_tokens, req.max_tokens, pages, tables, time.monotonic())
-        parts = {s: StagePart(hp.stage_plan(self.scenario, s, req.prompt_tokens),
-                              hp.stage_layer_start(self.scenario, s)) for s in range(self.pp)}
+        parts = {sender: StagePart(plan, start) for s in range(self.pp)
+                 for sender, (plan, start) in hp.stage_parts(self.scenario, s, req.prompt_tokens).items()}
         try:
             for ranks in self.ranks:
                 for r, dr in enumerate(ranks):

@@ -25,7 +25,8 @@ Ready file (``plan.write_ready``), written once the server listens: ``{"pid", "u
 "http://127.0.0.1:PORT", "rank_endpoints": [prefill instance 0's DCP rank endpoints, in rank order],
 "rank_endpoints_by_prefill": [[...] for each prefill instance], "transport": "ipc"}``. Prefill
 instance ``i``'s stages connect to ``rank_endpoints_by_prefill[i]`` (``rank_endpoints`` is instance
-0's), with ``PrefillStage(stage=s)`` and ``handoff_plan.stage_plan``.
+0's), with ``PrefillStage(stage=sender)`` per part of ``handoff_plan.stage_parts`` (the latents,
+and the DSA indexer's records when the model has it).
 
 Bounds: a handler waits at most ``COMMAND_WAIT_S`` for the engine thread to take a command (503
 after), a stream at most ``serve.request_timeout_s`` + the hand-off bound between two lines (a

@@ -3,11 +3,14 @@
 Contract:
     * ``DcpCaches(config, dcp, blocks_per_rank, devices, share=True)``: every DCP rank's paged KV,
       one ``[blocks_per_rank, page_tokens, 576]`` cache per layer of the model (``rank_caches[r]``,
-      in layer order, on ``devices[r % len(devices)]``). Token ``t`` of a sequence lives on rank
-      ``t mod dcp`` at local index ``t // dcp``; a sequence's block table on rank ``r`` maps local
-      pages to blocks of that rank (the layout ``kernels.scatter_dcp`` writes). When every rank is
-      on one device (and ``share``), the ranks' caches of a layer are views of one tensor
-      (``shared``).
+      in layer order, on ``devices[r % len(devices)]``) and one ``[blocks_per_rank, page_tokens,
+      index_record_elems]`` indexer cache per indexer layer (``rank_index_caches[r]``, in layer
+      order; the same pages). Token ``t`` of a sequence lives on rank ``t mod dcp`` at local index
+      ``t // dcp`` in both; a sequence's block table on rank ``r`` maps local pages to blocks of
+      that rank (the layout ``kernels.scatter_dcp`` writes). When every rank is on one device (and
+      ``share``), the ranks' caches of a layer are views of one tensor (``shared``,
+      ``shared_index``). ``handoff_caches(r)``: rank ``r``'s latents then its indexer caches, the
+      list a hand-off scatters into.
     * ``DecodeModel(model, caches, devices, tp=1, attention="auto")``: ``step(seqs) -> (next_tokens,
       logits)`` runs one decode step for a batch of ``DecodeSeq`` (the last token, its absolute
       position, the sequence's block tables). For each layer, the new token's MLA record is written
@@ -15,6 +18,14 @@ Contract:
       over its own tokens (running max, sum of exponentials, weighted latent sum), and the partials
       are merged exactly (log-sum-exp merge, in rank order); then the rest of the layer. The next
       token is the greedy argmax (ties: the lowest id).
+    * The DSA indexer (``RefModel``'s): on an indexer layer the new token's indexer record is
+      written into its rank's indexer cache like its latent. A sequence whose context (its new
+      token included) holds at most ``index_topk`` tokens attends densely, through the path above;
+      a longer one is overwritten by the sparse path, in torch, one sequence at a time: its
+      indexer keys are read from every rank in position order, scored
+      (``refmodel.index_scores``), the ``index_topk`` best chosen (``refmodel.select_topk``: ties
+      to the lowest position), their latents gathered from their ranks in position order, and the
+      query attends to those only.
     * Attention with ``shared`` caches: one ``kernels.attention.DecodePlan`` per step (every
       sequence's page rows, built on the host once and uploaded in one copy); per layer one indexed
       copy writes every sequence's new record and ``mla_decode`` (backend ``attention``: Triton on a
@@ -52,7 +63,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpool.backend.refmodel import KV_LORA_RANK, ROPE_DIM, RefConfig, RefModel, _rms
+from kvpool.backend.refmodel import (
+    INDEXER,
+    KV_LORA_RANK,
+    ROPE_DIM,
+    RefConfig,
+    RefModel,
+    _rms,
+    dequantize_index_keys,
+    index_scores,
+    quantize_index_keys,
+    select_topk,
+)
 from kvpool.kernels.attention import DecodePlan, mla_decode
 from kvpool.policy.layout import rank_token_count
 
@@ -90,14 +112,30 @@ class DcpCaches:
         #: per layer, every rank's pages in one tensor when all ranks share a device and ``share``
         #: (rank ``r``'s cache is rows ``r * blocks_per_rank ..`` of it); None otherwise
         self.shared: list[torch.Tensor] | None = None
-        shape = (blocks_per_rank, config.page_tokens, config.record_elems)
+        self.shared_index: list[torch.Tensor] | None = None
+        self.rank_caches = self._make(config.record_elems, config.layers, share, "shared")
+        self.rank_index_caches = self._make(config.index_record_elems, len(config.indexer_layers), share, "shared_index")
+
+    def _make(self, elems: int, count: int, share: bool, shared_attr: str) -> list[list[torch.Tensor]]:
+        c, B = self.config, self.blocks_per_rank
+        shape = (B, c.page_tokens, elems)
         if share and len(set(self.devices)) == 1:
-            self.shared = [torch.zeros(dcp * shape[0], *shape[1:], dtype=config.cache_dtype, device=self.devices[0])
-                           for _ in range(config.layers)]
-            self.rank_caches = [[big[r * shape[0]:(r + 1) * shape[0]] for big in self.shared] for r in range(dcp)]
-        else:
-            self.rank_caches = [[torch.zeros(*shape, dtype=config.cache_dtype, device=dev)
-                                 for _ in range(config.layers)] for dev in self.devices]
+            big = [torch.zeros(self.dcp * B, *shape[1:], dtype=c.cache_dtype, device=self.devices[0]) for _ in range(count)]
+            setattr(self, shared_attr, big)
+            return [[t[r * B:(r + 1) * B] for t in big] for r in range(self.dcp)]
+        return [[torch.zeros(*shape, dtype=c.cache_dtype, device=dev) for _ in range(count)] for dev in self.devices]
+
+    def cache_of(self, rank: int, layer: int, record: str = "kv") -> torch.Tensor:
+        """Rank ``rank``'s cache of ``layer``'s ``record`` (``"kv"`` or ``"indexer"``)."""
+        if record == "kv":
+            return self.rank_caches[rank][layer]
+        if record == INDEXER:
+            return self.rank_index_caches[rank][self.config.indexer_layers.index(layer)]
+        raise ValueError(f"record must be 'kv' or {INDEXER!r}, got {record!r}")
+
+    def handoff_caches(self, rank: int) -> list[torch.Tensor]:
+        """Rank ``rank``'s caches as a hand-off sees them: every layer's latent, then every indexer layer's indexer."""
+        return self.rank_caches[rank] + self.rank_index_caches[rank]
 
 
 @dataclass
@@ -134,6 +172,11 @@ class DecodeModel:
         self.dev0 = torch.device(devices[0])
         if model.device != self.dev0:
             raise ValueError(f"the model's weights are on {model.device}, devices[0] is {self.dev0}")
+        #: per indexer layer id: its index in ``rank_index_caches`` and its fused indexer weight
+        #: ``[d, index_dim + index_heads * index_dim + index_heads]`` (key, queries, head weights)
+        self.index_of = {li: k for k, li in enumerate(c.indexer_layers)}
+        self.w_index = {li: torch.cat([model.layers[li]["w_ik"], model.layers[li]["w_iq"], model.layers[li]["w_iw"]],
+                                      dim=1).contiguous() for li in c.indexer_layers}
         H = c.heads
         self.head_dev = [torch.device(devices[(h * tp // H) % len(devices)]) for h in range(H)]
         self.scale = 1.0 / math.sqrt(c.nope_dim + ROPE_DIM)
@@ -185,11 +228,18 @@ class DecodeModel:
                 rec, qlat, qr = self._pre_fused(li, x, rope)
             else:
                 rec, qlat, qr = (torch.cat(t) for t in zip(*(self._pre(li, x[b], posb[b]) for b in range(blocks))))
+            index = self._index_pre(li, x) if li in self.index_of else None
+            if index is not None:
+                self._write_index(li, seqs, plan, index[0][:n])
             if plan is not None:
                 self._attend_plan(li, plan, rec[:n], qlat, qr, olat)
             else:
                 for i, s in enumerate(seqs):
                     olat[i] = self._attend(li, s, rec[i], qlat[i], qr[i])
+            if index is not None:
+                for i, s in enumerate(seqs):
+                    if s.position + 1 > self.config.index_topk:
+                        olat[i] = self._attend_sparse(li, s, qlat[i], qr[i], index[1][i], index[2][i])
             post = self._post_fused if self.fused is not None else self._post
             x = [post(li, x[b], olat[b * B:(b + 1) * B]) for b in range(blocks)]
             if between_layers is not None and li + 1 < self.config.layers:
@@ -262,6 +312,65 @@ class DecodeModel:
         mla_decode(cache, qlat.to(dev), qr.to(dev), plan, self.scale, out, self.attention)
         if out is not olat:
             olat.copy_(out)
+
+    # ---- the DSA indexer --------------------------------------------------------------------------
+
+    def _index_pre(self, li: int, x: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every row block of ``x``: indexer records ``[rows, index_record_elems]`` (cache dtype),
+        queries ``[rows, index_heads, index_dim]`` and head weights ``[rows, index_heads]`` (one
+        product per block of ``ROW_BLOCK`` rows)."""
+        c, p, w = self.config, self.model.layers[li], self.w_index[li]
+        B, IH, D = ROW_BLOCK, c.index_heads, c.index_dim
+        y = torch.empty(len(x) * B, w.shape[1], device=self.dev0)
+        for b, xb in enumerate(x):
+            torch.matmul(F.rms_norm(xb, (c.d_model,), p["ln1"], _EPS), w, out=y[b * B:(b + 1) * B])
+        keys = torch.cat([F.rms_norm(y[b * B:(b + 1) * B, :D], (D,), p["ln_ik"], _EPS) for b in range(len(x))])
+        q = y[:, D:D + IH * D].view(-1, IH, D)
+        return quantize_index_keys(keys, c), q, y[:, D + IH * D:] / math.sqrt(IH * D)
+
+    def _write_index(self, li: int, seqs: Sequence[DecodeSeq], plan: DecodePlan | None, irec: torch.Tensor) -> None:
+        """Every sequence's new indexer record into its rank's indexer cache."""
+        k = self.index_of[li]
+        if plan is not None:
+            cache = self.kv.shared_index[k]
+            cache.view(torch.uint8)[plan.write_block, plan.write_slot] = irec.to(cache.device).view(torch.uint8)
+            return
+        R, P = self.dcp, self.config.page_tokens
+        for i, s in enumerate(seqs):
+            owner, local = s.position % R, s.position // R
+            cache = self.kv.rank_index_caches[owner][k]
+            blk = s.pages[owner][local // P] if s.pages is not None else int(s.tables[owner][local // P])
+            cache[blk, local % P] = irec[i].to(cache.device)
+
+    def _attend_sparse(self, li: int, s: DecodeSeq, qlat: torch.Tensor, qr: torch.Tensor, qi: torch.Tensor,
+                       wi: torch.Tensor) -> torch.Tensor:
+        """The query's attention ``[H, 512]`` over the ``index_topk`` tokens its indexer chooses
+        among the sequence's ``position + 1`` tokens (see the module docstring)."""
+        c, R, P = self.config, self.dcp, self.config.page_tokens
+        T = s.position + 1
+        k = self.index_of[li]
+        ikeys = torch.empty(T, c.index_record_bytes, dtype=torch.uint8, device=self.dev0)
+        for r in range(R):
+            n_r = rank_token_count(T, r, R)
+            if n_r:
+                cache = self.kv.rank_index_caches[r][k]
+                ikeys[r::R] = _read_pages(cache, s.tables[r][: -(-n_r // P)])[:n_r].view(torch.uint8).to(self.dev0)
+        scores = index_scores(qi[None], wi[None], dequantize_index_keys(ikeys, c))
+        pos = torch.tensor([T - 1], device=self.dev0)
+        sel = select_topk(scores, pos, c.index_topk)[0].nonzero().squeeze(1)   # positions, ascending
+        rows = torch.empty(sel.numel(), c.record_bytes, dtype=torch.uint8, device=self.dev0)
+        for r in range(R):
+            mine = (sel % R) == r
+            if not bool(mine.any()):
+                continue
+            cache = self.kv.rank_caches[r][li]
+            local = (sel[mine] // R).to(cache.device)
+            blk = s.tables[r][local // P]
+            rows[mine] = cache.view(torch.uint8)[blk, local % P].to(self.dev0)
+        keys = rows.view(c.cache_dtype).float()
+        ck, kr = keys[:, :KV_LORA_RANK], keys[:, KV_LORA_RANK:]
+        att = torch.softmax((qlat @ ck.T + qr @ kr.T) * self.scale, dim=-1)    # [H, topk]
+        return att @ ck
 
     # ---- the layer head by head (heads on several devices) -------------------------------------
 

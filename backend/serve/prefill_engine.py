@@ -188,12 +188,10 @@ def build_scheduler(plan: ServePlan, worker: Worker, stage_ready: list[dict]):
     from kvpool.backend.serve.model_config import ref_config
     from kvpool.backend.serve.prefill_scheduler import PrefillScheduler, SchedulerSettings
     from kvpool.policy.chunks import ChunkNaming, chain_seed
-    from kvpool.policy.kvspec import KVSpec
 
     sc = plan.scenario_model()
     cfg = ref_config(sc)
-    spec = KVSpec(model=sc.model.name, layers=cfg.layers, record_bytes=cfg.record_bytes,
-                  stage_layers=tuple(cfg.stage_layers), page_tokens=cfg.page_tokens)  # = RefModel.kv_spec
+    spec = cfg.kv_spec(sc.model.name)  # = RefModel.kv_spec: the latents and the indexer records
     naming = ChunkNaming(pool_namespace(sc, spec), spec.stages)
     blocks = BlockManager(sc.serve.prefill_kv_tokens // cfg.page_tokens, cfg.page_tokens,
                           chain_seed(naming.namespace, "gpu-prefix-cache"))
@@ -213,9 +211,11 @@ def pool_namespace(scenario, spec) -> str:
     from kvpool.policy.chunks import namespace_for
 
     s = scenario.serve
-    return namespace_for(spec, scenario.pool.chunk_tokens, extra={
-        "model": "refmodel", "seed": s.model_seed, "d_model": s.d_model, "heads": s.heads, "nope_dim": s.nope_dim,
-        "v_dim": s.v_dim, "ffn_dim": s.ffn_dim, "vocab": s.vocab, "cache_dtype": s.cache_dtype})
+    extra = {"model": "refmodel", "seed": s.model_seed, "d_model": s.d_model, "heads": s.heads, "nope_dim": s.nope_dim,
+             "v_dim": s.v_dim, "ffn_dim": s.ffn_dim, "vocab": s.vocab, "cache_dtype": s.cache_dtype}
+    if spec.extra_records:  # the DSA indexer's shape changes every later layer's KV
+        extra.update(index_topk=s.index_topk, index_heads=s.index_heads, index_dim=s.index_dim)
+    return namespace_for(spec, scenario.pool.chunk_tokens, extra=extra)
 
 
 def make_app(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics, info: PoolInfo):

@@ -2,8 +2,10 @@
 
 Started as ``python -m kvpool.backend.serve.prefill_stage --plan PLAN --name NAME`` (see
 ``backend.serve.plan``). It holds, on its device (``Worker.devices[0]``):
-    * its layers' paged KV: ``serve.prefill_kv_tokens // model.page_tokens`` pages per layer; the
-      engine owns the page ids (one block table for every stage);
+    * its layers' paged KV: ``serve.prefill_kv_tokens // model.page_tokens`` pages per layer (a
+      latent cache per layer, and an indexer cache per indexer layer when the model has the DSA
+      indexer, in ``RefConfig.stage_segments`` order: the pool format's segment order); the engine
+      owns the page ids (one block table for every stage);
     * the reference model (``RefModel``, weights seeded from ``serve.model_seed``: every process
       builds the same model) and runs ``stage_forward`` over its layers;
     * its own pool client: ``EmbeddedPool`` of ``cluster.servers * pool.services_per_server *
@@ -12,7 +14,9 @@ Started as ``python -m kvpool.backend.serve.prefill_stage --plan PLAN --name NAM
       ``pool_address``, ``mooncake://HOST:PORT?metrics=M``);
     * the connector's worker side (``ConnectorWorker``: pool reads into registered buffers and
       unpack, pack and pool writes with group ids);
-    * the hand-off sender (``backend.handoff.PrefillStage`` over ``make_transport("ipc")``),
+    * the hand-off senders (``backend.handoff.PrefillStage`` over ``make_transport("ipc")``), one
+      per part of ``handoff_plan.stage_parts``: the latents (sender id ``stage``) and, on a stage
+      with indexer layers, the indexer records (sender id ``handoff_plan.index_sender``); each is
       attached to the ranks a decode engine listens to for this prefill instance (its ready file's
       ``rank_endpoints_by_prefill[instance]``) the first time a hand-off goes to it, and again after
       that decode instance's side channel was lost.
@@ -32,7 +36,10 @@ the ready file is ``{"pid", "endpoint"}``). Every reply has ``"ok"``; failures c
         greedy first token (argmax of the logits of the item's last token). Hidden states go
         through the engine (stage -> engine -> next stage).
     ``handoff {rid, decode, blocks, plan, timeout_s}`` -> ``{"report": handoff StageReport}``
-        this stage's KV of the request's tokens to every rank of decode instance ``decode``.
+        this stage's KV of the request's tokens to every rank of decode instance ``decode``:
+        ``plan`` is the latents' plan (``handoff_plan.stage_plan``); the indexer records follow
+        with the plan of the same tokens and ranks (``handoff_plan.stage_index_plan``); the report
+        sums the parts (bytes, writes, seconds; the largest in-flight peak).
     ``pool {stats}``                  -> ``{"pool", "tier", "up", "reason", "stats"}``: this stage's pool
         client: ``pool`` (``embedded``: this stage's own pool; ``mooncake``: the whole shared pool),
         ``tier`` (``dram``), ``up`` (false: the client lost the Mooncake master and answers every
@@ -63,9 +70,11 @@ import zmq
 
 from kvpool.backend.connector_worker import ConnectorWorker, WorkerConfig, slot_bytes_for
 from kvpool.backend.refmodel import RefModel
+from kvpool.backend.serve import handoff_plan as hp
 from kvpool.backend.serve import stage_link as link
 from kvpool.backend.serve.model_config import ref_config
 from kvpool.backend.serve.plan import ServePlan, Worker, wait_ready, worker_of_argv, write_ready
+from kvpool.policy.layout import HandoffPlan
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -104,6 +113,18 @@ def make_pool(scenario, pool_address: str = ""):
                         evict_ratio=scenario.pool.evict_ratio)
 
 
+def merge_reports(reports: list):
+    """One ``StageReport`` of a stage's hand-off parts sent one after the other: bytes, writes and
+    seconds summed, the largest in-flight peak."""
+    from kvpool.backend.handoff.metrics import StageReport
+
+    first = reports[0]
+    return StageReport(first.request_id, first.stage, sum(r.handoff_bytes for r in reports),
+                       sum(r.handoff_writes for r in reports), sum(r.gather_s for r in reports),
+                       sum(r.transfer_s for r in reports), sum(r.credit_wait_s for r in reports),
+                       sum(r.handoff_s for r in reports), max(r.peak_inflight for r in reports))
+
+
 def handoff_staging_bytes(scenario, layers: int, record_bytes: int) -> int:
     """Staging for the largest request one hand-off carries: min(KV room, gate input cap) tokens."""
     tokens = scenario.serve.prefill_kv_tokens
@@ -131,8 +152,10 @@ class StageServer:
         self.last = self.stage == len(self.config.stage_layers) - 1
         self.num_blocks = sc.serve.prefill_kv_tokens // self.config.page_tokens
         c = self.config
-        self.caches = [torch.zeros(self.num_blocks, c.page_tokens, c.record_elems, dtype=c.cache_dtype, device=self.device)
-                       for _ in self.model.stage_layer_ids(self.stage)]
+        self.caches = self.model.new_stage_caches(self.stage, self.num_blocks, self.device)  # pool format order
+        segments = c.stage_segments(self.stage)
+        self.latents = [t for (_, rec), t in zip(segments, self.caches) if rec == "kv"]
+        self.indexes = [t for (_, rec), t in zip(segments, self.caches) if rec != "kv"]
         self.pool = make_pool(sc, plan.pool_address)
         chunk = sc.pool.chunk_tokens
         slot = slot_bytes_for(self.spec.chunk_object_bytes(self.stage, chunk))
@@ -143,8 +166,12 @@ class StageServer:
         from kvpool.backend.handoff import PrefillStage, make_transport
 
         self.sender = PrefillStage(self.stage, make_transport("ipc"), device=self.device,
-                                   staging_bytes=handoff_staging_bytes(sc, len(self.caches), c.record_bytes))
-        self.targets: dict[int, object] = {}
+                                   staging_bytes=handoff_staging_bytes(sc, len(self.latents), c.record_bytes))
+        self.index_sender = None if not self.indexes else PrefillStage(
+            hp.index_sender(sc, self.stage), make_transport("ipc"), device=self.device,
+            staging_bytes=handoff_staging_bytes(sc, len(self.indexes), c.index_record_bytes))
+        #: (sender id, decode instance) -> the attached target
+        self.targets: dict[tuple[int, int], object] = {}
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -321,22 +348,24 @@ class StageServer:
         if decode not in names:
             raise link.LinkError(f"decode: no decode instance {decode} in the plan")
         hplan = link.handoff_plan_from_json(header.get("plan"))
-        if hplan.layers != len(self.caches) or hplan.record_bytes != self.config.record_bytes:
-            raise link.LinkError("plan: layers or record size differ from this stage's")
+        if hplan.layers != len(self.latents) or hplan.record_bytes != self.config.record_bytes:
+            raise link.LinkError(f"plan: {hplan.layers} layers of {hplan.record_bytes} B records; this stage's "
+                                 f"latents are {len(self.latents)} layers of {self.config.record_bytes} B")
         blocks = self._blocks(header)
         timeout_s = float(link._need(header, "timeout_s", (int, float)))
         self._in_thread(self.handoff_exec, ident, header,
                         lambda: ({"report": asdict(self._handoff(rid, names[decode], blocks, hplan, timeout_s))}, ()))
 
-    def _target(self, decode_worker: Worker):
+    def _target(self, sender, decode_worker: Worker):
         from kvpool.backend.handoff import HandoffError
 
-        target = self.targets.get(decode_worker.instance)
+        key = (sender.stage, decode_worker.instance)
+        target = self.targets.get(key)
         if target is not None and target.alive:
             return target
         if target is not None:
-            self.sender.disconnect(target)
-            del self.targets[decode_worker.instance]
+            sender.disconnect(target)
+            del self.targets[key]
         try:
             ready = wait_ready(self.plan.ready_path(decode_worker.name), DECODE_READY_WAIT_S)
         except TimeoutError as e:
@@ -348,14 +377,23 @@ class StageServer:
         if not isinstance(eps, list) or not eps or not all(isinstance(e, str) for e in eps):
             raise HandoffError(f"{decode_worker.name}'s ready file has no rank endpoints for prefill instance "
                                f"{self.worker.instance}")
-        target = self.targets[decode_worker.instance] = self.sender.connect(eps)
+        target = self.targets[key] = sender.connect(eps)
         return target
 
     def _handoff(self, rid, decode_worker, blocks, hplan, timeout_s):
+        """The latents, then (with the indexer) the indexer records of the same tokens; one summed report."""
         t0 = time.monotonic()
-        target = self._target(decode_worker)
-        left = max(0.1, timeout_s - (time.monotonic() - t0))
-        return self.sender.send(rid, target, self.caches, blocks, hplan, timeout_s=left)
+        parts = [(self.sender, self.latents, hplan)]
+        if self.index_sender is not None:
+            parts.append((self.index_sender, self.indexes, HandoffPlan(
+                hplan.tokens, len(self.indexes), self.config.index_record_bytes, hplan.ranks, hplan.max_write_bytes,
+                hplan.token_start)))
+        reports = []
+        for sender, caches, plan in parts:
+            target = self._target(sender, decode_worker)
+            left = max(0.1, timeout_s - (time.monotonic() - t0))
+            reports.append(sender.send(rid, target, caches, blocks, plan, timeout_s=left))
+        return merge_reports(reports)
 
     def close(self) -> None:
         for ex in (self.compute_exec, self.handoff_exec, self.pool_exec, self.info_exec):
@@ -364,6 +402,8 @@ class StageServer:
             self.connector.close()
         finally:
             self.sender.close()
+            if self.index_sender is not None:
+                self.index_sender.close()
             self.pool.close()
             self.sock.close(0)
             self.waker.close()

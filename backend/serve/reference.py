@@ -56,9 +56,11 @@ def _check(prompt_ids: Sequence[int], n_tokens: int, dcp: int) -> list[int]:
 
 def place_dcp(config: RefConfig, caches: list[list[torch.Tensor]], table: torch.Tensor, n_prompt: int,
               kv: DcpCaches, rank_tables: list[torch.Tensor]) -> None:
-    """Copy the first ``n_prompt`` tokens of prefill ``caches`` (stage-major, one page table)
-    into the DCP layout ``kv`` through each rank's table ``rank_tables[r]``."""
+    """Copy the first ``n_prompt`` tokens of prefill ``caches`` (stage-major, each stage's caches in
+    ``RefConfig.stage_segments`` order, one page table) into the DCP layout ``kv`` (latents and
+    indexer keys) through each rank's table ``rank_tables[r]``."""
     P, R = config.page_tokens, kv.dcp
+    segments = [seg for s in range(len(config.stage_layers)) for seg in config.stage_segments(s)]
     layer_caches = [c for stage in caches for c in stage]
     pos = torch.arange(n_prompt)
     for r in range(R):
@@ -69,8 +71,8 @@ def place_dcp(config: RefConfig, caches: list[list[torch.Tensor]], table: torch.
         dst_blk, dst_slot = rank_tables[r].cpu()[local // P], local % P
         src_blk, src_slot = table.cpu()[mine // P], mine % P
         dev_d, dev_s = kv.devices[r], layer_caches[0].device
-        for li, src in enumerate(layer_caches):   # as bytes: indexing is defined for uint8 everywhere
-            dst = kv.rank_caches[r][li].view(torch.uint8)
+        for (li, record), src in zip(segments, layer_caches):   # as bytes: indexing is defined for uint8 everywhere
+            dst = kv.cache_of(r, li, record).view(torch.uint8)
             rows = src.view(torch.uint8)[src_blk.to(dev_s), src_slot.to(dev_s)]
             dst[dst_blk.to(dev_d), dst_slot.to(dev_d)] = rows.to(dev_d)
 

@@ -60,7 +60,7 @@ def check_memory(label: str, s, config, devs: tuple[str, ...]) -> None:
     have = f"more than the {memory_bytes / 2**30:,.1f} GiB of memory of this machine"
     kv_bytes = 0
     if all(d == "cpu" for d in devs):
-        token_bytes = config.record_bytes * config.layers
+        token_bytes = config.bytes_per_token
         kv_bytes = token_bytes * (s.prefill.instances * s.serve.prefill_kv_tokens
                                   + s.decode.instances * s.serve.decode_kv_tokens)
     if kv_bytes + config.weight_bytes <= memory_bytes:

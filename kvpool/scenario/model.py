@@ -351,7 +351,9 @@ class ServeConfig(_Section):
 
     The model has ``model.layers`` layers split as ``prefill.stage_layers`` and caches
     ``model.record_bytes`` per token per layer: 1,152 B for ``bfloat16`` records, 576 B for
-    ``float8_e4m3fn`` (the 512 + 64 MLA latent). Workers take ``devices`` in order (prefill
+    ``float8_e4m3fn`` (the 512 + 64 MLA latent). A ``model.extra_records`` entry named ``indexer``
+    puts the DSA lightning indexer on its layers (``index_*``; its ``bytes_per_token`` is the
+    indexer record's size). Workers take ``devices`` in order (prefill
     instances' stages, then decode instances' ranks), wrapping around, so several workers may share
     one device.
     """
@@ -364,6 +366,9 @@ class ServeConfig(_Section):
     vocab: Int = Field(default=512, ge=257, le=1 << 20, description="reference model: vocabulary (text prompts are UTF-8 bytes, so at least 257)")
     cache_dtype: Literal["bfloat16", "float8_e4m3fn"] = Field(default="bfloat16", description="dtype of the cached KV records")
     model_seed: Int = Field(default=0, ge=0, le=MAX_SEED, description="seed of the reference model's random weights")
+    index_topk: Int = Field(default=2048, gt=0, le=MAX_TOKENS, description="reference model's DSA indexer (on the layers of the model.extra_records entry named indexer): tokens an indexer layer's query attends to once its context is longer (GLM-5: 2048)")
+    index_heads: Int = Field(default=32, gt=0, le=1024, description="reference model's DSA indexer: query heads (GLM-5: 32)")
+    index_dim: Int = Field(default=128, gt=0, le=4096, description="reference model's DSA indexer: key width; the indexer record is index_dim elements of serve.cache_dtype + a 4 B float32 scale, padded to a multiple of 16 B (float8_e4m3fn, 128: 144 B; bfloat16, 64: 144 B)")
     devices: tuple[Annotated[str, Strict(), Field(pattern=r"^(cpu|cuda(:[0-9]{1,3})?)$")], ...] = Field(default=("cpu",), min_length=1, max_length=1024, description="torch devices the workers take in order (cpu, cuda:0, ...)")
     prefill_kv_tokens: Int = Field(default=65_536, gt=0, le=MAX_TOKENS, description="paged KV per prefill stage (its GPU prefix cache), tokens")
     decode_kv_tokens: Int = Field(default=65_536, gt=0, le=MAX_TOKENS, description="paged KV per decode instance, tokens")

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from kvpool.backend.refmodel import RefModel
+from kvpool.backend.serve import handoff_plan as hp
 from kvpool.backend.serve.model_config import ref_config
 from kvpool.backend.serve.plan import ServePlan, build_plan, wait_ready, write_ready
-from kvpool.policy.layout import HandoffPlan, rank_token_count
+from kvpool.policy.layout import rank_token_count
 from kvpool.scenario.load import load_scenario
 
 READY_WAIT_S = 90.0
@@ -120,15 +121,17 @@ class DecodeSide:
     def __init__(self, plan: ServePlan, instance: int = 0, pages_per_rank: int = 256) -> None:
         from kvpool.backend.handoff import DecodeRank, make_transport
 
-        sc = plan.scenario_model()
+        sc = self.scenario = plan.scenario_model()
         self.plan = plan
         self.config = ref_config(sc)
         self.ranks_n = sc.decode.tp
         self.max_write_bytes = sc.handoff.max_write_bytes
         c = self.config
-        self.caches = [[torch.zeros(pages_per_rank, c.page_tokens, c.record_elems, dtype=c.cache_dtype)
-                        for _ in range(c.layers)] for _ in range(self.ranks_n)]
-        self.ranks = [DecodeRank(r, self.caches[r], make_transport("ipc"), stages=len(c.stage_layers),
+        # a decode rank's caches as the hand-off sees them: every layer's latent, then every indexer's
+        elems = [c.record_elems] * c.layers + [c.index_record_elems] * len(c.indexer_layers)
+        self.caches = [[torch.zeros(pages_per_rank, c.page_tokens, e, dtype=c.cache_dtype) for e in elems]
+                       for _ in range(self.ranks_n)]
+        self.ranks = [DecodeRank(r, self.caches[r], make_transport("ipc"), stages=hp.senders(sc),
                                  slots=sc.serve.landing_slots, slot_bytes=sc.handoff.max_write_bytes)
                       for r in range(self.ranks_n)]
         self.pages_per_rank = pages_per_rank
@@ -178,9 +181,8 @@ class DecodeSide:
                 ids = torch.arange(self._next_page[r], self._next_page[r] + pages, dtype=torch.int64).flip(0)
                 self._next_page[r] += pages
                 tables.append(ids)
-                parts = {s: StagePart(HandoffPlan(n_tokens, layers, c.record_bytes, R, self.max_write_bytes, 0),
-                                      sum(c.stage_layers[:s]))
-                         for s, layers in enumerate(c.stage_layers)}
+                parts = {sender: StagePart(plan, start) for s in range(len(c.stage_layers))
+                         for sender, (plan, start) in hp.stage_parts(self.scenario, s, n_tokens).items()}
                 rank.expect(rid, ids, parts)
             self.tables[rid] = tables
 
@@ -196,15 +198,17 @@ class DecodeSide:
             time.sleep(0.01)
 
     def rank_kv(self, rid: str, n_tokens: int, rank: int) -> torch.Tensor:
-        """``[layers, tokens of rank, record]`` as uint8: what landed on ``rank``, in DCP order."""
+        """What landed on ``rank`` as 1-D uint8: for each cache (latents, then indexers, in layer
+        order), the records of the rank's tokens in DCP order."""
         c = self.config
         R = self.ranks_n
 
         def run() -> torch.Tensor:
             table = self.tables[rid][rank]
             local = list(range(rank, n_tokens, R))
-            return torch.stack([torch.stack([cache[table[(p // R) // c.page_tokens], (p // R) % c.page_tokens]
-                                             for p in local]) for cache in self.caches[rank]]).view(torch.uint8).clone()
+            return torch.cat([torch.stack([cache[table[(p // R) // c.page_tokens], (p // R) % c.page_tokens]
+                                           for p in local]).view(torch.uint8).reshape(-1)
+                              for cache in self.caches[rank]]).clone()
 
         return self._do(run)
 
@@ -216,7 +220,8 @@ class DecodeSide:
 
 
 class Reference:
-    """``RefModel.prefill`` of a whole prompt in this process: logits and the KV in DCP order."""
+    """``RefModel.prefill`` of a whole prompt in this process: logits and the KV in DCP order
+    (``DecodeSide.rank_kv``'s layout)."""
 
     def __init__(self, plan: ServePlan) -> None:
         torch.set_num_threads(1)
@@ -230,12 +235,15 @@ class Reference:
         caches = self.model.new_caches(pages)
         table = torch.arange(pages, dtype=torch.int32)
         logits = self.model.prefill(tokens, caches, table, 0)
+        segments = [seg for s in range(len(c.stage_layers)) for seg in c.stage_segments(s)]
         flat = [cache for stage in caches for cache in stage]
+        flat = [t for (_, rec), t in zip(segments, flat) if rec == "kv"] + \
+               [t for (_, rec), t in zip(segments, flat) if rec != "kv"]
         per_rank = []
         for r in range(self.ranks):
             pos = list(range(r, len(tokens), self.ranks))
-            per_rank.append(torch.stack([torch.stack([cache[p // c.page_tokens, p % c.page_tokens] for p in pos])
-                                         for cache in flat]).view(torch.uint8).clone())
+            per_rank.append(torch.cat([torch.stack([cache[p // c.page_tokens, p % c.page_tokens] for p in pos])
+                                       .view(torch.uint8).reshape(-1) for cache in flat]).clone())
         return logits, per_rank
 
 
