@@ -1,7 +1,8 @@
 """The ``kvpool`` command line: one typer app with a sub-app per area.
 
 Every user mistake (bad scenario, bad flag value) is printed as a one-line ``error:`` message and
-exits with status 2; no traceback.
+exits with status 2; no traceback. Numbers and paths on the command line are read strictly
+(``kvpool.cli.flags``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvpool.cli import serve as serve_cli
 from kvpool.cli import sim as sim_cli
 from kvpool.cli import trace as trace_cli
 from kvpool.cli.common import UserError
+from kvpool.cli.flags import strict
 from kvpool.errors import printable
 
 app = typer.Typer(
@@ -40,6 +42,7 @@ app.command("serve")(serve_cli.serve)
 app.command("replay")(replay_cli.replay)
 app.command("calibrate")(calibrate_cli.calibrate)
 app.command("dashboard")(dashboard_cli.dashboard)
+strict(app)  # every int, float and path flag read strictly (kvpool.cli.flags)
 
 
 def _version_callback(value: bool) -> None:
@@ -84,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except cx.UsageError as e:
         where = f"{e.ctx.command_path} --help" if e.ctx else "kvpool --help"
-        typer.echo(f"error: {e.format_message()} (see {where})", err=True)
+        message = e.format_message().replace("Value error, ", "")  # pydantic's prefix of a parser's ValueError
+        typer.echo(f"error: {printable(message)} (see {where})", err=True)
         sys.exit(2)
     except cx.ClickException as e:
         typer.echo(f"error: {e.format_message()}", err=True)
