@@ -421,7 +421,7 @@ def make_cases(seed: int, n: int) -> list[Case]:
                     "--context-scale", rng.choice(["1", "0", "10", "10.5", "nan"])]
             add(Case(kind, argv, files={"existing.jsonl": "keep me\n", "f": "a file"}))
         elif kind == "out_paths":
-            out = rng.choice(["file", "file/sub", "x.jsonl", "/", ".", "..", "a\nb", "d" * 300, "link_out",
+            out = rng.choice(["file", "file/sub", "x.jsonl", "{D}/abs", ".", "..", "a\nb", "d" * 300, "link_out",
                               "/proc/self/nope", "/dev/null", "ok"])
             cmd = rng.choice([["sim", "run", "mi355x-1p1d", "--sessions", "1", *SMALL],
                               ["sim", "compare", "mi355x-1p1d", "h200-1p1d", "--sessions", "1", *SMALL],

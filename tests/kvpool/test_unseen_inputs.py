@@ -175,3 +175,27 @@ def test_a_weka_trace_with_an_empty_id_is_refused(capsys, tmp_path, monkeypatch,
     code, _, err = run(capsys, "trace", "stats", "t.json")
     line = one_error(err)
     assert code == 2 and "t.json" in line and "field 'id' is" in line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind, needle", [("device", "not a regular file"), ("fifo", "not a regular file"),
+                                          ("directory", "not a regular file"), ("deep", "nested too deeply"),
+                                          ("large", "larger than 16 MiB")])
+def test_a_calibration_file_that_is_no_file_is_one_error_not_an_endless_read(capsys, tmp_path, monkeypatch, kind, needle):
+    """cost.calibration is read before any run: /dev/zero, a FIFO, a directory, JSON nested past the
+    parser's depth and a file past the bound are one error naming cost.calibration, in the bound."""
+    monkeypatch.chdir(tmp_path)
+    path = {"device": "/dev/zero", "fifo": str(tmp_path / "cal.fifo"), "directory": str(tmp_path),
+            "deep": str(tmp_path / "deep.json"), "large": str(tmp_path / "large.json")}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "deep":
+        (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "large":
+        with open(path, "wb") as f:
+            f.truncate((16 << 20) + 1)
+    for argv in (["scenario", "validate", "cpu-tiny"], ["sim", "run", "cpu-tiny", "--duration", "5", "--out", "o"]):
+        code, _, err = run(capsys, *argv, "--set", f"cost.calibration='{path}'")
+        line = one_error(err)
+        assert code == 2 and "cost.calibration" in line and needle in line, line
+    assert not (tmp_path / "o").exists()
