@@ -11,7 +11,9 @@ must exit within ``STOP_S``. Outcomes:
 
 * ``clean_error``: exit 2 (or 1 for a runtime failure of a server) and every stderr line an
   ``error:`` line; ``success``: exit 0 (and ``--json`` output strict JSON: no NaN/Infinity);
-  ``served``: a server that ran until SIGINT and stopped within the bound.
+  ``served``: a server that ran until SIGINT and stopped within the bound; ``interrupted``: a
+  long command sent SIGINT (Ctrl-C) at a random moment that stopped within ``STOP_S`` without a
+  traceback (and, like every case, left no temporary or partial file behind).
 * ``traceback``: a Python traceback on stdout or stderr; ``hang``: past the bound (or not stopping
   after SIGINT); ``unclean``: any other exit status or an error that is not ``error:`` lines;
   ``bad_json``: exit 0 with ``--json`` output that is not strict JSON.
@@ -65,6 +67,7 @@ class Case:
     links: dict[str, str] = field(default_factory=dict)            # symlinks name -> target
     server: bool = False                        # runs until interrupted when its input is good
     outs: list[str] = field(default_factory=list)                  # extra output paths (a scenario's own)
+    interrupt_s: float | None = None            # send SIGINT this long after the start (Ctrl-C)
 
 
 # -- inputs -----------------------------------------------------------------------------------------
@@ -132,6 +135,50 @@ def _fields() -> list[str]:
         return out
 
     return leaves(Scenario)
+
+
+def _bounds() -> dict[str, tuple[object, object]]:
+    """(lowest, highest) allowed value of every bounded number field (from the model's metadata)."""
+    import annotated_types as at
+
+    from kvpool.scenario.fields import field_info
+
+    out = {}
+    for path in _fields():
+        info = field_info(path)
+        ann = info.annotation
+        args = typing_args(ann)
+        kind = int if int in args else float if float in args else None
+        if kind is None:
+            continue
+        lo = hi = None
+        for m in info.metadata:
+            if isinstance(m, at.Ge):
+                lo = m.ge
+            elif isinstance(m, at.Gt):
+                lo = m.gt + (1 if kind is int else 1e-9 * max(1.0, abs(m.gt)))
+            elif isinstance(m, at.Le):
+                hi = m.le
+            elif isinstance(m, at.Lt):
+                hi = m.lt - 1 if kind is int else m.lt
+        if lo is not None and hi is not None:
+            out[path] = (kind(lo), kind(hi))
+    return out
+
+
+def typing_args(ann) -> tuple:
+    import typing
+
+    seen, stack = [], [ann]
+    while stack:
+        a = stack.pop()
+        if typing.get_origin(a) is typing.Annotated:
+            stack.append(typing.get_args(a)[0])
+        elif typing.get_args(a) and typing.get_origin(a) is not tuple:
+            stack.extend(typing.get_args(a))
+        else:
+            seen.append(a)
+    return tuple(seen)
 
 
 def _weka(rng: random.Random) -> dict:
@@ -266,6 +313,7 @@ def _mooncake_rows(rng: random.Random) -> str:
 def make_cases(seed: int, n: int) -> list[Case]:
     rng = random.Random(seed)
     fields = _fields()
+    bounds = _bounds()
     cases: list[Case] = []
 
     def add(c: Case) -> None:
@@ -287,7 +335,8 @@ def make_cases(seed: int, n: int) -> list[Case]:
     makers = [
         (22, "set"), (10, "set_syntax"), (12, "set_run"), (12, "toml"), (6, "toml_file"), (10, "trace"),
         (4, "trace_convert"), (4, "mooncake"), (8, "sim_flags"), (4, "plan"), (3, "compare"), (3, "synth"),
-        (4, "out_paths"), (3, "server_flags"), (3, "replay"), (2, "pool_status"),
+        (4, "out_paths"), (3, "server_flags"), (3, "replay"), (2, "pool_status"), (8, "bound_run"),
+        (6, "interrupt"),
     ]
     weights = [w for w, _ in makers]
     while len(cases) < n:
@@ -296,6 +345,24 @@ def make_cases(seed: int, n: int) -> list[Case]:
             f, v = rng.choice(fields), rng.choice(ODD_VALUES)
             cmd = rng.choice([["scenario", "validate"], ["scenario", "show", "--json"], ["scenario", "show"]])
             add(Case(kind, [*cmd[:2], "mi355x-1p1d", *cmd[2:], "--set", f"{f}={v}"]))
+        elif kind == "bound_run":
+            path = rng.choice(sorted(bounds))
+            lo, hi = bounds[path]
+            v = rng.choice([lo, hi])
+            text = repr(v) if isinstance(v, float) else str(v)
+            add(Case(kind, ["sim", "run", rng.choice(["mi355x-1p1d", "mi350x-6p2d-shared", "h200-1p1d"]), "--sessions", "2",
+                            *SMALL, "--json", "--set", f"{path}={text}"]))
+        elif kind == "interrupt":
+            cmd = rng.choice([
+                ["sim", "run", "mi355x-1p1d", "--sessions", "4,8", "--duration", "900", "--set", "workload.synthetic_sessions=40"],
+                ["sim", "compare", "mi350x-6p2d-shared", "mi350x-6p2d-split", "--sessions", "8", "--duration", "600",
+                 "--set", "workload.synthetic_sessions=20"],
+                ["trace", "synth", "--preset", "agentx-062126", "--sessions", "60", "--out", rng.choice(["s.jsonl.gz", "sd"])],
+                ["trace", "convert", str(TRACE_DIR), "--to", "mooncake", "--out", "m.jsonl"],
+                ["sim", "plan", "mi355x-1p1d", "--target", "reuse>=0.9", "--vary", "pool.gib_per_service=1..768",
+                 "--duration", "300", "--set", "workload.synthetic_sessions=10", "--workers", "1"],
+            ])
+            add(Case(kind, cmd, interrupt_s=round(rng.uniform(0.3, 6.0), 2)))
         elif kind == "set_syntax":
             add(Case(kind, ["scenario", "validate", rng.choice(["mi355x-1p1d", "cpu-tiny"]), "--set", rng.choice(SET_SYNTAX)]))
         elif kind == "set_run":
@@ -525,7 +592,7 @@ def run_case(i: int, c: Case, root: Path, env: dict[str, str]) -> dict:
                          stdin=subprocess.DEVNULL, start_new_session=True)
     outcome, interrupted = None, False
     try:
-        out, err = p.communicate(timeout=SERVER_RUN_S if c.server else BOUND_S)
+        out, err = p.communicate(timeout=c.interrupt_s or (SERVER_RUN_S if c.server else BOUND_S))
     except subprocess.TimeoutExpired:
         interrupted = True
         os.killpg(p.pid, signal.SIGINT)
@@ -541,6 +608,9 @@ def run_case(i: int, c: Case, root: Path, env: dict[str, str]) -> dict:
     if outcome is None:
         if "Traceback (most recent call last)" in text_out + text_err:
             outcome = "traceback"
+        elif interrupted and c.interrupt_s is not None:
+            # Ctrl-C: "aborted" and status 130 (or the command's own clean stop), nothing half-written
+            outcome = "interrupted" if rc in (0, 130, 2, -signal.SIGINT) and "Traceback" not in text_err else "unclean"
         elif interrupted and not c.server:
             outcome = "hang"
         elif interrupted:
@@ -571,6 +641,8 @@ def run_case(i: int, c: Case, root: Path, env: dict[str, str]) -> dict:
     outs += [d / o for o in c.outs]
     after = _snapshot(case_root)
     stray = sorted(k for k, v in after.items() if before.get(k) != v and k not in sources and not _under(k, outs, case_root))
+    # a temporary file left behind (an atomic write that was cut short and not cleaned up)
+    stray += sorted(k for k in after if k not in before and (".tmp" in Path(k).name or Path(k).name.startswith(".")))
     overwritten = sorted(k for k, v in sources.items() if after.get(k) != v and not _under(k, outs, case_root))
     shutil.rmtree(case_root, ignore_errors=True)
     return {"i": i, "kind": c.kind, "argv": [a[:120] for a in argv], "rc": rc, "outcome": outcome, "s": round(took, 2),
@@ -705,6 +777,7 @@ def main() -> None:
         "seed": args.seed, "cases": len(results), "bound_s": BOUND_S, "wall_s": round(time.monotonic() - t0, 1),
         "outcomes": dict(sorted(counts.items())),
         "clean_errors": counts.get("clean_error", 0), "successful_runs": counts.get("success", 0) + counts.get("served", 0),
+        "clean_interrupts": counts.get("interrupted", 0),
         "tracebacks": counts.get("traceback", 0) + dash["counts"].get("traceback", 0),
         "hangs": counts.get("hang", 0) + dash["counts"].get("hang", 0),
         "unclean": counts.get("unclean", 0), "bad_json": counts.get("bad_json", 0),
