@@ -56,6 +56,7 @@ OUTPUT_FLAGS = ("--out", "--run-dir", "--work-dir", "--state-file")
 DEFAULT_OUT = {("sim", "run"): "out", ("sim", "compare"): "out", ("sim", "plan"): "out", ("replay",): "out",
                ("calibrate",): "out", ("serve",): "out"}
 SMALL = ["--duration", "20", "--set", "workload.synthetic_sessions=3"]
+ODD_PORTS: dict[str, int] = {}  # the odd servers' ports by mode (start_odd_servers)
 
 
 @dataclass
@@ -336,7 +337,7 @@ def make_cases(seed: int, n: int) -> list[Case]:
         (22, "set"), (10, "set_syntax"), (12, "set_run"), (12, "toml"), (6, "toml_file"), (10, "trace"),
         (4, "trace_convert"), (4, "mooncake"), (8, "sim_flags"), (4, "plan"), (3, "compare"), (3, "synth"),
         (4, "out_paths"), (3, "server_flags"), (3, "replay"), (2, "pool_status"), (8, "bound_run"),
-        (6, "interrupt"),
+        (6, "interrupt"), (4, "odd_server"),
     ]
     weights = [w for w, _ in makers]
     while len(cases) < n:
@@ -352,6 +353,11 @@ def make_cases(seed: int, n: int) -> list[Case]:
             text = repr(v) if isinstance(v, float) else str(v)
             add(Case(kind, ["sim", "run", rng.choice(["mi355x-1p1d", "mi350x-6p2d-shared", "h200-1p1d"]), "--sessions", "2",
                             *SMALL, "--json", "--set", f"{path}={text}"]))
+        elif kind == "odd_server":
+            mode = rng.choice(ODD_SERVER_MODES)
+            argv = ["replay", "cpu-tiny", "--url", f"http://127.0.0.1:{{PORT:{mode}}}", "--duration", "4",
+                    "--timeout", rng.choice(["3", "5"]), "--out", "r", "--json"]
+            add(Case(kind, argv))
         elif kind == "interrupt":
             cmd = rng.choice([
                 ["sim", "run", "mi355x-1p1d", "--sessions", "4,8", "--duration", "900", "--set", "workload.synthetic_sessions=40"],
@@ -526,6 +532,85 @@ def make_cases(seed: int, n: int) -> list[Case]:
     return cases[:n]
 
 
+# -- a server that answers oddly (kvpool replay's input) ---------------------------------------------
+ODD_SERVER_MODES = ("silent", "garbage", "text_not_string", "notjson", "nan_usage", "negative_usage", "too_many_tokens",
+                    "err500_html", "huge_line", "no_done", "slow_drip", "bad_record", "redirect")
+
+
+def _odd_answer(mode: str) -> bytes:
+    sse = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n"
+    tok = b'data: {"choices": [{"text": "a", "token_ids": [1], "finish_reason": null}]}\n\n'
+    if mode == "garbage":
+        return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 5\r\n\r\n{nope"
+    if mode == "text_not_string":
+        return sse + b'data: {"choices": [{"text": 5}]}\n\ndata: [DONE]\n\n'
+    if mode == "notjson":
+        return b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc"
+    if mode == "nan_usage":
+        return sse + tok + b'data: {"choices": [], "usage": {"completion_tokens": NaN}}\n\ndata: [DONE]\n\n'
+    if mode == "negative_usage":
+        return sse + tok + b'data: {"choices": [], "usage": {"completion_tokens": -5}}\n\ndata: [DONE]\n\n'
+    if mode == "too_many_tokens":
+        return sse + tok + b'data: {"choices": [], "usage": {"completion_tokens": 99999999}}\n\ndata: [DONE]\n\n'
+    if mode == "err500_html":
+        return b"HTTP/1.1 500 Oops\r\nContent-Type: text/html\r\nContent-Length: 14\r\n\r\n<html>x</html>"
+    if mode == "no_done":
+        return sse + tok
+    if mode == "bad_record":
+        return sse + tok + (b'data: {"choices": [], "kvpool": {"record": {"gpu_tokens": -9, "restore_stage_s": [1e400], '
+                            b'"handoff_s": -1, "prefill": "x", "rejected": 5}}}\n\ndata: [DONE]\n\n')
+    if mode == "redirect":
+        return b"HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:9/\r\nContent-Length: 0\r\n\r\n"
+    return b""
+
+
+def start_odd_servers() -> dict[str, int]:
+    """One thread per mode answering /v1/models well and /v1/completions oddly; mode -> port."""
+    import socket
+    import threading
+
+    models = b'{"object": "list", "data": [{"id": "refmodel-tiny", "object": "model"}]}'
+
+    def handle(c: socket.socket, mode: str) -> None:
+        try:
+            c.settimeout(60)
+            req = c.recv(65536)
+            if b"/v1/models" in req.split(b"\r\n", 1)[0]:
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                          b"Connection: close\r\n\r\n" % len(models) + models)
+            elif mode == "silent":
+                time.sleep(40)
+            elif mode == "huge_line":
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: ")
+                for _ in range(2000):
+                    c.sendall(b"x" * 65536)
+            elif mode == "slow_drip":
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n")
+                for _ in range(40):
+                    c.sendall(b": keep-alive\n\n")
+                    time.sleep(1)
+            else:
+                c.sendall(_odd_answer(mode))
+        except OSError:
+            pass
+        finally:
+            c.close()
+
+    def serve(s: socket.socket, mode: str) -> None:
+        while True:
+            c, _ = s.accept()
+            threading.Thread(target=handle, args=(c, mode), daemon=True).start()
+
+    ports = {}
+    for mode in ODD_SERVER_MODES:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        ports[mode] = s.getsockname()[1]
+        threading.Thread(target=serve, args=(s, mode), daemon=True).start()
+    return ports
+
+
 # -- running ----------------------------------------------------------------------------------------
 def _snapshot(root: Path) -> dict[str, str]:
     out = {}
@@ -585,6 +670,8 @@ def run_case(i: int, c: Case, root: Path, env: dict[str, str]) -> dict:
     for name, target in c.links.items():
         os.symlink(target, d / name)
     argv = [a.replace("{D}", str(d)) for a in c.argv]
+    for mode, port in ODD_PORTS.items():
+        argv = [a.replace(f"{{PORT:{mode}}}", str(port)) for a in argv]
     before = _snapshot(case_root)
     sources = {k: v for k, v in before.items() if k.startswith("a/b/work/")}
     t0 = time.monotonic()
@@ -751,6 +838,7 @@ def main() -> None:
     env.update({"HOME": str(home), "KVPOOL_CACHE_DIR": str(home / "cache"), "MPLCONFIGDIR": str(home / "mpl"),
                 "PYTHONPATH": str(REPO), "NO_COLOR": "1", "COLUMNS": "120", "TERM": "dumb"})
     builtins_before = _snapshot(REPO / "scenarios")
+    ODD_PORTS.update(start_odd_servers())
     cases = make_cases(args.seed, args.cases)
     if args.only:
         keep = set(args.only.split(","))
