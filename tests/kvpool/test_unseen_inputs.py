@@ -199,3 +199,17 @@ def test_a_calibration_file_that_is_no_file_is_one_error_not_an_endless_read(cap
         line = one_error(err)
         assert code == 2 and "cost.calibration" in line and needle in line, line
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["sim", "compare", "cpu-tiny", "cpu-tiny", "--duration", "5", "--out", "gone"],
+    ["sim", "run", "cpu-tiny", "--duration", "5", "--out", "gone/sub"],
+    ["trace", "synth", "--preset", "kv-cache-tester", "--sessions", "1", "--out", "gone/s.jsonl"],
+])
+def test_an_output_folder_that_is_a_link_to_nothing_is_one_error_before_any_work(capsys, tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    os.symlink("missing_target", "gone")
+    code, _, err = run(capsys, *argv)
+    line = one_error(err)  # the error is the only line: nothing was built or run first
+    assert code == 2 and "--out" in line and "link to missing_target, which does not exist" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["gone"]
