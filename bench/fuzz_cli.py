@@ -14,8 +14,9 @@ must exit within ``STOP_S``. Outcomes:
   ``served``: a server that ran until SIGINT and stopped within the bound; ``interrupted``: a
   long command sent SIGINT (Ctrl-C) at a random moment that stopped within ``STOP_S`` without a
   traceback (and, like every case, left no temporary or partial file behind).
-* ``traceback``: a Python traceback on stdout or stderr; ``hang``: past the bound (or not stopping
-  after SIGINT); ``unclean``: any other exit status or an error that is not ``error:`` lines;
+* ``traceback``: a Python traceback on stdout or stderr; ``hang``: past the bound and not stopping
+  within ``STOP_S`` of SIGINT; ``over_bound``: past the bound, then stopped cleanly by SIGINT (a
+  valid input asking for long work, e.g. 100,000 lanes; listed with the problems); ``unclean``: any other exit status or an error that is not ``error:`` lines;
   ``bad_json``: exit 0 with ``--json`` output that is not strict JSON.
 * ``stray_files``: a file created or changed in the case's folder outside the output paths the
   command was given (``--out`` & co., their defaults included); ``overwritten_sources``: an input
@@ -699,7 +700,8 @@ def run_case(i: int, c: Case, root: Path, env: dict[str, str]) -> dict:
             # Ctrl-C: "aborted" and status 130 (or the command's own clean stop), nothing half-written
             outcome = "interrupted" if rc in (0, 130, 2, -signal.SIGINT) and "Traceback" not in text_err else "unclean"
         elif interrupted and not c.server:
-            outcome = "hang"
+            # past the bound: a valid input that asks for long work (Ctrl-C stopped it cleanly), or a hang
+            outcome = "over_bound" if rc in (130, -signal.SIGINT) and "Traceback" not in text_err else "hang"
         elif interrupted:
             outcome = "served" if rc in (0, 130) else "unclean"
         elif rc == 0:
@@ -860,7 +862,7 @@ def main() -> None:
         by_kind[r["kind"]][r["outcome"]] += 1
     stray = [r for r in results if r["stray"]]
     over = [r for r in results if r["overwritten"]]
-    bad = [r for r in results if r["outcome"] in ("traceback", "hang", "unclean", "bad_json")]
+    bad = [r for r in results if r["outcome"] in ("traceback", "hang", "over_bound", "unclean", "bad_json")]
     summary = {
         "seed": args.seed, "cases": len(results), "bound_s": BOUND_S, "wall_s": round(time.monotonic() - t0, 1),
         "outcomes": dict(sorted(counts.items())),
@@ -868,6 +870,7 @@ def main() -> None:
         "clean_interrupts": counts.get("interrupted", 0),
         "tracebacks": counts.get("traceback", 0) + dash["counts"].get("traceback", 0),
         "hangs": counts.get("hang", 0) + dash["counts"].get("hang", 0),
+        "over_bound": counts.get("over_bound", 0),
         "unclean": counts.get("unclean", 0), "bad_json": counts.get("bad_json", 0),
         "files_outside_out": len(stray), "overwritten_sources": len(over) + (builtins_before != builtins_after),
         "slowest_s": max((r["s"] for r in results), default=0),
