@@ -213,3 +213,18 @@ def test_an_output_folder_that_is_a_link_to_nothing_is_one_error_before_any_work
     line = one_error(err)  # the error is the only line: nothing was built or run first
     assert code == 2 and "--out" in line and "link to missing_target, which does not exist" in line, line
     assert sorted(os.listdir(tmp_path)) == ["gone"]
+
+
+@pytest.mark.parametrize("command", [["sim", "run", "cpu-tiny"], ["sim", "compare", "cpu-tiny", "h200-tiny"]])
+def test_an_unreachable_cluster_is_one_error_before_the_workload_is_built(capsys, tmp_path, monkeypatch, command):
+    """The executor is checked (and a cluster reached) before the synthetic workload is built, so
+    the error is the only line, with nothing built or written."""
+    pytest.importorskip("ray")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, _, err = run(capsys, *command, "--duration", "5", "--set", "workload.synthetic_sessions=5",
+                       "--executor", "ray", "--address", "127.0.0.1:9", "--json")
+    line = one_error(err)
+    assert code == 2 and "--address 127.0.0.1:9" in line, line
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
