@@ -72,10 +72,20 @@ def check_path_length(path: Path | str, flag: str) -> Path:
     return Path(path)
 
 
+def _refuse_dangling_link(path: Path, flag: str) -> None:
+    """A ``UserError`` when ``path`` or a folder above it is a link to nothing (it cannot be created
+    through, and ``mkdir`` would only say "File exists")."""
+    for p in (path, *path.parents):
+        if p.is_symlink() and not p.exists():
+            raise UserError(f"{flag} {path}: {'it' if p == path else p} is a link to {os.readlink(p)}, which does "
+                            "not exist; create the target or give another path")
+
+
 def output_dir(path: Path, flag: str = "--out", create: bool = True) -> Path:
     """``path`` created if missing (``create``); a ``UserError`` naming ``flag`` if it is not, or cannot
-    become, a writable folder."""
+    become, a writable folder (a link to nothing included)."""
     check_path_length(path, flag)
+    _refuse_dangling_link(path, flag)
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path}: exists and is not a directory; give a directory for the outputs")
     if not create:

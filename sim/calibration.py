@@ -133,14 +133,28 @@ def parse_calibration(doc: object, where: str) -> Calibration:
         control_plane_s=_num(doc, "overheads.control_plane_s", where), raw=doc)
 
 
+#: The largest calibration file read (one is a few KiB: grids of a few dozen points per curve).
+MAX_CALIBRATION_BYTES = 16 << 20
+
+
 def load_calibration(path: str | Path) -> Calibration:
+    """The calibration file ``path`` (a regular file of at most ``MAX_CALIBRATION_BYTES``), checked."""
+    from kvpool.inputs import InputFileError, read_regular
+
     where = str(path)
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CalibrationError(f"{where}: no such calibration file (cost.calibration)") from None
-    except (OSError, UnicodeDecodeError, ValueError) as e:
+        data = read_regular(path, MAX_CALIBRATION_BYTES, "a calibration file")
+    except InputFileError as e:
+        msg = str(e)
+        if msg.endswith(": no such file"):
+            msg = f"{where}: no such calibration file (cost.calibration)"
+        raise CalibrationError(msg) from None
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
         raise CalibrationError(f"{where}: not a readable JSON file ({e})") from None
+    except RecursionError:
+        raise CalibrationError(f"{where}: not a readable JSON file (nested too deeply)") from None
     return parse_calibration(doc, where)
 
 

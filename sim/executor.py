@@ -128,11 +128,19 @@ class Runner:
         else:
             from concurrent.futures import ProcessPoolExecutor, as_completed
 
-            with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks))) as pool:
+            with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks)), initializer=_stop_quietly_on_ctrl_c) as pool:
                 futs = {pool.submit(fn, t): i for i, t in enumerate(tasks)}
                 for f in as_completed(futs):
                     done(futs[f], f.result())
         return [results[i] for i in range(len(tasks))]
+
+
+def _stop_quietly_on_ctrl_c() -> None:
+    """A sweep's worker process ends at once, without a traceback, on Ctrl-C (the terminal sends
+    SIGINT to every process of the group); the parent, which holds the outputs, reports it."""
+    import signal
+
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 
 def _import_ray():

@@ -298,39 +298,46 @@ def _request(r: Rec, ids: list[int], model: str) -> dict:
     }
 
 
-def records_to_weka(rec: SessionRecords, trace_id: str, models: tuple[str, ...]) -> dict:
-    """The Weka document of generated records (block ids assigned in first-use order)."""
+def records_to_weka(rec: SessionRecords, trace_id: str, models: tuple[str, ...], *, arrays: bool = False) -> dict:
+    """The Weka document of generated records (block ids assigned in first-use order).
+
+    ``arrays``: each request's ``hash_ids`` is an int64 numpy array rather than a list (the same
+    ids; ``session_from_weka`` takes it as it is, so an in-memory workload skips building and
+    checking millions of Python ints). A document for a file keeps lists (JSON)."""
     nxt = 0
 
-    def fresh(n: int) -> list[int]:
+    def fresh(n: int):
         nonlocal nxt
-        out = list(range(nxt, nxt + n))
+        out = np.arange(nxt, nxt + n, dtype=np.int64) if arrays else list(range(nxt, nxt + n))
         nxt += n
         return out
+
+    def cat(head, tail):
+        return np.concatenate((head, tail)) if arrays else head + tail
 
     model = models[0]
     by_anchor: dict[int, list[tuple[float, list[list[Rec]]]]] = {}
     for a, spawn, children in rec.groups:
         by_anchor.setdefault(a, []).append((spawn, children))
-    sub_prefix_ids: list[int] | None = None
+    sub_prefix_ids = None
     entries: list[dict] = []
-    ids: list[int] = []
+    ids = fresh(0)
     n_agents = 0
     for k, r in enumerate(rec.main):
         n_blocks = r.in_tokens // BLOCK_TOKENS
         ids = ids[: min(r.keep, n_blocks)]
-        ids = ids + fresh(n_blocks - len(ids))
+        ids = cat(ids, fresh(n_blocks - len(ids)))
         entries.append(_request(r, ids, model))
         for spawn, children in by_anchor.get(k, []):
             for child in children:
                 if sub_prefix_ids is None:
                     sub_prefix_ids = fresh(rec.sub_prefix_blocks)
                 inner = []
-                cids: list[int] = []
+                cids = fresh(0)
                 for j, q in enumerate(child):
                     nb = q.in_tokens // BLOCK_TOKENS
-                    cids = list(sub_prefix_ids[: min(q.keep, nb)]) if j == 0 else cids[: min(q.keep, nb)]
-                    cids = cids + fresh(nb - len(cids))
+                    cids = sub_prefix_ids[: min(q.keep, nb)] if j == 0 else cids[: min(q.keep, nb)]
+                    cids = cat(cids, fresh(nb - len(cids)))
                     d = _request(q, cids, models[-1])
                     d["t"] = round(q.t_s - spawn, 3)
                     inner.append(d)
@@ -344,11 +351,12 @@ def records_to_weka(rec: SessionRecords, trace_id: str, models: tuple[str, ...])
     return {"id": trace_id, "models": list(models), "block_size": BLOCK_TOKENS, "hash_id_scope": "local", "requests": entries}
 
 
-def generate_session(p: SynthParams, *, seed: int, index: int) -> dict:
-    """Session ``index`` of preset ``p`` under ``seed``, as a Weka trace document."""
+def generate_session(p: SynthParams, *, seed: int, index: int, arrays: bool = False) -> dict:
+    """Session ``index`` of preset ``p`` under ``seed``, as a Weka trace document (``arrays``: see
+    ``records_to_weka``)."""
     rng = _session_rng(seed, index, p.name)
     rec = generate_records(p, rng, session_draws(seed, index))
-    return records_to_weka(rec, f"synth-{p.name}-{seed}-{index:05d}", p.models)
+    return records_to_weka(rec, f"synth-{p.name}-{seed}-{index:05d}", p.models, arrays=arrays)
 
 
 def write_weka_dir(docs, out: str | Path) -> int:
@@ -359,7 +367,7 @@ def write_weka_dir(docs, out: str | Path) -> int:
     for d in docs:
         if isinstance(d, Session):
             d = session_to_weka(d)
-        (out / f"{d['id']}.json.gz").write_bytes(gzip.compress(json.dumps(d, separators=(",", ":")).encode(), 6))
+        (out / f"{d['id']}.json.gz").write_bytes(gzip.compress(json.dumps(d, separators=(",", ":")).encode(), 1))
         n += 1
     return n
 
@@ -372,7 +380,7 @@ def synthetic_workload(preset: str, sessions: int, seed: int, *, context_scale: 
     p = preset_params(preset).with_context_scale(context_scale)
     out = []
     for k in range(sessions):
-        out.append(session_from_weka(generate_session(p, seed=seed, index=k), source=f"synth:{preset}"))
+        out.append(session_from_weka(generate_session(p, seed=seed, index=k, arrays=True), source=f"synth:{preset}"))
         if on_session is not None:
             on_session(k)
     return Workload(tuple(out))

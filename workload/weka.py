@@ -99,7 +99,7 @@ def _ids_array(ids: Any, path: str) -> np.ndarray:
         arr = np.asarray(ids)
     except (ValueError, OverflowError, TypeError):
         raise TraceError("hash_ids must be a list of non-negative integers", request=path) from None
-    if arr.dtype.kind not in "iu" or arr.ndim != 1 or any(type(x) is bool for x in ids):
+    if arr.dtype.kind not in "iu" or arr.ndim != 1 or bool in map(type, ids):
         raise TraceError("hash_ids must be a list of non-negative integers", request=path)
     if arr.dtype.kind == "i" and int(arr.min()) < 0:
         raise TraceError(f"hash_ids must be non-negative (found {int(arr.min())})", request=path)

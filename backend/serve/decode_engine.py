@@ -48,6 +48,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvpool.backend.serve import handoff_plan as hp
+from kvpool.backend.serve import http_errors
 from kvpool.backend.serve.decode_core import DecodeCore, NoRoom, RequestConflict
 from kvpool.backend.serve.model_config import ServeConfigError
 from kvpool.backend.serve.plan import ServePlan, worker_of_argv, write_ready
@@ -70,8 +71,8 @@ def _error(status: int, reason: str) -> web.Response:
 
 async def _body(request: web.Request) -> object:
     try:
-        return json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return json.loads(await http_errors.read_body(request))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise ProtocolError(f"body: expected a JSON object ({exc})") from exc
 
 
@@ -81,7 +82,7 @@ class DecodeServer:
         self.streams: set[asyncio.Queue] = set()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[http_errors.json_errors()])
         app.router.add_post("/expect", self.expect)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/abort", self.abort)
@@ -183,7 +184,7 @@ async def serve(plan: ServePlan, name: str) -> int:
         torch.set_num_threads(1)   # tiny products: more threads only spin on shared cores
     core = DecodeCore(scenario, worker.instance, devices, loop, log=lambda s: print(s, flush=True))
     server = DecodeServer(core, worker.instance)
-    runner = web.AppRunner(server.app(), access_log=None)
+    runner = http_errors.runner(server.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -221,6 +221,8 @@ def pool_namespace(scenario, spec) -> str:
 def make_app(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics, info: PoolInfo):
     from aiohttp import web
 
+    from kvpool.backend.serve import http_errors
+
     from kvpool.backend.serve.protocol import Health, PrefillRequest, ProtocolError
 
     sc = plan.scenario_model()
@@ -232,8 +234,8 @@ def make_app(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics, inf
 
     async def prefill(request: web.Request):
         try:
-            body = json.loads(await request.read())
-        except ValueError as e:
+            body = json.loads(await http_errors.read_body(request))
+        except (ValueError, RecursionError) as e:
             return error(400, f"body: not JSON ({e})")
         try:
             req = PrefillRequest.from_json(body, vocab=sc.serve.vocab)
@@ -281,7 +283,7 @@ def make_app(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics, inf
         metrics.pool.set(stage_rows(await info.states(True, POOL_METRICS_WAIT_S)))
         return web.Response(body=metrics.text(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application(client_max_size=64 << 20)
+    app = web.Application(client_max_size=64 << 20, middlewares=[http_errors.json_errors()])
     app.add_routes([web.post("/prefill", prefill), web.get("/health", health), web.get("/metrics", metrics_route)])
     return app
 
@@ -290,7 +292,9 @@ async def _serve(plan: ServePlan, worker: Worker, sched, metrics: EngineMetrics,
                  stop: asyncio.Event) -> None:
     from aiohttp import web
 
-    runner = web.AppRunner(make_app(plan, worker, sched, metrics, info), access_log=None)
+    from kvpool.backend.serve import http_errors
+
+    runner = http_errors.runner(make_app(plan, worker, sched, metrics, info), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

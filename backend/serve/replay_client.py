@@ -20,9 +20,11 @@ Contract:
       with the first token, not before).
     * The server's record: the last ``"kvpool": {"record": {...}}`` of any event (or of an error
       answer's JSON) gives ``SERVER_FIELDS`` (token sources, restore and hand-off figures, the
-      instances, ``rejected``); fields of the wrong type are ignored. Its ``prefill_start_s`` /
+      instances, ``rejected``); fields of the wrong type, negative ones (an instance may be -1: none)
+      and non-finite times are ignored. Its ``prefill_start_s`` /
       ``prefill_end_s`` are moved onto the client's clock by the server's own ``arrival_s``.
-      ``usage.completion_tokens``, when given, is the record's ``out_tokens``.
+      ``usage.completion_tokens``, when given, is the record's ``out_tokens``; one that is not an
+      integer from 0 to the request's ``max_tokens`` fails the request (``bad answer``).
     * Failures: a non-2xx answer (its JSON ``error`` or text), an event with ``error``, a stream that
       breaks off or ends before ``[DONE]``, a connection error, or no answer within
       ``request_timeout_s`` (the whole request) makes the outcome's ``error`` say so, and its
@@ -133,16 +135,16 @@ def merge_server_record(rec: RequestRecord, server: object) -> None:
             continue
         v = server[name]
         if name in _INT_FIELDS:
-            ok = isinstance(v, int) and not isinstance(v, bool)
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= (-1 if name in ("prefill", "decode") else 0)
         elif name in _FLOAT_FIELDS:
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
         elif name in _BOOL_FIELDS:
             ok = isinstance(v, bool)
         elif name == "rejected":
             ok = isinstance(v, str)
         else:  # restore_stage_s
             ok = isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-                                             for x in v)
+                                             and x >= 0 for x in v)
             v = [float(x) for x in v] if ok else v
         if ok:
             setattr(rec, name, v)
@@ -287,8 +289,12 @@ class _Client:
                 if server is not None:
                     merge_server_record(rec, server)
                 usage = event.get("usage")
-                if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-                    rec.out_tokens = usage["completion_tokens"]
+                if isinstance(usage, dict) and "completion_tokens" in usage:
+                    n = usage["completion_tokens"]
+                    if not (isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= d.out_tokens):
+                        return (f"bad answer: usage.completion_tokens {_short(repr(n))}: an integer of at most "
+                                f"max_tokens ({d.out_tokens}) was asked for")
+                    rec.out_tokens = n
                 if event.get("error"):
                     return f"stream error: {_short(str(event['error']))}"
             if not finished:

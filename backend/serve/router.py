@@ -54,6 +54,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from kvpool.backend.serve import http_errors
 from kvpool.backend.serve import tokens as tok
 from kvpool.backend.serve.metrics import CONTENT_TYPE, RouterMetrics
 from kvpool.backend.serve.protocol import (
@@ -107,6 +108,17 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         return web.json_response(self.body(), status=self.status)
+
+
+def router_error_body(status: int, message: str) -> dict:
+    """The router's error object for an answer aiohttp gives before any route (``http_errors``): a
+    request line, header or framing it cannot parse (4xx), or an exception a handler left (5xx)."""
+    return ApiError(status, message, type_="invalid_request_error" if status < 500 else "internal_error").body()
+
+
+def serve_runner(app: web.Application, **kwargs) -> web.AppRunner:
+    """The ``AppRunner`` of the router's ``app``: every error answer an error object (``http_errors``)."""
+    return http_errors.runner(app, router_error_body, **kwargs)
 
 
 class BodyError(ApiError):

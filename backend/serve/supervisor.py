@@ -47,7 +47,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpool.backend.serve.plan import ROLES, ServePlan, Worker, build_plan, write_ready
-from kvpool.backend.serve.router import RUNNER_OPTIONS, Engines, Router
+from kvpool.backend.serve.router import RUNNER_OPTIONS, Engines, Router, serve_runner
 from kvpool.scenario.model import Scenario
 
 if TYPE_CHECKING:
@@ -277,8 +277,8 @@ class Supervisor:
                     return 0
                 raise
             self.router = Router(self.scenario, self.engines(), healthy_children=self._children_problem)
-            runner = web.AppRunner(self.router.app, handle_signals=False, shutdown_timeout=HTTP_SHUTDOWN_S,
-                                   access_log=None, **RUNNER_OPTIONS)
+            runner = serve_runner(self.router.app, handle_signals=False, shutdown_timeout=HTTP_SHUTDOWN_S,
+                                  access_log=None, **RUNNER_OPTIONS)
             await runner.setup()
             site = web.SockSite(runner, sock, shutdown_timeout=HTTP_SHUTDOWN_S)
             await site.start()

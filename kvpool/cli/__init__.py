@@ -1,25 +1,31 @@
 """The ``kvpool`` command line: one typer app with a sub-app per area.
 
 Every user mistake (bad scenario, bad flag value) is printed as a one-line ``error:`` message and
-exits with status 2; no traceback.
+exits with status 2; no traceback. Numbers and paths on the command line are read strictly
+(``kvpool.cli.flags``).
 """
 
 from __future__ import annotations
 
 import sys
 
-import typer
+try:  # Ctrl-C while the command line loads (its imports take a few tenths of a second) stops as one does later
+    import typer
 
-from kvpool.cli import calibrate as calibrate_cli
-from kvpool.cli import dashboard as dashboard_cli
-from kvpool.cli import pool as pool_cli
-from kvpool.cli import replay as replay_cli
-from kvpool.cli import scenario as scenario_cli
-from kvpool.cli import serve as serve_cli
-from kvpool.cli import sim as sim_cli
-from kvpool.cli import trace as trace_cli
-from kvpool.cli.common import UserError
-from kvpool.errors import printable
+    from kvpool.cli import calibrate as calibrate_cli
+    from kvpool.cli import dashboard as dashboard_cli
+    from kvpool.cli import pool as pool_cli
+    from kvpool.cli import replay as replay_cli
+    from kvpool.cli import scenario as scenario_cli
+    from kvpool.cli import serve as serve_cli
+    from kvpool.cli import sim as sim_cli
+    from kvpool.cli import trace as trace_cli
+    from kvpool.cli.common import UserError
+    from kvpool.cli.flags import strict
+    from kvpool.errors import printable
+except KeyboardInterrupt:
+    sys.stderr.write("aborted\n")
+    sys.exit(130)
 
 app = typer.Typer(
     name="kvpool",
@@ -40,6 +46,7 @@ app.command("serve")(serve_cli.serve)
 app.command("replay")(replay_cli.replay)
 app.command("calibrate")(calibrate_cli.calibrate)
 app.command("dashboard")(dashboard_cli.dashboard)
+strict(app)  # every int, float and path flag read strictly (kvpool.cli.flags)
 
 
 def _version_callback(value: bool) -> None:
@@ -69,8 +76,11 @@ def _click_exceptions():
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``kvpool`` script. A usage mistake (unknown option or command, missing
     argument, a value of the wrong type) is one ``error:`` line naming the command's ``--help``, with
-    exit status 2; a group given no command prints its help."""
+    exit status 2; a group given no command prints its help. Ctrl-C stops a command with ``aborted``
+    and exit status 130, wherever it lands (while the CLI loads, inside a destructor, in a sweep's
+    worker process)."""
     cx = _click_exceptions()
+    sys.unraisablehook = _ctrl_c_in_a_destructor
     try:
         code = app(args=argv, standalone_mode=False)
     except UserError as e:
@@ -84,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except cx.UsageError as e:
         where = f"{e.ctx.command_path} --help" if e.ctx else "kvpool --help"
-        typer.echo(f"error: {e.format_message()} (see {where})", err=True)
+        message = e.format_message().replace("Value error, ", "")  # pydantic's prefix of a parser's ValueError
+        typer.echo(f"error: {printable(message)} (see {where})", err=True)
         sys.exit(2)
     except cx.ClickException as e:
         typer.echo(f"error: {e.format_message()}", err=True)
@@ -92,4 +103,20 @@ def main(argv: list[str] | None = None) -> None:
     except (getattr(cx, "Abort", KeyboardInterrupt), KeyboardInterrupt):
         typer.echo("aborted", err=True)
         sys.exit(130)
+    if code == 130:  # click's own answer to Ctrl-C, and a command's Exit(130) after it stopped
+        typer.echo("aborted", err=True)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+_default_unraisablehook = sys.unraisablehook
+
+
+def _ctrl_c_in_a_destructor(unraisable) -> None:
+    """A Ctrl-C that lands in a destructor or a weakref callback cannot stop the command there (Python
+    would print it as "Exception ignored" and go on): deliver it to the main thread again instead."""
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+        import _thread
+
+        _thread.interrupt_main()
+        return
+    _default_unraisablehook(unraisable)

@@ -171,12 +171,12 @@ def run(
     from kvpool.workload.errors import TraceError
 
     try:
-        prepare_workload(s, traces, console)
-        with executor_runner(executor, address, n_workers, console, json_) as runner, \
-                Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} loads"),
-                         TimeElapsedColumn(), console=console, transient=True, disable=json_) as progress:
-            task = progress.add_task(f"simulating {s.name}", total=len(loads))
-            rows = sweep(s, loads, traces=traces, runner=runner, on_done=lambda load, _r: progress.advance(task))
+        with executor_runner(executor, address, n_workers, console, json_) as runner:  # a bad cluster before any build
+            prepare_workload(s, traces, console)
+            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} loads"),
+                          TimeElapsedColumn(), console=console, transient=True, disable=json_) as progress:
+                task = progress.add_task(f"simulating {s.name}", total=len(loads))
+                rows = sweep(s, loads, traces=traces, runner=runner, on_done=lambda load, _r: progress.advance(task))
     except TraceError as e:
         raise UserError(str(e)) from None
     doc = documents.run_document(s, rows, documents.Inputs(scenario, tuple(set_), tuple(overrides), traces),
@@ -244,12 +244,13 @@ def compare(
     from kvpool.workload.errors import TraceError
 
     try:
-        for s in arms_s:
-            prepare_workload(s, traces, console)
-        with executor_runner(executor, address, n_workers, console, json_) as runner, _progress(console, json_) as progress:
-            task = progress.add_task("comparing " + " vs ".join(names), total=len(loads) * len(arms_s))
+        with executor_runner(executor, address, n_workers, console, json_) as runner:  # a bad cluster before any build
             for s in arms_s:
-                arms[s.name] = sweep(s, loads, traces=traces, runner=runner, on_done=lambda *_: progress.advance(task))
+                prepare_workload(s, traces, console)
+            with _progress(console, json_) as progress:
+                task = progress.add_task("comparing " + " vs ".join(names), total=len(loads) * len(arms_s))
+                for s in arms_s:
+                    arms[s.name] = sweep(s, loads, traces=traces, runner=runner, on_done=lambda *_: progress.advance(task))
     except TraceError as e:
         raise UserError(str(e)) from None
     doc = documents.compare_document(arms_s, arms, [documents.Inputs(src, tuple(set_), tuple(extra), traces)
@@ -317,12 +318,12 @@ def plan(
     from kvpool.workload.errors import TraceError
 
     try:
-        prepare_workload(base, traces, console)
-        with executor_runner(executor, address, max(1, workers), console, json_) as runner, \
-                _progress(console, json_) as progress:
-            task = progress.add_task(f"searching {variable.field}", total=max_runs)
-            res = pl.search(base, variable, targets, load=load, traces=traces, workers=workers, max_runs=max_runs,
-                            runner=runner, on_run=lambda *_: progress.advance(task))
+        with executor_runner(executor, address, max(1, workers), console, json_) as runner:  # a bad cluster first
+            prepare_workload(base, traces, console)
+            with _progress(console, json_) as progress:
+                task = progress.add_task(f"searching {variable.field}", total=max_runs)
+                res = pl.search(base, variable, targets, load=load, traces=traces, workers=workers, max_runs=max_runs,
+                                runner=runner, on_run=lambda *_: progress.advance(task))
     except TraceError as e:
         raise UserError(str(e)) from None
     summary = documents.plan_document(

@@ -122,6 +122,7 @@ def synth(
 
     from kvpool.outputs import atomic_path, check_path_length, output_dir, output_file, refuse_existing
     from kvpool.scenario.fields import check
+    from kvpool.scenario.model import synthetic_size_error
     from kvpool.workload.presets import PRESETS
     from kvpool.workload.synth import generate_session, preset_params
 
@@ -129,8 +130,9 @@ def synth(
         raise UserError(f"unknown preset '{preset}'; choose one of: {', '.join(PRESETS)}")
     check("workload.synthetic_sessions", sessions, "--sessions")
     check("seed", seed, "--seed")
-    if not (math.isfinite(context_scale) and 0 < context_scale <= 10):
-        raise UserError(f"--context-scale {context_scale:g}: must be > 0 and <= 10")
+    check("workload.context_scale", context_scale, "--context-scale")
+    if (why := synthetic_size_error(sessions, context_scale)) is not None:
+        raise UserError(f"--sessions x --context-scale: {why}")
     params = preset_params(preset).with_context_scale(context_scale)
     from kvpool.workload.load import write_weka_jsonl
     from kvpool.workload.synth import write_weka_dir

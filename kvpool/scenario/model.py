@@ -35,6 +35,19 @@ MAX_SERVERS = 1024
 MAX_INSTANCES = 4096
 MAX_TOKENS = 1 << 24          # 16,777,216 tokens: longer than any model's context
 MAX_SESSIONS = 100_000
+MAX_SYNTHETIC_SESSIONS = 1024  # synthetic sessions x max(1, context_scale): above the largest trace set a preset is fitted on (710)
+
+
+def synthetic_size_error(sessions: int, context_scale: float) -> str | None:
+    """Why a synthetic workload of ``sessions`` at ``context_scale`` is too large to build, or None.
+
+    Its build time and memory grow with the sessions times the prompt-side tokens of each, so
+    ``sessions x max(1, context_scale)`` is at most ``MAX_SYNTHETIC_SESSIONS`` (a build of about
+    15 s on one core at the bound)."""
+    if sessions * max(1.0, context_scale) > MAX_SYNTHETIC_SESSIONS:
+        return (f"synthetic_sessions x context_scale ({sessions} x {context_scale:g}) must be <= "
+                f"{MAX_SYNTHETIC_SESSIONS} (the build's time and memory grow with both)")
+    return None
 MAX_SECONDS = 604_800.0       # one week
 MAX_SEED = 2**32 - 1
 
@@ -200,7 +213,9 @@ class WorkloadConfig(_Section):
     mode: Literal["agentx", "replay"] = Field(default="agentx", description="agentx: lanes of live session trees; replay: Poisson production replay")
     traces: Annotated[str, Strict(), Field(min_length=1, max_length=4096)] | None = Field(default=None, description="trace file/dir; none: the synthetic preset")
     preset: Label = Field(default="agentx-062126", description="synthetic preset when no traces are given")
-    synthetic_sessions: Int = Field(default=200, gt=0, le=MAX_SESSIONS, description="sessions the synthetic preset generates")
+    synthetic_sessions: Int = Field(
+        default=200, gt=0, le=MAX_SYNTHETIC_SESSIONS,
+        description="sessions the synthetic preset generates (times max(1, context_scale): at most 1024)")
     sessions: Int = Field(default=56, gt=0, le=MAX_SESSIONS, description="AgentX lanes (concurrent session trees)")
     rps: Float = Field(default=0.8, gt=0, le=10_000, description="replay: Poisson arrivals per second")
     lanes: Int = Field(default=160, gt=0, le=MAX_SESSIONS, description="replay: lanes")
@@ -241,6 +256,8 @@ class WorkloadConfig(_Section):
         if self.shared_prefix_tokens > self.max_context_tokens:
             raise ValueError(f"shared_prefix_tokens ({self.shared_prefix_tokens}) must be <= max_context_tokens "
                              f"({self.max_context_tokens})")
+        if (why := synthetic_size_error(self.synthetic_sessions, self.context_scale)) is not None:
+            raise ValueError(why)
         return self
 
     @field_validator("preset")

@@ -465,3 +465,27 @@ def test_a_gate_that_admits_nothing_says_so_not_that_the_window_is_short(tmp_pat
     (warning,) = doc["warnings"]
     assert "the admission gate rejected" in warning and "gate.tokens_per_decode x gate.budget_fraction" in warning
     assert "give a longer --duration" not in warning
+
+
+@pytest.mark.parametrize("overrides, flags", [
+    (["workload.synthetic_sessions=1025"], ["--sessions", "1025"]),
+    (["workload.synthetic_sessions=600", "workload.context_scale=2"], ["--sessions", "600", "--context-scale", "2"]),
+    (["workload.synthetic_sessions=103", "workload.context_scale=10"], ["--sessions", "103", "--context-scale", "10"]),
+])
+def test_a_synthetic_workload_too_large_to_build_in_the_bound_is_one_error(tmp_path, overrides, flags):
+    """The synthetic build's time grows with sessions x max(1, context_scale); past 1024 it is one
+    error, from a scenario and from trace synth alike, and nothing is written."""
+    sets = [a for o in overrides for a in ("--set", o)]
+    r = cli("sim", "run", "mi355x-1p1d", "--sessions", "1", "--duration", "20", *sets, "--out", str(tmp_path), "--json")
+    assert_clean(r, ("workload.synthetic_sessions", "synthetic_sessions x context_scale"))
+    assert r[0] == 2 and not list(tmp_path.iterdir())
+    r = cli("trace", "synth", "--preset", "agentx-062126", *flags, "--out", str(tmp_path / "s.jsonl.gz"))
+    assert_clean(r, ("--sessions",), json_out=False)
+    assert r[0] == 2 and not list(tmp_path.iterdir())
+
+
+def test_a_synthetic_workload_at_the_bound_validates():
+    for sets in (["workload.synthetic_sessions=1024"], ["workload.synthetic_sessions=102", "workload.context_scale=10"],
+                 ["workload.synthetic_sessions=1024", "workload.context_scale=0.5"]):
+        code, out, err, _ = cli("scenario", "validate", "mi355x-1p1d", *[a for o in sets for a in ("--set", o)])
+        assert code == 0, err

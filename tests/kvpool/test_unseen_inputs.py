@@ -175,3 +175,56 @@ def test_a_weka_trace_with_an_empty_id_is_refused(capsys, tmp_path, monkeypatch,
     code, _, err = run(capsys, "trace", "stats", "t.json")
     line = one_error(err)
     assert code == 2 and "t.json" in line and "field 'id' is" in line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind, needle", [("device", "not a regular file"), ("fifo", "not a regular file"),
+                                          ("directory", "not a regular file"), ("deep", "nested too deeply"),
+                                          ("large", "larger than 16 MiB")])
+def test_a_calibration_file_that_is_no_file_is_one_error_not_an_endless_read(capsys, tmp_path, monkeypatch, kind, needle):
+    """cost.calibration is read before any run: /dev/zero, a FIFO, a directory, JSON nested past the
+    parser's depth and a file past the bound are one error naming cost.calibration, in the bound."""
+    monkeypatch.chdir(tmp_path)
+    path = {"device": "/dev/zero", "fifo": str(tmp_path / "cal.fifo"), "directory": str(tmp_path),
+            "deep": str(tmp_path / "deep.json"), "large": str(tmp_path / "large.json")}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "deep":
+        (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "large":
+        with open(path, "wb") as f:
+            f.truncate((16 << 20) + 1)
+    for argv in (["scenario", "validate", "cpu-tiny"], ["sim", "run", "cpu-tiny", "--duration", "5", "--out", "o"]):
+        code, _, err = run(capsys, *argv, "--set", f"cost.calibration='{path}'")
+        line = one_error(err)
+        assert code == 2 and "cost.calibration" in line and needle in line, line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["sim", "compare", "cpu-tiny", "cpu-tiny", "--duration", "5", "--out", "gone"],
+    ["sim", "run", "cpu-tiny", "--duration", "5", "--out", "gone/sub"],
+    ["trace", "synth", "--preset", "kv-cache-tester", "--sessions", "1", "--out", "gone/s.jsonl"],
+])
+def test_an_output_folder_that_is_a_link_to_nothing_is_one_error_before_any_work(capsys, tmp_path, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    os.symlink("missing_target", "gone")
+    code, _, err = run(capsys, *argv)
+    line = one_error(err)  # the error is the only line: nothing was built or run first
+    assert code == 2 and "--out" in line and "link to missing_target, which does not exist" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["gone"]
+
+
+@pytest.mark.parametrize("command", [["sim", "run", "cpu-tiny"], ["sim", "compare", "cpu-tiny", "h200-tiny"]])
+def test_an_unreachable_cluster_is_one_error_before_the_workload_is_built(capsys, tmp_path, monkeypatch, command):
+    """The executor is checked (and a cluster reached) before the synthetic workload is built, so
+    the error is the only line, with nothing built or written."""
+    pytest.importorskip("ray")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, _, err = run(capsys, *command, "--duration", "5", "--set", "workload.synthetic_sessions=5",
+                       "--executor", "ray", "--address", "127.0.0.1:9", "--json")
+    line = one_error(err)
+    assert code == 2 and "--address 127.0.0.1:9" in line, line
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()

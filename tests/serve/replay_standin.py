@@ -122,7 +122,8 @@ class StandIn:
                   "prefill_start_s": 100.5, "prefill_end_s": 101.0, "restore_stage_s": [], "save_bytes": 1152 * len(prompt),
                   "handoff_bytes": 4608 * len(prompt), "handoff_writes": 3, "handoff_s": 0.001, "in_tokens": "ignored"}
         final = {"object": "text_completion", "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
-                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": out, "total_tokens": len(prompt) + out},
+                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": out + 1 if fault == "bad_usage" else out,
+                           "total_tokens": len(prompt) + out},
                  "kvpool": {"record": record}}
         await resp.write(f"data: {json.dumps(final)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")

@@ -10,12 +10,19 @@ from dataclasses import dataclass
 from aiohttp.test_utils import TestClient, TestServer
 from standin_engines import Behaviour, DecodeStandIn, PrefillStandIn, serve_app
 
-from kvpool.backend.serve.router import RUNNER_OPTIONS, Engines, Router
+from kvpool.backend.serve.router import RUNNER_OPTIONS, Engines, Router, serve_runner
 from kvpool.scenario import load_scenario
 
 MODEL = "refmodel-tiny"  # model.name of cpu-tiny
 #: cpu-tiny with two prefill instances (for routing tests)
 TWO_PREFILLS = ["prefill.instances=2", "cluster.gpus_per_server=6", "cluster.numa_per_server=3"]
+
+
+class RouterTestServer(TestServer):
+    """aiohttp's test server on the runner ``kvpool serve`` uses (``router.serve_runner``)."""
+
+    async def _make_runner(self, **kwargs):
+        return serve_runner(self.app, **kwargs)
 
 
 @dataclass
@@ -68,7 +75,7 @@ async def routed(overrides: list[str] | None = None, decode: Behaviour | None = 
         runners.append(runner)
         purls.append((f"prefill{p.instance}", url))
     router = Router(s, Engines(prefill=tuple(purls), decode=tuple(durls)))
-    client = TestClient(TestServer(router.app, host="127.0.0.1", **RUNNER_OPTIONS))
+    client = TestClient(RouterTestServer(router.app, host="127.0.0.1", **RUNNER_OPTIONS))
     await client.start_server()
     try:
         yield Setup(client, router, decodes, prefills, runners)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from raw_http import MALFORMED, error_answers
 
 from kvpool.backend.serve.decode_core import HANDOFF_WAIT_CAP_S
 from kvpool.backend.serve.decode_model import rank_pages
@@ -240,6 +241,15 @@ def test_expect_without_room_is_a_503_with_a_json_error(engine):
 def test_a_bad_body_is_a_400_with_a_json_error(engine, route, body, field):
     status, answer = post(engine["url"] + route, body)
     assert status == 400 and field in answer["error"]
+
+
+@pytest.mark.parametrize("what", sorted(MALFORMED))
+def test_malformed_http_is_a_4xx_with_a_json_error(engine, what):
+    """What aiohttp refuses before any route (a request line, a header, framing) or a path the
+    engine does not serve: a 4xx ``{"error": reason}``, and the engine serves on."""
+    for status, err in error_answers(engine["url"], MALFORMED[what]):
+        assert 400 <= status < 500 and isinstance(err, str) and err and "\n" not in err, (what, status, err)
+    assert get(engine["url"] + "/health")[0] == 200
 
 
 @pytest.mark.parametrize("first,max_tokens,ignore_eos,reason", [

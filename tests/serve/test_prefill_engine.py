@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from prefill_testing import DecodeSide, Deployment, Reference, make_plan
+from raw_http import MALFORMED, error_answers
 
 #: 40 pages of prefill KV (so a few prompts evict the GPU prefix cache), 128-token steps.
 OVERRIDES = ["serve.prefill_kv_tokens=640", "prefill.max_batched_tokens=128"]
@@ -143,6 +144,17 @@ def test_bad_requests_get_a_4xx_with_a_json_reason(served):
     for body, status, reason in cases:
         got, answer = dep.post("/prefill", body)
         assert got == status and reason in answer["error"], (body if isinstance(body, bytes) else list(body), answer)
+    status, text = dep.get("/health")
+    assert status == 200 and '"status": "ok"' in text
+
+
+def test_malformed_http_is_a_4xx_with_a_json_error(served):
+    """What aiohttp refuses before any route (a request line, a header, framing) or a path the
+    engine does not serve: a 4xx ``{"error": reason}``, and the engine serves on."""
+    dep, _, _ = served
+    for what, data in MALFORMED.items():
+        for status, err in error_answers(dep.url, data):
+            assert 400 <= status < 500 and isinstance(err, str) and err and "\n" not in err, (what, status, err)
     status, text = dep.get("/health")
     assert status == 200 and '"status": "ok"' in text
 

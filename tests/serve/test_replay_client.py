@@ -109,21 +109,29 @@ def test_merge_keeps_well_typed_server_fields_only():
     assert (rec.restore_bytes, rec.handoff_bytes, rec.save_bytes) == (0, 1000, 0)
     merge_server_record(rec, {"restore_stage_s": [0.2, float("inf")]})
     assert rec.restore_stage_s == [0.1, 1.0]
+    # counts and times a server cannot have measured: negative ones (an instance may be -1: none)
+    merge_server_record(rec, {"gpu_tokens": -5, "handoff_bytes": -1, "restore_spread_s": -0.5, "restore_stage_s": [-1.0],
+                              "handoff_s": float("inf"), "prefill": -1, "decode": -2})
+    assert (rec.gpu_tokens, rec.handoff_bytes, rec.restore_spread_s, rec.restore_stage_s) == (7, 1000, 0.0, [0.1, 1.0])
+    assert (rec.prefill, rec.decode, rec.handoff_s) == (-1, RequestRecord(0).decode, 0.0)
     assert (rec.key, rec.in_tokens, rec.end_s, rec.rejected) == (5, 10, 0.0, "gate")
     assert rec.prefill_end_s == pytest.approx(2.5)
 
 
 def test_failures_are_counted_and_the_replay_goes_on(workload):
-    faults = {3: "http500", 7: "break", 11: "hang", 15: "reject", 19: "nodone", 23: "event_error"}
+    faults = {3: "http500", 7: "break", 11: "hang", 15: "reject", 19: "nodone", 23: "event_error", 27: "bad_usage"}
     standin = StandIn(delay_s=0.002, fault=faults.get, hang_s=5.0)
     replay = _replay(workload)
     with serving(standin) as url:
         result = asyncio.run(run_replay(replay, url=url, prompts=PromptBuilder(512, SCALE), request_timeout_s=1.5))
     expected = [s.dispatch for s in run_fixed_latency(_replay(workload), lambda d: 0.02)]
     assert len(result.outcomes) == len(expected)  # every request was still dispatched
-    assert result.errors == 5 and not result.interrupted
+    assert result.errors == 6 and not result.interrupted
     errors = {o.error.split(":")[0] for o in result.outcomes if o.failed}
-    assert errors == {"HTTP 500", "stream broken", "timed out after 1.5 s", "stream ended before [DONE]", "stream error"}
+    assert errors == {"HTTP 500", "stream broken", "timed out after 1.5 s", "stream ended before [DONE]", "stream error",
+                      "bad answer"}
+    bad = next(o.error for o in result.outcomes if o.error.startswith("bad answer"))
+    assert "usage.completion_tokens" in bad and "max_tokens" in bad
     failed = [o.record for o in result.outcomes if o.failed]
     assert all(r.end_s == 0.0 for r in failed)
     rejected = [o.record for o in result.outcomes if o.record.rejected]

@@ -65,6 +65,23 @@ def test_synthetic_workload_in_memory_matches_the_files():
     assert w.sessions[1].requests == session_from_weka(generate_session(p, seed=4, index=1)).requests
 
 
+@pytest.mark.parametrize("preset", ["kv-cache-tester", "agentx-062126"])
+def test_array_documents_are_the_list_documents(preset):
+    """The in-memory build's numpy hash_ids give the very sessions (requests and every block id) of
+    the JSON documents a file holds."""
+    p = preset_params(preset).with_context_scale(1.5)
+    for index in range(3):
+        lists = generate_session(p, seed=3, index=index)
+        arrays = generate_session(p, seed=3, index=index, arrays=True)
+        a, b = session_from_weka(lists), session_from_weka(arrays)
+        assert a.requests == b.requests
+        for k in range(len(a.requests)):
+            assert a.block_ids(k).tolist() == b.block_ids(k).tolist()
+        first = lists["requests"][0]["hash_ids"]
+        assert isinstance(first, list) and isinstance(arrays["requests"][0]["hash_ids"], np.ndarray)
+        assert a.block_ids(0).tolist() == first
+
+
 def test_context_scale_scales_the_prompts_and_keeps_the_rest():
     p = preset_params("kv-cache-tester")
     for index in range(6):

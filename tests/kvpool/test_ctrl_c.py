@@ -1,0 +1,57 @@
+"""Ctrl-C stops a command cleanly wherever it lands: while the command line loads, in a sweep whose
+worker processes get the same SIGINT, or inside a destructor (where Python would print "Exception
+ignored" and go on): ``aborted``, exit status 130, no traceback, no temporary file left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import kvpool.cli as cli
+
+pytestmark = pytest.mark.timeout(120)
+SWEEP = ["sim", "run", "mi355x-1p1d", "--sessions", "8,16", "--duration", "3600", "--seed", "11",
+         "--set", "workload.synthetic_sessions=40", "--workers", "2"]
+
+
+@pytest.mark.parametrize("after_s", [0.15, 0.3, 1.0, 2.0])
+def test_ctrl_c_at_any_moment_is_aborted_with_130_and_no_traceback(tmp_path, after_s):
+    env = {**os.environ, "KVPOOL_CACHE_DIR": str(tmp_path / "cache")}
+    p = subprocess.Popen([sys.executable, "-m", "kvpool.cli", *SWEEP, "--out", str(tmp_path / "out")], cwd=tmp_path,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(after_s)
+    os.killpg(p.pid, signal.SIGINT)  # as a terminal does: the command and its worker processes
+    _, err = p.communicate(timeout=60)
+    text = err.decode()
+    assert "Traceback" not in text and "Exception ignored" not in text, text[-3000:]
+    if p.returncode != 0:  # a run that had finished before the signal exits 0
+        assert p.returncode == 130 and text.strip().splitlines()[-1] == "aborted", (p.returncode, text[-2000:])
+    left = [f.name for f in tmp_path.rglob("*") if ".tmp" in f.name]
+    assert not left, left
+
+
+def test_ctrl_c_inside_a_destructor_reaches_the_command():
+    """What Python reports as unraisable (a KeyboardInterrupt in a weakref callback) is delivered to
+    the main thread again, and anything else still goes to the default hook."""
+    class Unraisable:
+        exc_type, exc_value, exc_traceback, err_msg, object = KeyboardInterrupt, KeyboardInterrupt(), None, None, None
+
+    with pytest.raises(KeyboardInterrupt):
+        cli._ctrl_c_in_a_destructor(Unraisable())
+        for _ in range(1000):  # the interrupt arrives at the next bytecode boundaries
+            time.sleep(0.001)
+    seen = []
+    old = cli._default_unraisablehook
+    cli._default_unraisablehook = seen.append
+    try:
+        other = type("U", (), {"exc_type": ValueError})()
+        cli._ctrl_c_in_a_destructor(other)
+    finally:
+        cli._default_unraisablehook = old
+    assert seen == [other]
