@@ -8,7 +8,10 @@ so the ``pymp-*`` folders of ``multiprocessing`` (the local executor's process p
 process and in every ``kvpool`` subprocess a test starts) and the ``ray/session_*`` folders of a
 local Ray runtime land there, and removes it when the session ends. pytest's own ``tmp_path``
 folders stay where they are (``PYTEST_DEBUG_TEMPROOT``), kept for inspection as pytest keeps them.
-The folder's name is short: Ray puts Unix sockets under it, whose paths are limited to 107 bytes."""
+The folder's name is short: Ray puts Unix sockets under it, whose paths are limited to 107 bytes.
+
+``one_torch_thread``: a fixture that runs its test with one torch intra-op thread (tiny products on
+shared cores: more threads spin and cost up to 40x), restoring the count after it."""
 
 from __future__ import annotations
 
@@ -65,3 +68,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """See the module docstring."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

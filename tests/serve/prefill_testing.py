@@ -8,6 +8,12 @@ folder) and stops every one of them by its pid (SIGTERM, then SIGKILL after ``ST
 and drives its ranks on one thread: ``expect`` registers a request on every rank (as
 ``POST /expect`` does), ``wait`` returns once every rank holds it (bounded), ``rank_kv`` reads
 what landed. Every wait is bounded.
+
+``running(run_dir, overrides)`` starts a plan's deployment with its decode side and reference and
+checks, once it stops, that none of its processes is left; ``prefill`` sends one prompt and waits
+until every decode rank holds it; ``assert_matches_reference`` compares the first token and every
+rank's landed KV with the reference's; ``prompt`` and ``sources`` build prompts and read a record's
+token sources.
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import signal
 import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -253,4 +262,51 @@ def make_plan(run_dir: Path, overrides: list[str]) -> ServePlan:
     return plan
 
 
-__all__ = ["DecodeSide", "Deployment", "Reference", "make_plan"]
+@contextmanager
+def running(run_dir: Path, overrides: list[str]) -> Iterator[tuple[Deployment, DecodeSide, Reference]]:
+    """A started deployment of ``make_plan(run_dir, overrides)``, its decode side and its reference;
+    on exit every process is stopped, and one still running fails the test."""
+    plan = make_plan(run_dir, overrides)
+    decode = DecodeSide(plan)
+    dep = Deployment(plan)
+    try:
+        dep.start()
+        yield dep, decode, Reference(plan)
+    finally:
+        dep.stop()
+        decode.close()
+        left = {name: p.pid for name, p in dep.procs.items() if p.poll() is None}
+        assert not left, f"processes left running: {left}"
+
+
+def prompt(n: int, seed: int, prefix: list[int] | None = None) -> list[int]:
+    """``prefix`` and then random token ids up to ``n`` tokens (``random.Random(seed)``)."""
+    g = random.Random(seed)
+    head = list(prefix or [])
+    return head + [g.randrange(512) for _ in range(n - len(head))]
+
+
+def prefill(dep: Deployment, decode: DecodeSide, rid: str, tokens: list[int]) -> dict:
+    """``POST /prefill`` of ``tokens`` for decode instance 0 (200 asserted), once every rank holds it."""
+    decode.expect(rid, len(tokens))
+    status, body = dep.post("/prefill", {"request_id": rid, "token_ids": tokens, "decode_instance": 0})
+    assert status == 200, (body, dep.logs())
+    assert decode.wait(rid) == ["ready"] * decode.ranks_n
+    return body
+
+
+def assert_matches_reference(decode: DecodeSide, ref: Reference, rid: str, tokens: list[int], body: dict) -> None:
+    logits, kv = ref.run(tokens)
+    assert body["first_token"] == int(torch.argmax(logits, dim=-1))
+    for r in range(decode.ranks_n):
+        assert torch.equal(decode.rank_kv(rid, len(tokens), r), kv[r]), f"KV landed on decode rank {r} differs"
+
+
+def sources(body: dict) -> tuple[int, int, int]:
+    """A prefill answer's (GPU, pool, computed) tokens."""
+    rec = body["record"]
+    return rec["gpu_tokens"], rec["pool_tokens"], rec["computed_tokens"]
+
+
+__all__ = ["DecodeSide", "Deployment", "Reference", "assert_matches_reference", "make_plan", "prefill", "prompt",
+           "running", "sources"]

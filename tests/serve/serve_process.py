@@ -5,6 +5,9 @@
 within ``START_BOUND_S``); ``RealServe.stop()`` sends SIGTERM, waits for the exit status and asserts
 that every process the ready file names (the supervisor, every worker, every pool process) is gone. ``start_replay`` runs ``kvpool replay ... --json`` as a
 process; ``Replay.finish()`` waits for it (bounded) and returns its summary document and records.
+``multi_turn_session(url, sets, seed, user)`` sends a three-turn session (turn 2 from the GPU prefix
+cache, turn 3 from the pool after prompts that evict it) and asserts every answer equals the
+no-cache recompute.
 A Mooncake deployment needs a private network namespace (``require_private_netns``: the test fails,
 never skips, outside one) and ``mooncake_master`` beside this Python or on ``PATH``.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -39,6 +43,13 @@ STOP_BOUND_S = 30.0
 GONE_BOUND_S = 5.0
 #: Mooncake client RPC timeout of every process (a dead master fails calls after it).
 RPC_TIMEOUT_MS = 1_000
+#: A multi-turn session: its first prompt, each turn's answer and new tokens, and the prompts that
+#: evict turn 2 from a 4,096-token prefill KV (3 x 107 pages > 256 pages, free pages aside).
+FIRST_TURN_TOKENS = 600
+TURN_TOKENS = 8
+NEW_TURN_TOKENS = 100
+EVICTING_PROMPTS = 3
+EVICTING_TOKENS = 1700
 
 
 def require_private_netns() -> dict:
@@ -77,6 +88,37 @@ def get_text(url: str, timeout_s: float = 10.0) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def multi_turn_session(url: str, sets: list[str], seed: int, user: str) -> tuple[list[dict], list[list[int]]]:
+    """Three turns of one session against ``kvpool serve cpu-tiny`` with ``sets``: each sends the
+    previous prompt, its answer and ``NEW_TURN_TOKENS`` new ids; before turn 3, ``EVICTING_PROMPTS``
+    fresh prompts evict turn 2's pages from the GPU prefix cache (its saved chunks stay in the pool).
+    Every answer must equal ``reference_generate``'s and end by its length. The records and prompts."""
+    from kvpool.backend.serve.model_config import ref_config
+    from kvpool.backend.serve.reference import reference_generate
+    from kvpool.scenario.load import load_scenario
+
+    scenario = load_scenario("cpu-tiny", sets)
+    config, vocab = ref_config(scenario), scenario.serve.vocab
+    rng = random.Random(seed)
+    prompt = [rng.randrange(vocab) for _ in range(FIRST_TURN_TOKENS)]
+    records, prompts = [], []
+    for turn in (1, 2, 3):
+        if turn == 3:
+            for _ in range(EVICTING_PROMPTS):
+                status, body = post(url, {"prompt": [rng.randrange(vocab) for _ in range(EVICTING_TOKENS)],
+                                          "max_tokens": 1})
+                assert status == 200, body
+        status, body = post(url, {"prompt": prompt, "max_tokens": TURN_TOKENS, "ignore_eos": True, "user": user})
+        assert status == 200, body
+        answer = body["choices"][0]["token_ids"]
+        assert answer == reference_generate(config, prompt, TURN_TOKENS, scenario.decode.dcp), f"turn {turn}"
+        assert body["choices"][0]["finish_reason"] == "length"
+        records.append(body["kvpool"]["record"])
+        prompts.append(prompt)
+        prompt = prompt + answer + [rng.randrange(vocab) for _ in range(NEW_TURN_TOKENS)]
+    return records, prompts
 
 
 class RealServe:

@@ -39,13 +39,9 @@ async def collect(q: asyncio.Queue, timeout_s: float = 20.0) -> list:
     return events
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_two_prefill_instances_feed_one_decode_instance_and_the_batch_is_bounded():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        asyncio.run(_scenario_run())
-    finally:
-        torch.set_num_threads(before)
+    asyncio.run(_scenario_run())
 
 
 async def _scenario_run() -> None:

@@ -12,19 +12,10 @@ from kvpool.backend.serve.model_config import ref_config
 from kvpool.backend.serve.reference import _model, place_dcp, recompute_generate, reference_generate
 from kvpool.scenario.load import load_scenario
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
 
 CFG = ref_config(load_scenario("cpu-tiny"))
 FP8 = ref_config(load_scenario("cpu-tiny", ["serve.cache_dtype=float8_e4m3fn", "model.record_bytes=576"]))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny products: one intra-op thread (on shared cores, more threads spin and cost 40x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def prompts(k: int, seed: int = 0) -> list[list[int]]:

@@ -20,7 +20,7 @@ from kvpool.backend.serve.reference import _model, place_dcp, recompute_generate
 from kvpool.kernels.format import ChunkFormat
 from kvpool.scenario.load import load_scenario
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
 #: GLM-5.2's indexer schedule (the first 3 layers, then every 4th from layer 6): layers 0, 1, 2 of cpu-tiny's 4.
 INDEXER = 'model.extra_records=[{name="indexer", bytes_per_token=144, first_dense_layers=3, every_k=4, offset=6}]'
@@ -32,14 +32,6 @@ WIDE = ref_config(load_scenario("cpu-tiny", SETS + ["serve.index_topk=100000"]))
 PLAIN = ref_config(load_scenario("cpu-tiny"))
 FP8 = ref_config(load_scenario("cpu-tiny", [INDEXER, f"serve.index_topk={TOPK}", "serve.cache_dtype=float8_e4m3fn",
                                             "model.record_bytes=576"]))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tokens(n: int, seed: int) -> list[int]:

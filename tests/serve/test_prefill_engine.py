@@ -5,14 +5,12 @@ that arrive together share chunked-prefill steps; bad requests get a 4xx with a 
 
 from __future__ import annotations
 
-import random
 import re
 import threading
 
 import pytest
-import torch
 
-from prefill_testing import DecodeSide, Deployment, Reference, make_plan
+from prefill_testing import assert_matches_reference, prefill, prompt, running, sources
 from raw_http import MALFORMED, error_answers
 
 #: 40 pages of prefill KV (so a few prompts evict the GPU prefix cache), 128-token steps.
@@ -22,43 +20,8 @@ KV_TOKENS = 640
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    plan = make_plan(tmp_path_factory.mktemp("prefill"), OVERRIDES)
-    decode = DecodeSide(plan)
-    dep = Deployment(plan)
-    try:
-        dep.start()
-        yield dep, decode, Reference(plan)
-    finally:
-        dep.stop()
-        decode.close()
-        left = {name: p.pid for name, p in dep.procs.items() if p.poll() is None}
-        assert not left, f"processes left running: {left}"
-
-
-def prompt(n: int, seed: int, prefix: list[int] | None = None) -> list[int]:
-    g = random.Random(seed)
-    head = list(prefix or [])
-    return head + [g.randrange(512) for _ in range(n - len(head))]
-
-
-def prefill(dep: Deployment, decode: DecodeSide, rid: str, tokens: list[int]) -> dict:
-    decode.expect(rid, len(tokens))
-    status, body = dep.post("/prefill", {"request_id": rid, "token_ids": tokens, "decode_instance": 0})
-    assert status == 200, (body, dep.logs())
-    assert decode.wait(rid) == ["ready"] * decode.ranks_n
-    return body
-
-
-def assert_matches_reference(decode: DecodeSide, ref: Reference, rid: str, tokens: list[int], body: dict) -> None:
-    logits, kv = ref.run(tokens)
-    assert body["first_token"] == int(torch.argmax(logits, dim=-1))
-    for r in range(decode.ranks_n):
-        assert torch.equal(decode.rank_kv(rid, len(tokens), r), kv[r]), f"KV landed on decode rank {r} differs"
-
-
-def sources(body: dict) -> tuple[int, int, int]:
-    rec = body["record"]
-    return rec["gpu_tokens"], rec["pool_tokens"], rec["computed_tokens"]
+    with running(tmp_path_factory.mktemp("prefill"), OVERRIDES) as deployed:
+        yield deployed
 
 
 def test_first_prefill_equals_the_single_process_reference(served):

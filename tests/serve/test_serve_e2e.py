@@ -22,10 +22,9 @@ import json
 import random
 
 import pytest
-from serve_process import get_text, post, require_private_netns, start_replay, start_serve
+from serve_process import get_text, multi_turn_session, post, require_private_netns, start_replay, start_serve
 
 from kvpool.backend.serve.model_config import ref_config
-from kvpool.backend.serve.reference import reference_generate
 from kvpool.scenario.load import load_scenario
 from kvpool.workload.records import SUMMARY_KEYS
 
@@ -37,10 +36,6 @@ REPLAY_DURATION_S = 6.0
 REPLAY_SETS = ("workload.max_output_tokens=16", "workload.idle_cap_s=0.5", "workload.grace_s=10")
 #: The replay's bound: its warm-up (three cold prompts), the window, the last requests.
 REPLAY_BOUND_S = 90.0
-TURN_TOKENS = 8
-#: Prompts that evict every page of the prefill KV (3 x 107 pages > 256 pages, free pages aside).
-EVICTING_PROMPTS = 3
-EVICTING_TOKENS = 1700
 
 
 @pytest.fixture(scope="module", params=["embedded", "mooncake"])
@@ -77,32 +72,10 @@ def test_a_replay_of_real_traces_uses_every_token_source(deployment, tmp_path):
     assert any(r["pool_tokens"] > 0 and r["restore_bytes"] > 0 for r in done)
 
 
-def _reference(tokens: list[int], n: int) -> list[int]:
-    scenario = load_scenario("cpu-tiny", SERVE_SETS)
-    return reference_generate(ref_config(scenario), tokens, n, scenario.decode.dcp)
-
-
 def test_a_multi_turn_session_decodes_as_the_no_cache_recompute(deployment):
     pool, served = deployment
-    rng = random.Random(17 if pool == "embedded" else 18)  # a fresh session on each deployment
-    vocab = load_scenario("cpu-tiny", SERVE_SETS).serve.vocab
-    prompt = [rng.randrange(vocab) for _ in range(600)]
-    records, prompts = [], []
-    for turn in (1, 2, 3):
-        if turn == 3:  # turn 2's pages leave the GPU prefix cache; its saved chunks stay in the pool
-            for k in range(EVICTING_PROMPTS):
-                status, body = post(served.url, {"prompt": [rng.randrange(vocab) for _ in range(EVICTING_TOKENS)],
-                                                 "max_tokens": 1})
-                assert status == 200, body
-        status, body = post(served.url, {"prompt": prompt, "max_tokens": TURN_TOKENS, "ignore_eos": True,
-                                         "user": f"session-{pool}"})
-        assert status == 200, body
-        answer = body["choices"][0]["token_ids"]
-        assert answer == _reference(prompt, TURN_TOKENS), f"turn {turn}"
-        assert body["choices"][0]["finish_reason"] == "length"
-        records.append(body["kvpool"]["record"])
-        prompts.append(prompt)
-        prompt = prompt + answer + [rng.randrange(vocab) for _ in range(100)]
+    records, prompts = multi_turn_session(served.url, SERVE_SETS, seed=17 if pool == "embedded" else 18,
+                                          user=f"session-{pool}")  # a fresh session on each deployment
     sources = [(r["gpu_tokens"], r["pool_tokens"], r["computed_tokens"]) for r in records]
     assert sources[0] == (0, 0, 600), sources
     assert sources[1][0] >= 592 and sources[1][1] == 0, sources       # turn 1's full pages from the GPU cache

@@ -8,22 +8,17 @@ started is left."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
-from serve_process import post, start_serve
+from serve_process import multi_turn_session, start_serve
 
 from kvpool.backend.serve.model_config import ref_config
-from kvpool.backend.serve.reference import reference_generate
 from kvpool.scenario.load import load_scenario
 
 INDEXER = 'model.extra_records=[{name="indexer", bytes_per_token=144, first_dense_layers=3, every_k=4, offset=6}]'
 SERVE_SETS = ["serve.prefill_kv_tokens=4096", INDEXER, "serve.index_topk=32", "serve.index_heads=4",
               "serve.index_dim=64"]
 TOKEN_BYTES = 4 * 1152 + 3 * 144
-TURN_TOKENS = 8
-EVICTING_PROMPTS = 3
-EVICTING_TOKENS = 1700
 CHUNK_TOKENS = 64
 
 
@@ -38,27 +33,9 @@ def served(tmp_path_factory):
 
 
 def test_a_multi_turn_session_with_the_indexer_decodes_as_the_no_cache_recompute(served):
-    scenario = load_scenario("cpu-tiny", SERVE_SETS)
-    config = ref_config(scenario)
+    config = ref_config(load_scenario("cpu-tiny", SERVE_SETS))
     assert config.indexer_layers == (0, 1, 2) and config.bytes_per_token == TOKEN_BYTES
-    rng = random.Random(23)
-    vocab = scenario.serve.vocab
-    prompt = [rng.randrange(vocab) for _ in range(600)]
-    records, prompts = [], []
-    for turn in (1, 2, 3):
-        if turn == 3:  # turn 2's pages leave the GPU prefix cache; its saved chunks stay in the pool
-            for _ in range(EVICTING_PROMPTS):
-                status, body = post(served.url, {"prompt": [rng.randrange(vocab) for _ in range(EVICTING_TOKENS)],
-                                                 "max_tokens": 1})
-                assert status == 200, body
-        status, body = post(served.url, {"prompt": prompt, "max_tokens": TURN_TOKENS, "ignore_eos": True,
-                                         "user": "session-indexer"})
-        assert status == 200, body
-        answer = body["choices"][0]["token_ids"]
-        assert answer == reference_generate(config, prompt, TURN_TOKENS, scenario.decode.dcp), f"turn {turn}"
-        records.append(body["kvpool"]["record"])
-        prompts.append(prompt)
-        prompt = prompt + answer + [rng.randrange(vocab) for _ in range(100)]
+    records, prompts = multi_turn_session(served.url, SERVE_SETS, seed=23, user="session-indexer")
     sources = [(r["gpu_tokens"], r["pool_tokens"], r["computed_tokens"]) for r in records]
     assert sources[0] == (0, 0, 600), sources
     assert sources[1][0] >= 592 and sources[1][1] == 0, sources
