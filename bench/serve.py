@@ -110,25 +110,28 @@ def gb_s(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
+def best_s(fn, devices: tuple[torch.device, ...], reps: int) -> float:
+    """The fastest of ``reps`` runs of ``fn``, each timed from and to an idle ``devices``."""
+    times = []
+    for _ in range(reps):
+        for d in devices:
+            sync(d)
+        t0 = time.perf_counter()
+        fn()
+        for d in devices:
+            sync(d)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def copy_limits(dev: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> dict:
     if dev.type != "cuda":
         return {}
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(reps):
-            sync(dev)
-            t0 = time.perf_counter()
-            fn()
-            sync(dev)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    return {"h2d_pinned_gb_s": gb_s(nbytes, best(lambda: a.copy_(host, non_blocking=True))),
-            "device_copy_gb_s": gb_s(nbytes, best(lambda: b.copy_(a)))}
+    return {"h2d_pinned_gb_s": gb_s(nbytes, best_s(lambda: a.copy_(host, non_blocking=True), (dev,), reps)),
+            "device_copy_gb_s": gb_s(nbytes, best_s(lambda: b.copy_(a), (dev,), reps))}
 
 
 def peer_copy_limits(plan, nbytes: int = 256 << 20, reps: int = 5) -> dict:
@@ -143,14 +146,8 @@ def peer_copy_limits(plan, nbytes: int = 256 << 20, reps: int = 5) -> dict:
     for a, b in pairs:
         src = torch.empty(nbytes, dtype=torch.uint8, device=a)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=b)
-        times = []
-        for _ in range(reps):
-            sync(src.device), sync(dst.device)
-            t0 = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            sync(src.device), sync(dst.device)
-            times.append(time.perf_counter() - t0)
-        by_pair[f"{a}->{b}"] = gb_s(nbytes, min(times))
+        seconds = best_s(lambda: dst.copy_(src, non_blocking=True), (src.device, dst.device), reps)
+        by_pair[f"{a}->{b}"] = gb_s(nbytes, seconds)
         del src, dst
     values = sorted(by_pair.values())
     return {"peer_copy_gb_s_min": values[0], "peer_copy_gb_s_median": statistics.median(values),
