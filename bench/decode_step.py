@@ -183,7 +183,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--contexts", default="256,1024", help="context tokens per sequence, comma-separated")
-    ap.add_argument("--layers", type=int, default=0, help="override the model's layer count (0: the scenario's)")
+    ap.add_argument("--layers", type=int, default=0, help="override the model's layer count (0: the scenario's); the indexer keeps its layers below it")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--attention", default="auto", choices=new_impl.ATTENTION_BACKENDS,
                     help="the new DecodeModel's attention backend")
@@ -200,8 +200,9 @@ def main() -> None:
     dev = torch.device(a.device)
     scenario = load_scenario(a.scenario)
     config = ref_config(scenario)
-    if a.layers:
-        config = replace(config, stage_layers=(a.layers,))
+    if a.layers:  # the indexer stays on those of its layers the shorter model has
+        config = replace(config, stage_layers=(a.layers,),
+                         indexer_layers=tuple(k for k in config.indexer_layers if k < a.layers))
     dcp = scenario.decode.dcp
     model = RefModel(config, dev)
     impls = [("new", new_impl, {"attention": a.attention})]
