@@ -177,17 +177,17 @@ class PrefillInstance:
         env = self.env
         self.busy_s += step
         if self.ordered:
-            self._pipeline_done(batch, step)
-            return
+            exit_in = self._pipeline_exit_in(step)
+        else:
+            exit_in = (self.pp - 1) * step  # the later stages' fill, as if each took the same step
         for c, take in batch:
             c.remaining -= take
             c.context += take
             self.computed_tokens += take
             if c.remaining == 0 and not c.cancelled:
                 self._computes.remove(c)
-                fill = (self.pp - 1) * step
-                if fill > 0:
-                    call_later(env, fill, lambda _e, d=c.done, t=c.start_s: fire(d, t))
+                if exit_in > 0 or self.ordered:
+                    call_later(env, exit_in, lambda _e, d=c.done, t=c.start_s: fire(d, t))
                 else:
                     c.done.succeed(c.start_s)
         if self._computes:
@@ -196,28 +196,17 @@ class PrefillInstance:
             self.step_s = 0.0
             self._idle = True
 
-    def _pipeline_done(self, batch: list[tuple[_Compute, int]], step: float) -> None:
-        """``ordered_pipeline``: a step has left stage 0 now; it passes the later stages in order."""
-        env = self.env
-        now = end = env.now
+    def _pipeline_exit_in(self, step: float) -> float:
+        """``ordered_pipeline``: a step has left stage 0 now; it passes the later stages in order.
+        Seconds until it leaves the last one (kept in ``_in_flight`` while it is on its way)."""
+        now = end = self.env.now
         free = self._stage_free
         for j in range(1, self.pp):
             end = max(end, free[j]) + step
             free[j] = end
-        for c, take in batch:
-            c.remaining -= take
-            c.context += take
-            self.computed_tokens += take
-            if c.remaining == 0 and not c.cancelled:
-                self._computes.remove(c)
-                call_later(env, end - now, lambda _e, d=c.done, t=c.start_s: fire(d, t))
         if end > now:
             self._in_flight.append(end)
-        if self._computes:
-            self._step()
-        else:
-            self.step_s = 0.0
-            self._idle = True
+        return end - now
 
 
 @dataclass
