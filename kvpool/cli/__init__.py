@@ -25,6 +25,8 @@ try:  # Ctrl-C while the command line loads (its imports take a few tenths of a 
     from kvpool.errors import printable
 except KeyboardInterrupt:
     sys.stderr.write("aborted\n")
+    sys.stderr.flush()
+    eval("None")  # see exit_aborted: a Ctrl-C inside an import's string exec would turn 130 into SIGINT
     sys.exit(130)
 
 app = typer.Typer(
@@ -101,11 +103,22 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
     except (getattr(cx, "Abort", KeyboardInterrupt), KeyboardInterrupt):
-        typer.echo("aborted", err=True)
-        sys.exit(130)
+        exit_aborted()
     if code == 130:  # click's own answer to Ctrl-C, and a command's Exit(130) after it stopped
-        typer.echo("aborted", err=True)
+        exit_aborted()
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def exit_aborted() -> None:
+    """Print ``aborted`` and exit with status 130 after a Ctrl-C.
+
+    Under ``python -m``, CPython kills the process with SIGINT at exit, whatever status it was given,
+    once a KeyboardInterrupt has ended a string ``exec``/``eval`` (dataclasses, namedtuple and
+    pydantic build their methods that way while a module loads), even a KeyboardInterrupt caught
+    afterwards. Any later string evaluation clears that mark, so one is made here, on purpose."""
+    typer.echo("aborted", err=True)
+    eval("None")
+    sys.exit(130)
 
 
 _default_unraisablehook = sys.unraisablehook

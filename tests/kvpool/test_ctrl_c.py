@@ -55,3 +55,18 @@ def test_ctrl_c_inside_a_destructor_reaches_the_command():
     finally:
         cli._default_unraisablehook = old
     assert seen == [other]
+
+
+def test_ctrl_c_inside_a_string_exec_still_exits_130(tmp_path):
+    """A Ctrl-C that ends a string ``exec`` (as one does when it lands while a dataclass or a
+    namedtuple is built during an import) must not turn ``python -m``'s exit status 130 into a
+    death by SIGINT."""
+    (tmp_path / "interrupted_import.py").write_text(
+        "import kvpool.cli as cli\n"
+        "try:\n"
+        "    exec('raise KeyboardInterrupt', {})\n"
+        "except KeyboardInterrupt:\n"
+        "    cli.exit_aborted()\n")
+    p = subprocess.run([sys.executable, "-m", "interrupted_import"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert (p.returncode, p.stderr.strip()) == (130, "aborted"), (p.returncode, p.stderr[-2000:])
