@@ -19,12 +19,29 @@ SWEEP = ["sim", "run", "mi355x-1p1d", "--sessions", "8,16", "--duration", "3600"
          "--set", "workload.synthetic_sessions=40", "--workers", "2"]
 
 
+def catches_sigint(pid: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for SIGINT (``SigCgt`` of /proc/PID/status)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (signal.SIGINT - 1) & 1)
+
+
+def wait_until_python_handles_sigint(p: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Until the interpreter in ``p`` has installed its SIGINT handler (a few ms into its start; a
+    SIGINT before that ends any program by the signal, before any of kvpool runs)."""
+    end = time.monotonic() + timeout_s
+    while not catches_sigint(p.pid):
+        assert p.poll() is None and time.monotonic() < end, "the interpreter did not start"
+        time.sleep(0.001)
+
+
 @pytest.mark.parametrize("after_s", [0.15, 0.3, 1.0, 2.0])
 def test_ctrl_c_at_any_moment_is_aborted_with_130_and_no_traceback(tmp_path, after_s):
     env = {**os.environ, "KVPOOL_CACHE_DIR": str(tmp_path / "cache")}
     p = subprocess.Popen([sys.executable, "-m", "kvpool.cli", *SWEEP, "--out", str(tmp_path / "out")], cwd=tmp_path,
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    wait_until_python_handles_sigint(p)
     time.sleep(after_s)
     os.killpg(p.pid, signal.SIGINT)  # as a terminal does: the command and its worker processes
     _, err = p.communicate(timeout=60)

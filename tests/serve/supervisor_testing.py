@@ -105,6 +105,37 @@ def post(url: str, body: dict, timeout_s: float = 30.0) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def metric(url: str, name: str) -> float:
+    """The value of the router's unlabelled series ``name`` in ``GET URL/metrics`` (0 if absent)."""
+    for line in get(f"{url}/metrics")[1].decode().splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def wait_until(what: str, pred, timeout_s: float = 30.0) -> None:
+    """Poll ``pred`` until it holds; fail naming ``what`` after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < end, f"{what} did not happen within {timeout_s:g} s"
+        time.sleep(0.02)
+
+
+def wait_running(url: str) -> None:
+    """Until the router has admitted a request (it is in flight: a drain waits for it)."""
+    wait_until("a request admitted", lambda: metric(url, "kvpool:requests_running") >= 1)
+
+
+def wait_generating(url: str) -> None:
+    """Until decode has streamed a token of a request to the router (it is generating)."""
+    wait_until("a token from decode", lambda: metric(url, "kvpool:inter_token_latency_seconds_count") >= 1)
+
+
+def wait_draining(url: str) -> None:
+    """Until the router drains (after a first stop signal): ``/health`` says so."""
+    wait_until("the drain", lambda: json.loads(get(f"{url}/health")[1]).get("status") == "draining")
+
+
 def get(url: str, timeout_s: float = 10.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as r:

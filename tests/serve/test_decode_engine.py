@@ -79,11 +79,19 @@ def post(url: str, body, timeout_s: float = 20.0) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def stream(url: str, body: dict, timeout_s: float = 30.0) -> list[dict]:
+def stream(url: str, body: dict, timeout_s: float = 30.0, opened: threading.Event | None = None) -> list[dict]:
+    """The NDJSON lines of ``POST /generate``; ``opened`` is set once the stream's headers came (the
+    engine has taken the request into its core)."""
     req = urllib.request.Request(url + "/generate", data=json.dumps(body).encode(), method="POST")
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         assert r.headers["Content-Type"].startswith("application/x-ndjson")
+        if opened is not None:
+            opened.set()
         return [json.loads(line) for line in r if line.strip()]
+
+
+#: A stream's headers, and a generating sequence's first step, come within this (a loaded machine).
+OPEN_WAIT_S = 20.0
 
 
 def get(url: str) -> tuple[int, bytes]:
@@ -188,7 +196,7 @@ def test_streamed_tokens_equal_reference_generate(engine):
     assert f"kvpool:generation_tokens_total {4.0 * (max_tokens - 1)}" in metrics
     assert "kvpool:inter_token_latency_seconds_count" in metrics
     assert "kvpool:handoff_seconds_count 4.0" in metrics
-    steps = float(re.search(r"^kvpool:decode_steps_total (\S+)$", metrics, re.M).group(1))
+    steps = decode_steps(metrics)
     assert max_tokens - 1 <= steps < 4 * (max_tokens - 1)     # some steps ran several sequences
 
 
@@ -201,10 +209,14 @@ def test_a_handoff_lands_while_the_batch_runs(engine):
     assert post(url + "/expect", {"request_id": "A", "prompt_tokens": len(a), "max_tokens": 600})[0] == 200
     first_a = send_all(engine, "A", a)
     out: dict = {}
+    steps_before = decode_steps(get(url + "/metrics")[1].decode())
     t = threading.Thread(target=lambda: out.update(A=stream(url, {"request_id": "A", "first_token": first_a,
                                                                 "max_tokens": 600, "descriptor": {}})))
     t.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + OPEN_WAIT_S
+    while decode_steps(get(url + "/metrics")[1].decode()) == steps_before:   # A is in the batch, generating
+        assert time.monotonic() < deadline, "A's decode did not start"
+        time.sleep(0.01)
     assert post(url + "/expect", {"request_id": "B", "prompt_tokens": len(b), "max_tokens": 20})[0] == 200
     first_b = send_all(engine, "B", b)
     out["B"] = stream(url, {"request_id": "B", "first_token": first_b, "max_tokens": 20, "descriptor": {}})
@@ -214,6 +226,10 @@ def test_a_handoff_lands_while_the_batch_runs(engine):
     for rid, p, first, n in (("A", a, first_a, 600), ("B", b, first_b, 20)):
         assert [first] + [t for ln in out[rid] for t in ln["tokens"]] == reference_generate(CFG, p, n, 2), rid
     assert shared_steps(get(url + "/metrics")[1].decode()) - shared_before == 19   # B's steps all ran beside A's
+
+
+def decode_steps(metrics: str) -> float:
+    return float(re.search(r"^kvpool:decode_steps_total (\S+)$", metrics, re.M).group(1))
 
 
 def shared_steps(metrics: str) -> float:
@@ -345,10 +361,11 @@ def test_abort_ends_an_open_stream_and_frees_its_pages(engine):
     url = engine["url"]
     assert post(url + "/expect", {"request_id": "gone", "prompt_tokens": 30, "max_tokens": 5})[0] == 200
     out: list = []
+    opened = threading.Event()
     t = threading.Thread(target=lambda: out.append(stream(url, {"request_id": "gone", "first_token": 3, "max_tokens": 5,
-                                                                "descriptor": {}})))
+                                                                "descriptor": {}}, opened=opened)))
     t.start()
-    time.sleep(0.5)
+    assert opened.wait(OPEN_WAIT_S)   # the stream is open, waiting for its hand-off
     assert post(url + "/abort", {"request_id": "gone"}) == (200, {"aborted": True})
     t.join(10)
     assert out and out[0][-1]["done"] and "aborted" in out[0][-1]["error"]
@@ -362,10 +379,11 @@ def test_sigterm_stops_the_engine_cleanly(engine):
     proc, url = engine["proc"], engine["url"]
     assert post(url + "/expect", {"request_id": "late", "prompt_tokens": 30, "max_tokens": 5})[0] == 200
     out: list = []
+    opened = threading.Event()
     t = threading.Thread(target=lambda: out.append(stream(url, {"request_id": "late", "first_token": 3,
-                                                                "max_tokens": 5, "descriptor": {}})))
+                                                                "max_tokens": 5, "descriptor": {}}, opened=opened)))
     t.start()
-    time.sleep(0.5)
+    assert opened.wait(OPEN_WAIT_S)   # the stream is open, waiting for its hand-off
     assert proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(15) == 0

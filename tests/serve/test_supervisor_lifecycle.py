@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from supervisor_testing import alive, get, post, processes_of, start
+from supervisor_testing import alive, get, post, processes_of, start, wait_draining, wait_generating, wait_running
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,7 +49,7 @@ def test_sigint_drains_an_in_flight_request_first(tmp_path):
         result = {}
         t = threading.Thread(target=lambda: result.update(r=post(s.url, {"prompt": [5], "max_tokens": 12})))
         t.start()
-        time.sleep(0.4)  # the request is generating (12 tokens take 1.1 s)
+        wait_generating(s.url)  # its 10 tokens still to come take 1.0 s
         s.signal(signal.SIGINT)
         t.join(30)
         assert result["r"][0] == 200 and len(result["r"][1]["choices"][0]["token_ids"]) == 12
@@ -66,7 +66,7 @@ def test_the_drain_is_bounded_by_serve_drain_s(tmp_path):
         result = {}
         t = threading.Thread(target=lambda: result.update(r=post(s.url, {"prompt": [5], "max_tokens": 30})))
         t.start()
-        time.sleep(0.4)
+        wait_running(s.url)
         t0 = time.monotonic()
         s.signal(signal.SIGTERM)
         assert s.wait() == 0
@@ -103,7 +103,7 @@ def test_a_child_killed_while_serving_is_reported_and_everything_stops(tmp_path)
         result = {}
         t = threading.Thread(target=lambda: result.update(r=post(s.url, {"prompt": [5], "max_tokens": 20})))
         t.start()
-        time.sleep(0.6)  # generating: 20 tokens take 3.8 s
+        wait_generating(s.url)  # its 18 tokens still to come take 3.6 s
         os.kill(pids["decode0"], signal.SIGKILL)
         t.join(30)
         status, body = result["r"]
@@ -156,10 +156,10 @@ def test_a_second_signal_ends_the_drain_at_once(tmp_path):
         result = {}
         t = threading.Thread(target=lambda: result.update(r=post(s.url, {"prompt": [5], "max_tokens": 30})))
         t.start()
-        time.sleep(0.4)
+        wait_running(s.url)
         t0 = time.monotonic()
         s.signal(signal.SIGTERM)
-        time.sleep(0.3)
+        wait_draining(s.url)  # the first signal was handled: the next one is a second signal
         assert s.proc.poll() is None  # draining: the request has 60 s
         s.signal(signal.SIGINT)
         assert s.wait() == 0
