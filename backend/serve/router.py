@@ -301,9 +301,13 @@ class Router:
         if self._http is not None:
             await self._http.close()
 
+    def begin_drain(self) -> None:
+        """From now on, refuse new requests (503)."""
+        self.draining = True
+
     async def drain(self, timeout_s: float) -> bool:
         """Refuse new requests (503) and wait up to ``timeout_s`` for the in-flight ones; ``True`` if none is left."""
-        self.draining = True
+        self.begin_drain()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:

@@ -20,7 +20,8 @@ Contract:
       its log's tail, and the supervisor shuts down (``on_worker_exit="shutdown"``, the only
       policy: a restarted engine's peers would have to reconnect to it).
     * Stop (SIGTERM, SIGINT, or a child's exit): new requests get 503, in-flight ones have
-      ``serve.drain_s`` to finish (a second signal ends them at once, as the drain's end does:
+      ``serve.drain_s`` to finish (a second signal, even one that comes before the drain has begun,
+      ends them at once, as the drain's end does:
       503); then every child gets SIGTERM (to its process group, by its pid)
       and, after ``stop_timeout_s``, SIGKILL; every child is reaped before ``main`` returns, on
       every path (a failed start included).
@@ -154,6 +155,8 @@ class Supervisor:
         self._stop = asyncio.Event()
         self._failure: str | None = None  # a child's exit report, once one exited while serving
         self._signal: str | None = None
+        self._signals = 0              # SIGTERM/SIGINT received
+        self._cut_by_signal = False
 
     # start --------------------------------------------------------------------------------------
     def _spawn(self, w: Worker) -> Child:
@@ -255,11 +258,19 @@ class Supervisor:
                 pass
 
     def _on_signal(self, signum: int) -> None:
-        if self._stop.is_set() and self.router is not None and self.router.draining:
-            self._say(self.err, "kvpool serve: a second signal: ending the in-flight requests now (503)")
-            self.router.cut_in_flight()  # a second signal does not wait for the drain
+        self._signals += 1
         self._signal = signal.Signals(signum).name
         self._stop.set()
+        if self._signals >= 2:
+            self._cut_if_second_signal()
+
+    def _cut_if_second_signal(self) -> None:
+        """A second signal does not wait for the drain: once the drain has begun (now, or when it
+        begins, for a second signal that came before), the in-flight requests end now (503)."""
+        if self._signals >= 2 and self.router is not None and self.router.draining and not self._cut_by_signal:
+            self._cut_by_signal = True
+            self._say(self.err, "kvpool serve: a second signal: ending the in-flight requests now (503)")
+            self.router.cut_in_flight()
 
     async def main(self, port: int) -> int:
         """Start, serve until a signal or a child's exit, stop (see the contract); the exit status."""
@@ -287,6 +298,8 @@ class Supervisor:
             await self._watch()
             if self._failure is not None:
                 self._say(self.err, f"error: {self._failure}")
+            self.router.begin_drain()
+            self._cut_if_second_signal()
             drained = await self.router.drain(self.scenario.serve.drain_s)
             if not drained:
                 self._say(self.err, f"kvpool serve: {self.router.in_flight} request(s) still running after "

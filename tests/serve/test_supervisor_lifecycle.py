@@ -169,3 +169,25 @@ def test_a_second_signal_ends_the_drain_at_once(tmp_path):
         assert "a second signal" in s.output()[1] and processes_of(tmp_path) == []
     finally:
         s.stop()
+
+
+def test_two_signals_at_once_end_the_drain_at_once(tmp_path):
+    """A second signal that comes before the drain has begun (a fast double Ctrl-C) still does not
+    wait for it."""
+    s = start(tmp_path, ["serve.drain_s=60"], behaviour={"decode0": {"token_delay_s": 1.0}})
+    try:
+        s.wait_ready()
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=post(s.url, {"prompt": [5], "max_tokens": 30})))
+        t.start()
+        wait_running(s.url)
+        t0 = time.monotonic()
+        s.signal(signal.SIGTERM)
+        s.signal(signal.SIGINT)
+        assert s.wait() == 0
+        assert time.monotonic() - t0 < 10.0
+        t.join(10)
+        assert result["r"][0] == 503 and result["r"][1]["error"]["type"] == "unavailable"
+        assert "a second signal" in s.output()[1] and processes_of(tmp_path) == []
+    finally:
+        s.stop()
