@@ -21,9 +21,8 @@ Contract:
       policy: a restarted engine's peers would have to reconnect to it).
     * Stop (SIGTERM, SIGINT, or a child's exit): new requests get 503, in-flight ones have
       ``serve.drain_s`` to finish (a second signal, even one that comes before the drain has begun,
-      ends them at once, as the drain's end does:
-      503); then every child gets SIGTERM (to its process group, by its pid)
-      and, after ``stop_timeout_s``, SIGKILL; every child is reaped before ``main`` returns, on
+      ends them at once, as the drain's end does: 503); then every child gets SIGTERM (to its
+      process group, by its pid) and, after ``stop_timeout_s``, SIGKILL; every child is reaped before ``main`` returns, on
       every path (a failed start included).
 """
 
