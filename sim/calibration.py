@@ -16,6 +16,8 @@ Contract:
         - ``unpack_s(nbytes)``: half of the measured hand-off fit at ``nbytes x stages``
           (``handoff.fixed_s + bytes / handoff.bytes_per_s``), so that the hand-off step's gather
           plus scatter, ``2 x unpack_s(bytes / stages)``, is the measured hand-off;
+        - ``pack_s(nbytes)``: ``save.fixed_s + nbytes / save.bytes_per_s`` (per rank, the NIC's
+          share taken out, as for ``pool_load_s``) inside the measured sizes;
         - outside a curve's measured range the ``fallback`` (the analytic model) answers, and the
           call is counted in ``fallbacks`` (per curve): the run reports them.
       ``control_plane_s``: the measured fixed time per request outside prefill, hand-off and the
@@ -36,7 +38,7 @@ from pathlib import Path
 from kvpool.sim.cost import CostModel
 
 FORMAT = "kvpool-calibration"
-VERSION = 1
+VERSION = 2
 
 
 class CalibrationError(ValueError):
@@ -62,6 +64,9 @@ class Calibration:
     handoff_fixed_s: float
     handoff_bytes_per_s: float
     handoff_bytes: tuple[int, int]
+    save_fixed_s: float
+    save_bytes_per_s: float
+    save_bytes: tuple[int, int]
     stages: int
     control_plane_s: float
     raw: dict = field(repr=False, compare=False, default_factory=dict)
@@ -106,7 +111,8 @@ def parse_calibration(doc: object, where: str) -> Calibration:
     if doc.get("format") != FORMAT:
         raise CalibrationError(f"{where}: field format must be {FORMAT!r}, got {doc.get('format')!r}")
     if doc.get("version") != VERSION:
-        raise CalibrationError(f"{where}: field version must be {VERSION}, got {doc.get('version')!r}")
+        raise CalibrationError(f"{where}: field version must be {VERSION} (this kvpool's format: "
+                               f"re-run kvpool calibrate), got {doc.get('version')!r}")
     new, cached = _axis(doc, "prefill.new_tokens", where), _axis(doc, "prefill.cached_tokens", where)
     grid = _get(doc, "prefill.step_s", where)
     if not (isinstance(grid, list) and len(grid) == len(new) and all(isinstance(row, list) and len(row) == len(cached)
@@ -129,7 +135,10 @@ def parse_calibration(doc: object, where: str) -> Calibration:
         restore_bytes=_range(doc, "restore.bytes_range", where),
         handoff_fixed_s=_num(doc, "handoff.fit.fixed_s", where),
         handoff_bytes_per_s=_num(doc, "handoff.fit.bytes_per_s", where, positive=True),
-        handoff_bytes=_range(doc, "handoff.bytes_range", where), stages=pp,
+        handoff_bytes=_range(doc, "handoff.bytes_range", where),
+        save_fixed_s=_num(doc, "save.fit.fixed_s", where),
+        save_bytes_per_s=_num(doc, "save.fit.bytes_per_s", where, positive=True),
+        save_bytes=_range(doc, "save.bytes_range", where), stages=pp,
         control_plane_s=_num(doc, "overheads.control_plane_s", where), raw=doc)
 
 
@@ -214,6 +223,14 @@ class CalibratedCost:
             self._miss("handoff")
             return self.fallback.unpack_s(nbytes)
         return (c.handoff_fixed_s + total / c.handoff_bytes_per_s) / 2
+
+    def pack_s(self, nbytes: int) -> float:
+        self.calls["save"] += 1
+        c = self.cal
+        if not c.save_bytes[0] <= nbytes <= c.save_bytes[1]:
+            self._miss("save")
+            return self.fallback.pack_s(nbytes)
+        return max(0.0, c.save_fixed_s + nbytes / c.save_bytes_per_s - nbytes / self.nic_bytes_s)
 
     def pool_load_s(self, nbytes: int) -> float:
         self.calls["restore"] += 1

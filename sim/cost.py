@@ -35,7 +35,10 @@ class CostModel(Protocol):
         """Time of one decode step of ``batch`` sequences holding ``context_tokens`` in all."""
 
     def unpack_s(self, nbytes: int) -> float:
-        """GPU time to pack (or gather, scatter) ``nbytes``."""
+        """GPU time to gather or scatter ``nbytes`` (the hand-off's), or unpack them after a load."""
+
+    def pack_s(self, nbytes: int) -> float:
+        """A rank's time to save ``nbytes`` of new chunks to the pool, beyond moving them over its NIC."""
 
     def pool_load_s(self, nbytes: int) -> float:
         """A load worker's time to read ``nbytes`` of pool objects and unpack them into paged KV."""
@@ -90,6 +93,9 @@ class AnalyticalCost:
 
     def unpack_s(self, nbytes: int) -> float:
         return nbytes / self.unpack_bytes_s
+
+    def pack_s(self, nbytes: int) -> float:
+        return nbytes / self.unpack_bytes_s  # packing costs what unpacking does
 
     def pool_load_s(self, nbytes: int) -> float:
         return nbytes / self.pool_load_bytes_s

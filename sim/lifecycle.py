@@ -11,13 +11,13 @@
                  ``policy.hits`` (``sim.steps.lookup``); in serve mode (``cost.kv_capacity =
                  "serve"``) it first waits, first come first served, for pages for its whole
                  prompt on its prefill (``sim.steps.pages``), which it holds until its hand-off
-                 and its save have both ended
+                 and its save have both ended (then it decodes, as production's prefill answers)
     4. restore   pool -> every prefill rank, when the pool holds part of the prompt
                  (``sim.steps.restore``)
     5. compute   chunked prefill, then the GPU cache keeps the prompt (``sim.steps.compute``;
                  in serve mode its full pages are committed)
     6. save      the prompt's new chunks -> pool, in the background (``sim.steps.save``; in
-                 serve mode its pages wait for it)
+                 serve mode its pages and its first decode step wait for it)
     7. hand-off  prefill stages -> decode ranks (``sim.steps.handoff``)
     8. decode    continuous batching on the decode instance (``DecodeInstance.generate``)
     9. finish    ``rec.end_s``; the gate's reservation goes back; after a play's last request
@@ -183,22 +183,21 @@ class Lifecycle:
                 self.save_step(r, new, f is not None and f.save_fails(r.rec.key))
             self.handoff_step(r, lambda: self.decode(r))  # 7. hand-off
             return
-        # serve mode: its pages go once its hand-off and its save have both ended
+        # serve mode: once its hand-off and its save have both ended, its pages go back and it
+        # decodes (production's prefill answers then)
         r.holds = 1 if new is None else 2
         if new is not None:
             f = self.faults
             self.save_step(r, new, f is not None and f.save_fails(r.rec.key), lambda: self.unhold(r))
-        self.handoff_step(r, lambda: self.handed_off(r))  # 7. hand-off
-
-    def handed_off(self, r: Request) -> None:
-        self.unhold(r)
-        self.decode(r)
+        self.handoff_step(r, lambda: self.unhold(r))  # 7. hand-off
 
     def unhold(self, r: Request) -> None:
-        """Serve mode: one of its hand-off and save has ended; after both, its pages go back."""
+        """Serve mode: one of its hand-off and save has ended; after both, its pages go back and
+        it decodes."""
         r.holds -= 1
         if not r.holds:
             r.prefill.pages.release(r)
+            self.decode(r)
 
     # 8. decode --------------------------------------------------------------------------
     def decode(self, r: Request) -> None:

@@ -68,6 +68,7 @@ class RequestRecord:
     decode_start_s: float = -1.0
     hung_from_s: float = -1.0
     error: str = ""
+    save_s: float = 0.0
 
     @property
     def ttft_s(self) -> float:

@@ -18,11 +18,15 @@ ids), so they never hit a workload's cached prefixes. The curves (``sim.calibrat
               lengths from ``decode_contexts``, ``DECODE_TOKENS`` generated: in the window where all
               of them stream, tokens per second per sequence -> step time; fitted over (batch, total
               context) as ``fixed_s + per_seq_s x batch + per_ctx_token_s x context``
-    handoff   every request's ``handoff_s`` over ``handoff_bytes`` (hand-off and save, which the
-              prefill's answer waits for); fitted ``fixed_s + bytes / bytes_per_s``
+    handoff   ``handoff_s`` (the hand-off alone) over ``handoff_bytes`` of the prefill and restore
+              phases' requests, which go one at a time (no hand-off queues behind another's, as the
+              decode phase's do); fitted ``fixed_s + bytes / bytes_per_s``
+    save      the same requests that saved: ``save_s`` over ``save_bytes`` per stage (the stages
+              save in parallel, beside the hand-off); fitted ``fixed_s + bytes / bytes_per_s``
     overheads ``control_plane_s``: median over the single-token prefill requests of client TTFT less
-              the prefill window and ``handoff_s``, less the fitted decode step of one sequence (the
-              simulator's first token comes one decode step after the hand-off; the server's with
+              the prefill window and the longer of ``handoff_s`` and ``save_s`` (the prefill's
+              answer waits for both), less the fitted decode step of one sequence (the simulator's
+              first token comes one decode step after the hand-off and the save; the server's with
               the prefill's answer)
 
 ``on_step(label)`` is called after every request (a progress bar); ``plan_size(...)`` says how
@@ -121,6 +125,20 @@ def _window(rec: dict) -> float:
     return float(rec["prefill_end_s"]) - float(rec["prefill_start_s"]) - float(rec.get("restore_spread_s") or 0.0)
 
 
+def _answer_wait_s(rec: dict) -> float:
+    """What the prefill's answer waited for after its last step: the hand-off and the save, together."""
+    return max(float(rec.get("handoff_s") or 0.0), float(rec.get("save_s") or 0.0))
+
+
+def _bytes_fit(samples: Sequence[tuple[int, float]]) -> dict:
+    """``fixed_s + bytes / bytes_per_s`` over (bytes, seconds) samples, with its range and rate."""
+    fixed, slope = _linfit([b for b, _ in samples], [t for _, t in samples])
+    return {"fit": {"fixed_s": fixed, "bytes_per_s": 1.0 / slope if slope > 0 else 1e15},
+            "bytes_range": [0, max(b for b, _ in samples)],
+            "gb_s": (1.0 / slope / 1e9) if slope > 0 else math.inf,
+            "samples": [{"bytes": b, "s": t} for b, t in samples]}
+
+
 def _linfit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     """(intercept, slope) of least squares, the intercept clamped at 0 (slope refitted through 0 then)."""
     x, y = np.asarray(xs, float), np.asarray(ys, float)
@@ -149,7 +167,7 @@ async def _prefill(c: _Client, s, grid: dict) -> tuple[list[list[float]], list[d
                 got.append(w / pp)
                 samples.append({"new_tokens": n, "cached_tokens": cached, "gpu_tokens": rec.get("gpu_tokens"),
                                 "prefill_s": w, "handoff_s": rec.get("handoff_s"), "ttft_s": out["ttft_s"]})
-                residual.append(out["ttft_s"] - w - float(rec.get("handoff_s") or 0.0))
+                residual.append(out["ttft_s"] - w - _answer_wait_s(rec))
             rows[n][cached] = statistics.median(got)
     grid_s = [[max(1e-6, rows[n][cc]) for cc in grid["cached_tokens"]] for n in grid["new_tokens"]]
     return grid_s, samples, residual
@@ -241,11 +259,14 @@ async def measure(url: str, s, *, grid: dict | None = None, model: str | None = 
         t0 = time.perf_counter()
         prefill_grid, prefill_samples, residual = await _prefill(c, s, grid)
         restore, _ = await _restore(c, s, grid)
+        one_at_a_time = [o["record"] for o in c.records]  # the decode phase's requests come together
         decode = await _decode(c, s, grid)
         wall = time.perf_counter() - t0
-    hand = [(int(o["record"].get("handoff_bytes", 0)), float(o["record"].get("handoff_s", 0.0)))
-            for o in c.records if o["record"].get("handoff_bytes")]
-    fixed, slope = _linfit([b for b, _ in hand], [t for _, t in hand])
+    hand = [(int(r.get("handoff_bytes", 0)), float(r.get("handoff_s", 0.0))) for r in one_at_a_time if r.get("handoff_bytes")]
+    pp = s.prefill.pp
+    saves = [(int(r["save_bytes"]) // pp, float(r.get("save_s", 0.0))) for r in one_at_a_time if r.get("save_bytes")]
+    if not saves:
+        raise RuntimeError("no save to the pool was observed: is pool.chunk_tokens larger than every prompt?")
     d = decode["fit"]
     first_step = d["fixed_s"] + d["per_seq_s"] + d["per_ctx_token_s"] * 64
     control = max(0.0, statistics.median(residual) - first_step) if residual else 0.0
@@ -256,9 +277,8 @@ async def measure(url: str, s, *, grid: dict | None = None, model: str | None = 
                     "step_s": prefill_grid, "samples": prefill_samples},
         "decode": decode,
         "restore": restore,
-        "handoff": {"fit": {"fixed_s": fixed, "bytes_per_s": 1.0 / slope if slope > 0 else 1e15},
-                    "bytes_range": [0, max(b for b, _ in hand)],
-                    "gb_s": (1.0 / slope / 1e9) if slope > 0 else math.inf, "samples": len(hand)},
+        "handoff": _bytes_fit(hand),
+        "save": _bytes_fit(saves),
         "overheads": {"control_plane_s": control, "ttft_residual_s_median": statistics.median(residual) if residual else 0.0,
                       "first_decode_step_s": first_step},
         "requests": len(c.records),

@@ -11,7 +11,7 @@ Routes (bodies JSON; every non-2xx answer is ``{"error": reason}``):
         ``session``, ``in_tokens``, ``prefill``, ``decode``, ``gpu_tokens``, ``pool_tokens``,
         ``computed_tokens``, ``restore_stage_s``, ``restore_spread_s``, ``restore_failed``,
         ``restore_bytes``, ``save_bytes``, ``handoff_bytes``, ``handoff_writes``, ``handoff_s``,
-        ``prefill_start_s`` / ``prefill_end_s`` (seconds after the engine received the request),
+        ``save_s``, ``prefill_start_s`` / ``prefill_end_s`` (seconds after the engine received the request),
         ``lookup_answered``), ``descriptor`` ``{"decode_instance": d, "stages": pp}``.
         400: not JSON, or not a valid ``PrefillRequest`` (the ``ProtocolError`` text), or a
         ``decode_instance`` the plan does not have. 413: the prompt needs more pages than the
@@ -60,6 +60,7 @@ METRICS = (
     "kvpool:restore_seconds (histogram: first stage's start to last stage's end of each load)",
     "kvpool:restore_stage_seconds{stage} (histogram)",
     "kvpool:save_bytes_total",
+    "kvpool:save_seconds (histogram: a save, its send to the last stage's reply)",
     "kvpool:handoff_bytes_total",
     "kvpool:handoff_writes_total",
     "kvpool:handoff_seconds (histogram)",
@@ -130,6 +131,8 @@ class EngineMetrics:
         self.restore_stage_s = Histogram("kvpool:restore_stage_seconds", "Load time per stage", ["stage"],
                                          buckets=SECONDS_BUCKETS, registry=r)
         self.save_bytes = Counter("kvpool:save_bytes", "Bytes written to the pool", registry=r)
+        self.save_s = Histogram("kvpool:save_seconds", "Save time, its send to the last stage's reply",
+                                buckets=SECONDS_BUCKETS, registry=r)
         self.handoff_bytes = Counter("kvpool:handoff_bytes", "Bytes handed to decode", registry=r)
         self.handoff_writes = Counter("kvpool:handoff_writes", "Hand-off writes", registry=r)
         self.handoff_s = Histogram("kvpool:handoff_seconds", "Hand-off time, first stage's start to last stage's end",
@@ -169,6 +172,8 @@ class EngineMetrics:
             for s, t in enumerate(rec.restore_stage_s):
                 self.restore_stage_s.labels(str(s)).observe(t)
         self.save_bytes.inc(rec.save_bytes)
+        if rec.save_s:
+            self.save_s.observe(rec.save_s)
         self.handoff_bytes.inc(rec.handoff_bytes)
         self.handoff_writes.inc(rec.handoff_writes)
         if rec.handoff_bytes:

@@ -24,7 +24,8 @@ Per request (in this order):
     5. **After compute**: the pages enter the GPU prefix cache; the new full chunks are saved with
        group ids on every stage and the KV is handed to the decode instance on every stage, both at
        once. The answer (``PrefillResult`` or an error) goes out once the hand-off and the save
-       have ended; then the pages are released.
+       have ended; then the pages are released. The record's ``handoff_s`` is the hand-off's own
+       time (its send to the last stage's reply), ``save_s`` the save's (0 without one).
 
 Bounds: every stage call has a deadline (``exists`` ``EXISTS_WAIT_S``; ``load`` the worker's load
 timeout + ``STAGE_SLACK_S``; ``compute`` ``COMPUTE_WAIT_S``; ``save`` the save timeout + slack;
@@ -95,6 +96,8 @@ class _Req:
     t_start: float = 0.0
     t_end: float = 0.0
     t_handoff: float = 0.0
+    t_handoff_end: float = 0.0
+    t_save_end: float = 0.0
     handoff_left: set[int] = field(default_factory=set)
     handoff_error: str = ""
     handoff_reports: list[dict] = field(default_factory=list)
@@ -442,6 +445,7 @@ class PrefillScheduler:
         self.blocks.commit(req.alloc, req.n)
         plan = self.connector.plan_save(req.rid, req.digests, req.n)
         blocks = req.alloc.block_ids
+        req.t_handoff = time.monotonic()  # the save and the hand-off start together
         if plan is not None:
             req.save_plan = plan
             body = {"plan": link.save_plan_json(plan), "blocks": blocks}
@@ -449,7 +453,6 @@ class PrefillScheduler:
             deadline = time.monotonic() + bound
             for s in range(self.pp):
                 self.calls[self.client.send(s, "save", body)] = _Call("save", s, deadline, bound, req=req)
-        req.t_handoff = time.monotonic()
         ranks = self._ranks_of(req.decode)
         if isinstance(ranks, str):
             req.handoff_error = ranks
@@ -482,6 +485,7 @@ class PrefillScheduler:
 
     def _on_handoff(self, req: _Req, stage: int, header: dict) -> None:
         req.handoff_left.discard(stage)
+        req.t_handoff_end = time.monotonic()
         if header.get("ok"):
             req.handoff_reports.append(header.get("report") or {})
         elif not req.handoff_error:
@@ -502,6 +506,7 @@ class PrefillScheduler:
             self.connector.complete_save(req.rid, outcome.stored)
             req.record.save_bytes += outcome.bytes_saved
             req.save_plan = None
+            req.t_save_end = time.monotonic()
         self._maybe_finish(req)
 
     def _maybe_finish(self, req: _Req) -> None:
@@ -511,7 +516,8 @@ class PrefillScheduler:
         now = time.monotonic()
         rec.prefill_start_s = req.t_start - req.t_recv
         rec.prefill_end_s = req.t_end - req.t_recv
-        rec.handoff_s = now - req.t_handoff
+        rec.handoff_s = max(0.0, (req.t_handoff_end or now) - req.t_handoff)
+        rec.save_s = max(0.0, req.t_save_end - req.t_handoff) if req.t_save_end else 0.0
         rec.handoff_bytes = sum(int(r.get("handoff_bytes", 0)) for r in req.handoff_reports)
         rec.handoff_writes = sum(int(r.get("handoff_writes", 0)) for r in req.handoff_reports)
         if req.handoff_error:
@@ -588,7 +594,7 @@ class PrefillScheduler:
 def _record_json(rec: RequestRecord) -> dict:
     keys = ("key", "session", "in_tokens", "prefill", "decode", "gpu_tokens", "pool_tokens", "computed_tokens",
             "restore_stage_s", "restore_spread_s", "restore_failed", "restore_bytes", "save_bytes", "handoff_bytes",
-            "handoff_writes", "handoff_s", "prefill_start_s", "prefill_end_s", "lookup_answered")
+            "handoff_writes", "handoff_s", "save_s", "prefill_start_s", "prefill_end_s", "lookup_answered")
     return {k: getattr(rec, k) for k in keys}
 
 

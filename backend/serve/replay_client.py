@@ -55,12 +55,12 @@ from kvpool.workload.replay import AgentXReplay, Dispatch, ProductionReplay, Wak
 #: RequestRecord fields the server's record provides (the client's clock gives the timing).
 SERVER_FIELDS = (
     "prefill", "decode", "gpu_tokens", "pool_tokens", "ssd_tokens", "computed_tokens", "restore_stage_s",
-    "restore_spread_s", "restore_failed", "handoff_s", "restore_bytes", "save_bytes", "handoff_bytes",
+    "restore_spread_s", "restore_failed", "handoff_s", "save_s", "restore_bytes", "save_bytes", "handoff_bytes",
     "handoff_writes", "rejected", "lookup_answered",
 )
 _INT_FIELDS = {"prefill", "decode", "gpu_tokens", "pool_tokens", "ssd_tokens", "computed_tokens", "restore_bytes",
                "save_bytes", "handoff_bytes", "handoff_writes"}
-_FLOAT_FIELDS = {"restore_spread_s", "handoff_s"}
+_FLOAT_FIELDS = {"restore_spread_s", "handoff_s", "save_s"}
 _BOOL_FIELDS = {"restore_failed", "lookup_answered"}
 _MAX_ERROR_CHARS = 300
 _CONNECT_TIMEOUT_S = 10.0

@@ -8,7 +8,7 @@ run directory under ``out/calibrate/`` (``backend.serve.launch.start_serve``), m
 ``backend.serve.calibrate.measure`` (a progress bar counts its requests); the file is
 ``sim.calibration``'s format (``docs/fidelity.md``): ``format``, ``version``, ``kvpool_version``,
 ``created_utc``, ``device``, ``scenario`` (name and SHA-256), ``model`` (the served model's
-configuration), ``grid``, the curves (``prefill``, ``decode``, ``restore``, ``handoff``) and
+configuration), ``grid``, the curves (``prefill``, ``decode``, ``restore``, ``handoff``, ``save``) and
 ``overheads``. A scenario uses it with ``--set cost.calibration="FILE"``.
 """
 
@@ -70,7 +70,7 @@ def calibrate(
     out: Path = typer.Option(None, "--out", help="The calibration file to write (default: out/calibration-NAME.json)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the calibration's prompt tokens."),
 ) -> None:
-    """Measure the workers' cost curves (prefill, decode, restore, hand-off, control plane) through the
+    """Measure the workers' cost curves (prefill, decode, restore, hand-off, save, control plane) through the
     server's API and write a calibration file the simulator reads (cost.calibration)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -109,11 +109,12 @@ def calibrate(
     doc = calibration_document(s, measured, url=url, device=_device_name(s))
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    d, r, h = doc["decode"]["fit"], doc["restore"]["fit"], doc["handoff"]["fit"]
+    d, r, h, sv = doc["decode"]["fit"], doc["restore"]["fit"], doc["handoff"]["fit"], doc["save"]["fit"]
     console.print(f"prefill: {len(doc['prefill']['new_tokens'])} x {len(doc['prefill']['cached_tokens'])} grid; "
                   f"decode step {d['fixed_s'] * 1e3:.2f} ms + {d['per_seq_s'] * 1e3:.3f} ms/seq + "
                   f"{d['per_ctx_token_s'] * 1e6:.3f} us/ctx token; restore {r['fixed_s'] * 1e3:.2f} ms + "
                   f"{r['bytes_per_s'] / 1e9:.2f} GB/s per stage; hand-off {h['fixed_s'] * 1e3:.2f} ms + "
-                  f"{h['bytes_per_s'] / 1e9:.2f} GB/s; control plane {doc['overheads']['control_plane_s'] * 1e3:.1f} ms; "
+                  f"{h['bytes_per_s'] / 1e9:.2f} GB/s; save {sv['fixed_s'] * 1e3:.2f} ms + {sv['bytes_per_s'] / 1e9:.2f} GB/s "
+                  f"per stage; control plane {doc['overheads']['control_plane_s'] * 1e3:.1f} ms; "
                   f"{doc['requests']} requests in {doc['wall_s']:.0f} s")
     typer.echo(f"wrote {out}")

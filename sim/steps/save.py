@@ -2,10 +2,11 @@
 
 Contract: ``Save(world, nics)(r, groups)`` for the chunk groups of ``r``'s prompt that the pool
 did not hold (a part of ``r.prompt.groups``): every rank packs its objects (in parallel: the largest rank's pack time,
-``CostModel.unpack_s``), sends them over its NICs (``PoolNics``) and, once every byte has landed,
+``CostModel.pack_s``), sends them over its NICs (``PoolNics``) and, once every byte has landed,
 puts them with their group ids (``SimPool.save``: ``policy.grouptable`` eviction); the record's
-``save_bytes`` grows then and the pool's time series is sampled, then ``done()`` when given (serve
-mode's pages wait for it; nothing else does). A save that fails (``lost``, ``[faults]``) moves its
+``save_bytes`` grows then, ``save_s`` is the time since the call, and the pool's time series is
+sampled, then ``done()`` when given (serve mode's pages and first decode step wait for it; nothing
+else does). A save that fails (``lost``, ``[faults]``) moves its
 bytes and puts nothing.
 """
 
@@ -28,15 +29,17 @@ class Save:
         self.pool = world.pool
         self.nics = nics
         self.rank_bytes = world.rank_bytes
-        self.pack_s = world.cost.unpack_s  # packing costs what unpacking does
+        self.pack_s = world.cost.pack_s
 
     def __call__(self, r: Request, groups: GroupIds, lost: bool = False, done: Callable[[], None] | None = None) -> None:
         env, p, rec = self.env, r.prefill, r.rec
+        start = env.now
         chunks = int(groups.ids.size)
         nbytes = [chunks * b for b in self.rank_bytes]
 
         def put() -> None:
             rec.save_bytes += sum(nbytes)
+            rec.save_s = env.now - start
             if not lost:
                 self.pool.save(p.server, p.ranks, groups, env.now)
                 self.world.sample_pool()

@@ -35,6 +35,7 @@ def test_first_prefill_equals_the_single_process_reference(served):
     assert rec["handoff_bytes"] == 200 * 4 * 1152            # every token of every layer crosses once
     assert rec["save_bytes"] == 3 * 64 * 4 * 1152            # its 3 full 64-token chunks, both stages
     assert 0 <= rec["prefill_start_s"] <= rec["prefill_end_s"]
+    assert rec["handoff_s"] > 0 and rec["save_s"] > 0         # each its own time; the answer waited for both
 
 
 def test_a_shared_prefix_hits_the_gpu_prefix_cache(served):
@@ -59,6 +60,7 @@ def test_an_evicted_prefix_is_restored_from_the_pool(served):
     assert gpu == 0 and pool == 192 and computed == 8          # 3 chunks of 64 from the pool
     rec = body["record"]
     assert rec["restore_bytes"] == 3 * 64 * 4 * 1152 and len(rec["restore_stage_s"]) == 2
+    assert rec["save_bytes"] == 0 and rec["save_s"] == 0       # the pool holds every full chunk already
     assert_matches_reference(decode, ref, "evict-b", tokens, body)
     status, text = dep.get("/metrics")
     assert status == 200
@@ -128,7 +130,7 @@ def test_metrics_name_every_source_and_the_denominator(served):
     assert status == 200
     for name in ('kvpool:prompt_tokens_by_source_total{source="gpu"}', 'kvpool:prompt_tokens_by_source_total{source="pool"}',
                  'kvpool:prompt_tokens_by_source_total{source="computed"}', "kvpool:prompt_tokens_total",
-                 "kvpool:restore_bytes_total", "kvpool:restore_seconds_count", "kvpool:save_bytes_total",
+                 "kvpool:restore_bytes_total", "kvpool:restore_seconds_count", "kvpool:save_bytes_total", "kvpool:save_seconds_count",
                  "kvpool:handoff_bytes_total", "kvpool:handoff_seconds_count", "kvpool:prefill_kv_usage_perc"):
         assert name in text, name
     sums = {m.group(1): float(m.group(2)) for m in

@@ -56,5 +56,20 @@ def test_a_bad_file_names_the_field(tmp_path):
         load_calibration(tmp_path / "missing.json")
     doc["version"] = 99
     bad.write_text(json.dumps(doc))
-    with pytest.raises(CalibrationError, match="field version must be 1"):
+    with pytest.raises(CalibrationError, match="field version must be 2 .*re-run kvpool calibrate"):
         load_calibration(bad)
+    doc = json.loads(FILE.read_text())
+    del doc["save"]
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match="missing field save.fit.fixed_s"):
+        load_calibration(bad)
+
+
+def test_a_save_costs_its_fit_less_the_nic_and_the_analytic_model_outside_its_sizes():
+    s, c = _cost()
+    f = c.cal
+    nbytes = f.save_bytes[1] // 2
+    assert c.pack_s(nbytes) == pytest.approx(max(0.0, f.save_fixed_s + nbytes / f.save_bytes_per_s
+                                                 - nbytes / (s.gpu.nic_gb_s * 1e9)))
+    assert c.pack_s(f.save_bytes[1] + 1) == AnalyticalCost.from_scenario(s).pack_s(f.save_bytes[1] + 1)
+    assert c.fallbacks["save"] == 1 and c.calls["save"] == 2

@@ -194,3 +194,28 @@ def test_every_page_goes_back_by_the_end_of_a_run_faults_or_not(faults):
     assert pages.cache.held_pages == 0 and pages.waiting == 0
     if faults:
         assert any(r.error for r in recs)
+
+
+def test_a_request_decodes_once_its_hand_off_and_its_save_have_both_ended(tmp_path):
+    """As production's prefill answers: the first decode step waits for the longer of the two. With
+    the repository's calibration, but saves measured 20x slower, the save is what delays it."""
+    import json
+
+    from trace_builders import KV_TRACES
+
+    from kvpool.sim.run import make_replay, workload_for
+
+    doc = json.loads((KV_TRACES.parents[1] / "calibration" / "cpu-tiny.json").read_text())
+    doc["save"]["fit"]["bytes_per_s"] /= 20
+    slow_saves = tmp_path / "slow-saves.json"
+    slow_saves.write_text(json.dumps(doc))
+    s = load_scenario("cpu-tiny", ['cost.kv_capacity="serve"', f'cost.calibration="{slow_saves}"',
+                                   "workload.token_scale=0.03125", "workload.duration_s=30",
+                                   "workload.max_output_tokens=16", f'workload.traces="{KV_TRACES}"'])
+    recs = [r for r in Simulation(s, make_replay(s, workload_for(s), 2)).run() if r.decode_start_s >= 0]
+    saved = [r for r in recs if r.save_bytes]
+    assert saved and len(saved) < len(recs)
+    for r in recs:
+        assert r.decode_start_s == pytest.approx(r.prefill_end_s + max(r.handoff_s, r.save_s), abs=1e-9), r
+    assert any(r.save_s > r.handoff_s for r in saved)
+    assert all(r.save_s == 0 for r in recs if not r.save_bytes)
