@@ -27,11 +27,14 @@ matches the SimPy code it replaces.
       it from inside a SimPy process (a resumed process clears the active process).
     * ``run_all(env)``: ``env.run()`` with no ``until``, ``Environment.step`` written into the
       loop (a failed event that nobody defused raises as there). Not for models that stop the
-      loop with ``StopSimulation``.
+      loop with ``StopSimulation``. ``run_all(env, report, every_entries)`` also calls ``report()``
+      after each ``every_entries`` entries while entries remain (a progress display; one check per
+      batch of entries, none per entry, and nothing pushed on the queue, so the run is the same).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from heapq import heappop, heappush
 
@@ -83,10 +86,26 @@ def fire(ev: Event, value: object = None) -> None:
         cb(ev)
 
 
-def run_all(env) -> None:
-    """``env.run()`` with no ``until`` (see the module docstring)."""
+#: How many queue entries ``run_all`` runs between two ``report()`` calls (about 50 ms of a run).
+REPORT_EVERY_ENTRIES = 5000
+
+
+def run_all(env, report: Callable[[], None] | None = None, every_entries: int = REPORT_EVERY_ENTRIES) -> None:
+    """``env.run()`` with no ``until``; with ``report``, ``report()`` after every ``every_entries``
+    entries while entries remain (see the module docstring)."""
+    if report is None:
+        _run_entries(env, sys.maxsize)
+        return
+    while _run_entries(env, every_entries):
+        report()
+
+
+def _run_entries(env, n: int) -> bool:
+    """Run at most ``n`` queue entries, as ``Environment.step`` does; whether entries remain."""
     queue = env._queue
-    while queue:
+    for _ in range(n):
+        if not queue:
+            return False
         env._now, _, _, event = heappop(queue)
         callbacks, event.callbacks = event.callbacks, None
         for callback in callbacks:
@@ -95,3 +114,4 @@ def run_all(env) -> None:
             exc = type(event._value)(*event._value.args)
             exc.__cause__ = event._value
             raise exc
+    return bool(queue)

@@ -10,6 +10,15 @@ Contract:
       ``map(fn, tasks, on_done)`` runs ``fn(task)`` for every task, calls ``on_done(i, result)`` as each
       finishes (in completion order) and returns the results in task order. ``fn`` must be a module-
       level function and the tasks picklable.
+    * Progress inside a task: ``map(fn, tasks, on_done, on_progress)`` calls ``fn(task, report)``
+      and delivers each ``report(value)`` as ``on_progress(i, value)`` in the calling thread.
+      In-process, ``report`` is that call. In worker processes it puts ``(i, value)`` on a queue of
+      a ``multiprocessing.Manager`` (a small server process, which ignores Ctrl-C), and ``map``
+      drains the queue every ``PROGRESS_POLL_S`` while it waits for results, and before it hands
+      on a finished task's result, so a task's reports all come before its ``on_done``; ``value``
+      must be picklable. Ray tasks run as ``fn(task)`` and report nothing until they finish
+      (``on_done``): a channel back from a cluster's nodes would be a Ray actor, more machinery
+      than a progress bar is worth. Without ``on_progress``, ``fn(task)`` everywhere.
     * ``local``: ``workers <= 1`` or a single task runs in-process; otherwise a process pool of
       ``min(workers, len(tasks))`` per ``map`` call.
     * ``ray`` with ``address`` (``host:port`` of the head's GCS, ``ray://host:port`` for Ray Client, or
@@ -28,7 +37,8 @@ import importlib.util
 import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 EXECUTORS = ("local", "ray")
@@ -104,8 +114,9 @@ class Runner:
         self.executor = executor
         self.workers = workers
 
-    def map(self, fn: Callable[[Any], Any], tasks: Sequence[Any],
-            on_done: Callable[[int, Any], None] | None = None) -> list:
+    def map(self, fn: Callable[..., Any], tasks: Sequence[Any],
+            on_done: Callable[[int, Any], None] | None = None,
+            on_progress: Callable[[int, Any], None] | None = None) -> list:
         results: dict[int, Any] = {}
 
         def done(i: int, r: Any) -> None:
@@ -124,15 +135,54 @@ class Runner:
                 done(refs[ready[0]], ray.get(ready[0]))
         elif self.workers <= 1 or len(tasks) <= 1:
             for i, t in enumerate(tasks):
-                done(i, fn(t))
+                done(i, fn(t) if on_progress is None else fn(t, partial(on_progress, i)))
         else:
-            from concurrent.futures import ProcessPoolExecutor, as_completed
-
-            with ProcessPoolExecutor(max_workers=min(self.workers, len(tasks)), initializer=_stop_quietly_on_ctrl_c) as pool:
-                futs = {pool.submit(fn, t): i for i, t in enumerate(tasks)}
-                for f in as_completed(futs):
-                    done(futs[f], f.result())
+            _map_in_processes(fn, tasks, min(self.workers, len(tasks)), done, on_progress)
         return [results[i] for i in range(len(tasks))]
+
+
+PROGRESS_POLL_S = 0.2  # how often ``map`` drains the worker processes' progress queue
+
+
+def _map_in_processes(fn: Callable[..., Any], tasks: Sequence[Any], workers: int, done: Callable[[int, Any], None],
+                      on_progress: Callable[[int, Any], None] | None) -> None:
+    """``Runner.map`` over a pool of ``workers`` processes (see the module docstring)."""
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from multiprocessing import Manager
+
+    with ExitStack() as stack:
+        queue = stack.enter_context(Manager()).Queue() if on_progress else None
+        pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers, initializer=_stop_quietly_on_ctrl_c))
+        futs = {pool.submit(fn, t, *([_QueueReport(queue, i)] if queue else [])): i for i, t in enumerate(tasks)}
+        pending = set(futs)
+        while pending:
+            finished, pending = wait(pending, timeout=PROGRESS_POLL_S if queue else None, return_when=FIRST_COMPLETED)
+            if queue is not None:
+                _drain(queue, on_progress)
+            for f in sorted(finished, key=futs.__getitem__):
+                done(futs[f], f.result())
+
+
+class _QueueReport:
+    """A worker process's ``report(value)``: puts ``(task index, value)`` on the parent's queue."""
+
+    def __init__(self, queue, index: int) -> None:
+        self.queue, self.index = queue, index
+
+    def __call__(self, value: Any) -> None:
+        self.queue.put((self.index, value))
+
+
+def _drain(queue, on_progress: Callable[[int, Any], None]) -> None:
+    """Deliver every report waiting on ``queue``, in the order they were put."""
+    from queue import Empty
+
+    while True:
+        try:
+            index, value = queue.get_nowait()
+        except Empty:
+            return
+        on_progress(index, value)
 
 
 def _stop_quietly_on_ctrl_c() -> None:

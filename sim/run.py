@@ -13,6 +13,11 @@ Contract:
       in-process) or on a Ray cluster (``executor="ray"``, ``address``; none starts a local runtime),
       with an optional progress callback per finished load; results come back in load order and are
       identical whichever executor ran them.
+    * Progress inside a load: ``run_point(..., on_progress=f)`` calls ``f(RunProgress)`` as its
+      simulated time advances (``sim.engine``); ``sweep(..., on_progress=f)`` calls ``f(load,
+      RunProgress)`` for the loads that run in this process or in local worker processes (whose
+      reports come back through a queue, ``sim.executor``); Ray tasks report only when they finish
+      (``on_done``). The callback changes no result.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from kvpool.workload.errors import TraceError
 from kvpool.workload.model import Workload
 
 if TYPE_CHECKING:
+    from kvpool.sim.engine import RunProgress
     from kvpool.sim.executor import Runner
 
 
@@ -111,12 +117,16 @@ def _load_or_generate(preset: str, sessions: int, seed: int, context_scale: floa
         except Exception:  # noqa: BLE001 - a truncated or foreign cache entry: generate again
             pass
     w = synth.synthetic_workload(preset, sessions, seed, context_scale=context_scale, on_session=on_session)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         root.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        with tmp.open("wb") as f:
-            pickle.dump(w, f, protocol=pickle.HIGHEST_PROTOCOL)
-        tmp.replace(path)
+        try:
+            with tmp.open("wb") as f:
+                pickle.dump(w, f, protocol=pickle.HIGHEST_PROTOCOL)
+            tmp.replace(path)
+        except BaseException:  # a failed write or a Ctrl-C leaves no partial file behind
+            tmp.unlink(missing_ok=True)
+            raise
     except OSError:
         pass  # a read-only home still runs, just slower
     return w
@@ -187,7 +197,8 @@ def load_key(s: Scenario) -> str:
     return "sessions" if s.workload.mode == "agentx" else "rps"
 
 
-def run_point(s: Scenario, load: float, traces: str | None = None) -> dict:
+def run_point(s: Scenario, load: float, traces: str | None = None,
+              on_progress: Callable[["RunProgress"], None] | None = None) -> dict:
     """Simulate one load; see the module docstring."""
     from kvpool.sim.engine import Simulation
     from kvpool.workload.records import summarize
@@ -197,7 +208,7 @@ def run_point(s: Scenario, load: float, traces: str | None = None) -> dict:
     cpu0 = time.process_time()
     replay = make_replay(s, workload, load)
     sim = Simulation(s, replay)
-    records = sim.run()
+    records = sim.run(on_progress)
     # the measured window starts when profiling does (AgentX) or at the replay's start; responses
     # after duration + grace are not counted (AIPerf's benchmark grace period)
     start = getattr(replay, "profile_start_s", None)
@@ -230,9 +241,10 @@ def run_point(s: Scenario, load: float, traces: str | None = None) -> dict:
     return out
 
 
-def _point_task(args: tuple[Scenario, float, str | None]) -> dict:
+def _point_task(args: tuple[Scenario, float, str | None],
+                report: Callable[["RunProgress"], None] | None = None) -> dict:
     s, load, traces = args
-    return run_point(s, load, traces)
+    return run_point(s, load, traces, on_progress=report)
 
 
 def sweep(
@@ -245,8 +257,10 @@ def sweep(
     address: str | None = None,
     on_done: Callable[[float, dict], None] | None = None,
     runner: "Runner | None" = None,
+    on_progress: Callable[[float, "RunProgress"], None] | None = None,
 ) -> list[dict]:
-    """Run ``loads`` (in load order in the result); ``on_done(load, result)`` after each.
+    """Run ``loads`` (in load order in the result); ``on_done(load, result)`` after each, and
+    ``on_progress(load, RunProgress)`` as a load's simulated time advances (see the module docstring).
 
     Where the points run is ``sim.executor``'s choice: ``executor``/``workers``/``address`` open a
     runner for this sweep, or pass an open ``runner`` to share one (a Ray runtime) across sweeps.
@@ -259,7 +273,11 @@ def sweep(
         if on_done:
             on_done(tasks[i][1], result)
 
+    def progress(i: int, p: "RunProgress") -> None:
+        on_progress(tasks[i][1], p)
+
+    report = progress if on_progress else None
     if runner is not None:
-        return runner.map(_point_task, tasks, done)
+        return runner.map(_point_task, tasks, done, report)
     with open_runner(executor, workers=workers, address=address) as r:
-        return r.map(_point_task, tasks, done)
+        return r.map(_point_task, tasks, done, report)

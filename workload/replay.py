@@ -15,7 +15,10 @@ returning a :class:`Wake`:
 ``Wake.done``: nothing is in flight and nothing more will be dispatched. Timers may move
 earlier after a later call (idle caps), so a driver must not cache ``next_due_s`` across calls:
 always sleep on the newest one. ``Dispatch.measured`` is False for warm-up, primer and cold
-requests, which metrics exclude. A minimal SimPy driver (``kvpool.sim.driver`` does the same
+requests, which metrics exclude. For a progress display a replay tells where it stands:
+``warmup_left`` (primer and warm-up requests not yet finished; 0 once the window opens, and
+always for production replay), ``window_start_s`` (when the measured window opened; None until
+then) and ``duration_s`` (the window's length). A minimal SimPy driver (``kvpool.sim.driver`` does the same
 with callbacks instead of processes)::
 
     def driver(env, replay, serve):          # serve(dispatch) is a SimPy process function
@@ -285,6 +288,16 @@ class AgentXReplay:
     def poll(self, now_s: float) -> Wake:
         return self._wake(now_s)
 
+    @property
+    def warmup_left(self) -> int:
+        """Primer and warm-up requests not yet finished (``start`` sets how many there are)."""
+        return self._warm_left
+
+    @property
+    def window_start_s(self) -> float | None:
+        """When the measured window opened (``profile_start_s``); None during the warm-up."""
+        return self.profile_start_s
+
     # -- internals ----------------------------------------------------------------------------
     def _graph(self, s: Session) -> _SessionGraph:
         g = self._graphs.get(id(s))
@@ -514,6 +527,13 @@ class ProductionReplay:
         nxt = self._next_arrival if self._next_arrival < end else None
         done = nxt is None and not self._inflight and not self._queued
         return Wake(tuple(ready), nxt, done)
+
+    warmup_left = 0  # no warm-up: the window opens at ``start``
+
+    @property
+    def window_start_s(self) -> float | None:
+        """When the measured window opened: the replay's start."""
+        return self.start_s
 
     def _dispatch(self, lane: int, due: float) -> Dispatch:
         s = self._sess[lane]

@@ -153,6 +153,7 @@ def run(
 ) -> None:
     """Simulate SCENARIO at one or more loads; print a summary, write JSON/CSV and a Figure-6-style PNG
     (out/NAME-sessions-LOADS-ID.*, ID a hash of the inputs)."""
+    from kvpool.cli.sweep_progress import SweepBars
     from kvpool.sim import documents, report
     from kvpool.sim.run import load_key, sweep
 
@@ -173,10 +174,8 @@ def run(
     try:
         with executor_runner(executor, address, n_workers, console, json_) as runner:  # a bad cluster before any build
             prepare_workload(s, traces, console)
-            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} loads"),
-                          TimeElapsedColumn(), console=console, transient=True, disable=json_) as progress:
-                task = progress.add_task(f"simulating {s.name}", total=len(loads))
-                rows = sweep(s, loads, traces=traces, runner=runner, on_done=lambda load, _r: progress.advance(task))
+            with SweepBars(console, f"simulating {s.name}", len(loads), disable=json_) as bars:
+                rows = sweep(s, loads, traces=traces, runner=runner, **bars.sweep_callbacks("", key))
     except TraceError as e:
         raise UserError(str(e)) from None
     doc = documents.run_document(s, rows, documents.Inputs(scenario, tuple(set_), tuple(overrides), traces),
@@ -221,9 +220,10 @@ def compare(
     """Run arms side by side at the same loads, such as shared vs split pool, and print the ratios: the
     first arm's value over each other arm's, as the seed states them (shared first: its throughput
     ratio above 1 means it is faster). Writes JSON, CSV and PNG (out/compare-A-vs-B-ID.*)."""
+    from kvpool.cli.sweep_progress import SweepBars
     from kvpool.sim import compare as cmp
     from kvpool.sim import documents, report
-    from kvpool.sim.run import sweep
+    from kvpool.sim.run import load_key, sweep
 
     if len(scenarios) < 2:
         raise UserError("compare needs two or more scenarios")
@@ -247,10 +247,10 @@ def compare(
         with executor_runner(executor, address, n_workers, console, json_) as runner:  # a bad cluster before any build
             for s in arms_s:
                 prepare_workload(s, traces, console)
-            with _progress(console, json_) as progress:
-                task = progress.add_task("comparing " + " vs ".join(names), total=len(loads) * len(arms_s))
+            with SweepBars(console, "comparing " + " vs ".join(names), len(loads) * len(arms_s), disable=json_) as bars:
                 for s in arms_s:
-                    arms[s.name] = sweep(s, loads, traces=traces, runner=runner, on_done=lambda *_: progress.advance(task))
+                    arms[s.name] = sweep(s, loads, traces=traces, runner=runner,
+                                         **bars.sweep_callbacks(f"{s.name}: ", load_key(s)))
     except TraceError as e:
         raise UserError(str(e)) from None
     doc = documents.compare_document(arms_s, arms, [documents.Inputs(src, tuple(set_), tuple(extra), traces)

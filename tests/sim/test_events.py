@@ -162,3 +162,23 @@ def test_run_all_steps_as_env_run():
     with pytest.raises(ValueError, match="boom"):
         run_all(env)
 
+
+
+def test_run_all_reports_after_every_batch_of_entries_and_runs_the_same():
+    """With a report, run_all still runs every entry in env.run()'s order, and calls the report
+    after each full batch of ``every_entries`` entries that leaves entries queued (never at the end)."""
+    from kvpool.sim.events import call_later, run_all
+
+    def model(env, seen):
+        for i in range(10):
+            call_later(env, float(i % 4), lambda _e, i=i: seen.append((env.now, i)))
+
+    a, b, reports = [], [], []
+    env_a, env_b = simpy.Environment(), simpy.Environment()
+    model(env_a, a)
+    model(env_b, b)
+    env_a.run()
+    run_all(env_b, lambda: reports.append((env_b.now, len(b))), every_entries=3)
+    assert a == b and env_a.now == env_b.now
+    assert [n for _, n in reports] == [3, 6, 9]  # 10 entries: batches end after 3, 6, 9; the 10th ends the run
+    assert [t for t, _ in reports] == [b[2][0], b[5][0], b[8][0]]
