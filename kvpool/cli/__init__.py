@@ -109,6 +109,21 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
+def script() -> None:
+    """The ``kvpool`` script and ``python -m kvpool.cli``: ``main()``, then Ctrl-C is ignored while
+    the process exits, so a Ctrl-C that comes as a finished command shuts down cannot kill it by
+    SIGINT (its outputs are written; its status stays the command's). A Ctrl-C that lands after the
+    command answered but before that is still ``aborted``, status 130."""
+    import signal
+
+    try:
+        main()
+    except KeyboardInterrupt:
+        exit_aborted()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def exit_aborted() -> None:
     """Print ``aborted`` and exit with status 130 after a Ctrl-C.
 

@@ -87,3 +87,14 @@ def test_ctrl_c_inside_a_string_exec_still_exits_130(tmp_path):
     p = subprocess.run([sys.executable, "-m", "interrupted_import"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert (p.returncode, p.stderr.strip()) == (130, "aborted"), (p.returncode, p.stderr[-2000:])
+
+
+def test_once_the_command_has_ended_ctrl_c_cannot_kill_the_exit():
+    """The script's entry point: the command's status stands and SIGINT is ignored from the moment
+    the command ends (a Ctrl-C during the interpreter's shutdown would otherwise be a death by
+    SIGINT after the outputs were written)."""
+    code = ("import signal, sys\nimport kvpool.cli as cli\nsys.argv = ['kvpool', '--version']\n"
+            "try:\n    cli.script()\nexcept SystemExit as e:\n"
+            "    print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, e.code)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.stdout.splitlines()[-1] == "True 0", (p.stdout, p.stderr[-2000:])
