@@ -29,8 +29,8 @@ ids), so they never hit a workload's cached prefixes. The curves (``sim.calibrat
               first token comes one decode step after the hand-off and the save; the server's with
               the prefill's answer)
 
-``on_step(label)`` is called after every request (a progress bar); ``plan_size(...)`` says how
-many there will be.
+``on_step(label)`` is called after every request (a progress bar); ``plan_size(grid, s)`` says how
+many calls there will be.
 """
 
 from __future__ import annotations
@@ -69,10 +69,20 @@ def default_grid(s) -> dict:
             "decode": [(b, L) for b in batches for L in sorted({64, long_ctx(b)})], "reps": 1}
 
 
-def plan_size(grid: dict) -> int:
+def flush_sizes(s) -> list[int]:
+    """Prompt lengths of the fresh prompts that push every saved prefix out of the GPU prefix cache
+    (``serve.prefill_kv_tokens`` plus one step, a step's tokens at a time)."""
+    step = s.prefill.max_batched_tokens
+    total = s.serve.prefill_kv_tokens + step
+    return [min(step, total - start) for start in range(0, total, step)]
+
+
+def plan_size(grid: dict, s) -> int:
+    """The progress steps ``measure`` reports for ``grid`` on scenario ``s``: one per request,
+    and one when the GPU prefix cache has been flushed."""
     g = grid
     prefill = len([c for c in g["cached_tokens"] if c]) + len(g["cached_tokens"]) * len(g["new_tokens"]) * g["reps"]
-    restore = 2 * len(g["restore_tokens"]) + 1
+    restore = 2 * len(g["restore_tokens"]) + len(flush_sizes(s)) + 1
     decode = sum(1 + b for b, _ in g["decode"])
     return prefill + restore + decode
 
@@ -177,13 +187,8 @@ async def _restore(c: _Client, s, grid: dict) -> tuple[dict, list[dict]]:
     prefixes = [c.fresh(p) for p in grid["restore_tokens"]]
     for p in prefixes:
         await c.complete(p, 1, f"restore: save {len(p)}")
-    step = s.prefill.max_batched_tokens
-    flush, left = [], s.serve.prefill_kv_tokens + step
-    while left > 0:  # fresh prompts that push every saved prefix out of the GPU prefix cache
-        flush.append(c.fresh(min(step, left)))
-        left -= step
-    for f in flush:
-        await c.complete(f, 1, "restore: flush the GPU cache")
+    for n in flush_sizes(s):
+        await c.complete(c.fresh(n), 1, "restore: flush the GPU cache")
     c.on_step("restore: flushed")
     samples = []
     for p in prefixes:

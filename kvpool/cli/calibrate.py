@@ -98,7 +98,7 @@ def calibrate(
     try:
         with Progress(TextColumn("[bold]calibrating[/] " + s.name), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[what]}"), TimeElapsedColumn(), console=console, transient=True) as bar:
-            task = bar.add_task("calibrate", total=plan_size(grid), what="")
+            task = bar.add_task("calibrate", total=plan_size(grid, s), what="")
             measured = asyncio.run(measure(url, s, grid=grid, seed=seed,
                                            on_step=lambda label: bar.update(task, advance=1, what=label)))
     except (OSError, RuntimeError, asyncio.TimeoutError) as e:  # aiohttp's errors are OSErrors

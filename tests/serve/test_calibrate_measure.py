@@ -1,0 +1,67 @@
+"""``backend.serve.calibrate.measure`` against a real ``kvpool serve cpu-tiny``, on a small grid: the
+curves it writes are the simulator's format, each fit is over the samples it names, the hand-off
+and save fits see only the requests sent one at a time, and the document reads back as a
+``sim.calibration.Calibration``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+GRID = {"new_tokens": [1, 128, 512], "cached_tokens": [0, 896], "restore_tokens": [64, 256],
+        "decode": [(1, 64), (2, 64), (4, 64)], "reps": 1}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    from kvpool.backend.serve.calibrate import measure
+    from kvpool.backend.serve.launch import start_serve
+    from kvpool.scenario.load import load_scenario
+
+    s = load_scenario("cpu-tiny")
+    served = start_serve("cpu-tiny", [], tmp_path_factory.mktemp("calibrate") / "serve")
+    steps: list[str] = []
+    try:
+        doc = asyncio.run(measure(served.url, s, grid=GRID, on_step=steps.append))
+    finally:
+        served.stop()
+    return s, doc, steps
+
+
+@pytest.mark.timeout(300)
+def test_every_request_is_counted_and_the_grid_is_the_one_asked_for(measured):
+    from kvpool.backend.serve.calibrate import plan_size
+
+    s, doc, steps = measured
+    assert len(steps) == plan_size(GRID, s) and doc["requests"] == len(steps) - 1  # "restore: flushed" is no request
+    assert doc["prefill"]["new_tokens"] == GRID["new_tokens"] and doc["prefill"]["cached_tokens"] == GRID["cached_tokens"]
+    assert all(v > 0 for row in doc["prefill"]["step_s"] for v in row)
+
+
+@pytest.mark.timeout(300)
+def test_the_hand_off_and_save_fits_are_over_the_requests_sent_one_at_a_time(measured):
+    s, doc, _ = measured
+    decode_requests = sum(1 + b for b, _ in GRID["decode"])  # a shared prefix, then the batch together
+    hand, save = doc["handoff"], doc["save"]
+    assert len(hand["samples"]) == doc["requests"] - decode_requests
+    per_token = s.model.record_bytes * s.model.layers
+    assert {x["bytes"] for x in hand["samples"]} >= {n * per_token for n in (1, 128, 512)}
+    assert all(x["s"] > 0 for x in hand["samples"] + save["samples"])
+    # a save is of whole chunks, per stage (the stages hold equal layers here)
+    chunk = s.pool.chunk_tokens * per_token // s.prefill.pp
+    assert save["samples"] and all(x["bytes"] % chunk == 0 for x in save["samples"])
+    for curve in (hand, save):
+        assert curve["bytes_range"] == [0, max(x["bytes"] for x in curve["samples"])]
+        assert curve["fit"]["fixed_s"] >= 0 and curve["fit"]["bytes_per_s"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_the_document_reads_back_as_the_simulators_calibration(measured, tmp_path):
+    from kvpool.cli.calibrate import calibration_document
+    from kvpool.sim.calibration import parse_calibration
+
+    s, doc, _ = measured
+    cal = parse_calibration(calibration_document(s, doc, url="http://127.0.0.1:1", device="cpu"), "measured")
+    assert cal.save_bytes == tuple(doc["save"]["bytes_range"]) and cal.handoff_bytes == tuple(doc["handoff"]["bytes_range"])
+    assert cal.save_bytes_per_s == doc["save"]["fit"]["bytes_per_s"] and cal.prefill_pp == s.prefill.pp
