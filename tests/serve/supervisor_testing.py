@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -124,6 +125,16 @@ def wait_until(what: str, pred, timeout_s: float = 30.0) -> None:
 def wait_running(url: str) -> None:
     """Until the router has admitted a request (it is in flight: a drain waits for it)."""
     wait_until("a request admitted", lambda: metric(url, "kvpool:requests_running") >= 1)
+
+
+def slow_request(url: str, max_tokens: int = 30) -> tuple[threading.Thread, dict]:
+    """A one-token prompt asking for ``max_tokens`` tokens, posted from a thread, once the router
+    has admitted it: the thread and the dict its answer lands in (``result["r"] = (status, body)``)."""
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=post(url, {"prompt": [5], "max_tokens": max_tokens})))
+    t.start()
+    wait_running(url)
+    return t, result
 
 
 def wait_generating(url: str) -> None:

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from supervisor_testing import alive, get, post, processes_of, start, wait_draining, wait_generating, wait_running
+from supervisor_testing import alive, get, post, processes_of, slow_request, start, wait_draining, wait_generating
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,10 +63,7 @@ def test_the_drain_is_bounded_by_serve_drain_s(tmp_path):
     s = start(tmp_path, ["serve.drain_s=0.5"], behaviour={"decode0": {"token_delay_s": 1.0}})
     try:
         s.wait_ready()
-        result = {}
-        t = threading.Thread(target=lambda: result.update(r=post(s.url, {"prompt": [5], "max_tokens": 30})))
-        t.start()
-        wait_running(s.url)
+        t, result = slow_request(s.url)
         t0 = time.monotonic()
         s.signal(signal.SIGTERM)
         assert s.wait() == 0
@@ -149,40 +146,18 @@ def test_sigterm_during_the_start_stops_what_was_started(tmp_path):
         s.stop()
 
 
-def test_a_second_signal_ends_the_drain_at_once(tmp_path):
+@pytest.mark.parametrize("after_the_drain_began", [True, False], ids=["after-the-drain-began", "at-once"])
+def test_a_second_signal_ends_the_drain_at_once(tmp_path, after_the_drain_began):
+    """Also a second signal that comes before the drain has begun (a fast double Ctrl-C)."""
     s = start(tmp_path, ["serve.drain_s=60"], behaviour={"decode0": {"token_delay_s": 1.0}})
     try:
         s.wait_ready()
-        result = {}
-        t = threading.Thread(target=lambda: result.update(r=post(s.url, {"prompt": [5], "max_tokens": 30})))
-        t.start()
-        wait_running(s.url)
+        t, result = slow_request(s.url)
         t0 = time.monotonic()
         s.signal(signal.SIGTERM)
-        wait_draining(s.url)  # the first signal was handled: the next one is a second signal
-        assert s.proc.poll() is None  # draining: the request has 60 s
-        s.signal(signal.SIGINT)
-        assert s.wait() == 0
-        assert time.monotonic() - t0 < 10.0
-        t.join(10)
-        assert result["r"][0] == 503 and result["r"][1]["error"]["type"] == "unavailable"
-        assert "a second signal" in s.output()[1] and processes_of(tmp_path) == []
-    finally:
-        s.stop()
-
-
-def test_two_signals_at_once_end_the_drain_at_once(tmp_path):
-    """A second signal that comes before the drain has begun (a fast double Ctrl-C) still does not
-    wait for it."""
-    s = start(tmp_path, ["serve.drain_s=60"], behaviour={"decode0": {"token_delay_s": 1.0}})
-    try:
-        s.wait_ready()
-        result = {}
-        t = threading.Thread(target=lambda: result.update(r=post(s.url, {"prompt": [5], "max_tokens": 30})))
-        t.start()
-        wait_running(s.url)
-        t0 = time.monotonic()
-        s.signal(signal.SIGTERM)
+        if after_the_drain_began:
+            wait_draining(s.url)  # the first signal was handled: the next one is a second signal
+            assert s.proc.poll() is None  # draining: the request has 60 s
         s.signal(signal.SIGINT)
         assert s.wait() == 0
         assert time.monotonic() - t0 < 10.0
