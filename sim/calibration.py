@@ -216,29 +216,35 @@ class CalibratedCost:
         return c.decode_fixed_s + c.decode_per_seq_s * batch + c.decode_per_ctx_token_s * context_tokens
 
     def unpack_s(self, nbytes: int) -> float:
-        self.calls["handoff"] += 1
         c = self.cal
         total = nbytes * c.stages
-        if not c.handoff_bytes[0] <= total <= c.handoff_bytes[1]:
-            self._miss("handoff")
+        if not self._measured("handoff", total, c.handoff_bytes):
             return self.fallback.unpack_s(nbytes)
         return (c.handoff_fixed_s + total / c.handoff_bytes_per_s) / 2
 
     def pack_s(self, nbytes: int) -> float:
-        self.calls["save"] += 1
         c = self.cal
-        if not c.save_bytes[0] <= nbytes <= c.save_bytes[1]:
-            self._miss("save")
+        if not self._measured("save", nbytes, c.save_bytes):
             return self.fallback.pack_s(nbytes)
-        return max(0.0, c.save_fixed_s + nbytes / c.save_bytes_per_s - nbytes / self.nic_bytes_s)
+        return self._beyond_the_nic(c.save_fixed_s + nbytes / c.save_bytes_per_s, nbytes)
 
     def pool_load_s(self, nbytes: int) -> float:
-        self.calls["restore"] += 1
         c = self.cal
-        if not c.restore_bytes[0] <= nbytes <= c.restore_bytes[1]:
-            self._miss("restore")
+        if not self._measured("restore", nbytes, c.restore_bytes):
             return self.fallback.pool_load_s(nbytes)
-        return max(0.0, c.restore_fixed_s + nbytes / c.restore_bytes_per_s - nbytes / self.nic_bytes_s)
+        return self._beyond_the_nic(c.restore_fixed_s + nbytes / c.restore_bytes_per_s, nbytes)
+
+    def _measured(self, curve: str, nbytes: int, bytes_range: tuple[int, int]) -> bool:
+        """Count a call of ``curve``; whether ``nbytes`` lies in its measured range (else a fallback)."""
+        self.calls[curve] += 1
+        inside = bytes_range[0] <= nbytes <= bytes_range[1]
+        if not inside:
+            self._miss(curve)
+        return inside
+
+    def _beyond_the_nic(self, measured_s: float, nbytes: int) -> float:
+        """A measured pool transfer less the time of its bytes on the NIC (the simulator's links price that)."""
+        return max(0.0, measured_s - nbytes / self.nic_bytes_s)
 
     def fallback_lines(self) -> list[str]:
         """One line per curve that the analytic model answered for, empty when none."""
