@@ -12,8 +12,9 @@ One run, in order:
     simulated  ``kvpool.sim.run.run_point`` of the same scenario, traces, loads, seed and
                overrides, plus ``cost.kv_capacity = "serve"`` (the serve capacities and page discipline) and
                ``cost.calibration`` = the file: the held-out prediction (the fit never saw the traces)
-    compare    per load: token shares (GPU / pool / computed, error in points), TTFT p50 and p90 and
-               throughput (error in %), requests; a table on stdout, the document in ``--out``, and
+    compare    per load: token shares (GPU / pool / computed, error in points), TTFT p50 and p90,
+               throughput and decode speed per user (``gen_speed_per_user_tok_s_p50``; error in %),
+               requests; a table on stdout, the document in ``--out``, and
                an overlay plot in ``--plot`` (TTFT CDF real vs simulated and token shares, per load)
 
 Usage (CPU; a GPU scenario the same way, e.g. ``--scenario h200-tiny``):
@@ -38,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KVPOOL = [sys.executable, "-m", "kvpool.cli"]
 SHARES = ("share_gpu", "share_pool", "share_computed")
-RELATIVE = ("ttft_p50_s", "ttft_p90_s", "throughput_tok_s")
+RELATIVE = ("ttft_p50_s", "ttft_p90_s", "throughput_tok_s", "gen_speed_per_user_tok_s_p50")
 
 
 def log(msg: str) -> None:
@@ -126,7 +127,7 @@ def compare(real: dict, sim: dict) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     head = f"{'sessions':>8} {'requests':>9} {'GPU %':>15} {'pool %':>15} {'computed %':>15} {'TTFT p50 s':>20} " \
-           f"{'TTFT p90 s':>20} {'tok/s':>20}"
+           f"{'TTFT p90 s':>20} {'tok/s':>20} {'tok/s/user p50':>20}"
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -135,7 +136,7 @@ def print_table(rows: list[dict]) -> None:
         rel = [f"{c[k]['real']:6.2f}/{c[k]['sim']:6.2f} {c[k]['error_pct'] or 0:+5.0f}%" for k in RELATIVE]
         print(f"{r['sessions']:>8} {c['requests']['real']:>4}/{c['requests']['sim']:<4} " + " ".join(f"{x:>15}" for x in sh)
               + " " + " ".join(f"{x:>20}" for x in rel))
-    print("(real/simulated, then the error: points for shares, % for TTFT and throughput)")
+    print("(real/simulated, then the error: points for shares, % for TTFT, throughput and decode speed per user)")
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
