@@ -87,7 +87,11 @@ def plan_size(grid: dict, s) -> int:
     return prefill + restore + decode
 
 
-class _Client:
+class Client:
+    """Streamed completions of fresh random prompts (``fresh``: numpy ``Generator(seed)``), each
+    with its record and the client's token arrival times (``complete``); ``records`` keeps every
+    answer in order, and ``on_step(label)`` is called after each."""
+
     def __init__(self, http: aiohttp.ClientSession, url: str, model: str, vocab: int, seed: int,
                  on_step: Callable[[str], None]) -> None:
         self.http, self.url, self.model, self.vocab = http, url, model, vocab
@@ -99,8 +103,10 @@ class _Client:
         ids = self.rng.integers(0, self.vocab - 1, size=n)
         return (ids + (ids >= EOS_TOKEN)).tolist()
 
-    async def complete(self, prompt: Sequence[int], max_tokens: int, label: str) -> dict:
-        """One streamed request: its record, client TTFT and token arrival times."""
+    async def complete(self, prompt: Sequence[int], max_tokens: int, label: str,
+                       streaming: asyncio.Event | None = None) -> dict:
+        """One streamed request: its record, client TTFT and token arrival times; ``streaming`` is
+        set once its first token has arrived."""
         body = {"model": self.model, "prompt": list(prompt), "max_tokens": max_tokens, "ignore_eos": True,
                 "stream": True}
         t0 = time.perf_counter()
@@ -121,6 +127,8 @@ class _Client:
                         raise RuntimeError(f"stream error: {ev['error']}")
                     for ch in ev.get("choices") or []:
                         times.extend([now] * len(ch.get("token_ids") or []))
+                    if times and streaming is not None:
+                        streaming.set()
                     rec = (ev.get("kvpool") or {}).get("record")
                     if isinstance(rec, dict):
                         record = rec
@@ -160,7 +168,7 @@ def _linfit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return float(icpt), max(float(slope), 1e-15)
 
 
-async def _prefill(c: _Client, s, grid: dict) -> tuple[list[list[float]], list[dict], list[float]]:
+async def _prefill(c: Client, s, grid: dict) -> tuple[list[list[float]], list[dict], list[float]]:
     pp = s.prefill.pp
     rows = {n: {} for n in grid["new_tokens"]}
     samples, residual = [], []
@@ -183,7 +191,7 @@ async def _prefill(c: _Client, s, grid: dict) -> tuple[list[list[float]], list[d
     return grid_s, samples, residual
 
 
-async def _restore(c: _Client, s, grid: dict) -> tuple[dict, list[dict]]:
+async def _restore(c: Client, s, grid: dict) -> tuple[dict, list[dict]]:
     prefixes = [c.fresh(p) for p in grid["restore_tokens"]]
     for p in prefixes:
         await c.complete(p, 1, f"restore: save {len(p)}")
@@ -208,7 +216,7 @@ async def _restore(c: _Client, s, grid: dict) -> tuple[dict, list[dict]]:
             "bytes_range": [0, max(b)], "samples": samples}, samples
 
 
-async def _decode(c: _Client, s, grid: dict) -> dict:
+async def _decode(c: Client, s, grid: dict) -> dict:
     samples = []
     page = s.model.page_tokens
     for batch, ctx in grid["decode"]:
@@ -260,7 +268,7 @@ async def measure(url: str, s, *, grid: dict | None = None, model: str | None = 
     """The curves of the server at ``url`` running scenario ``s`` (see the module docstring)."""
     grid = grid or default_grid(s)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=s.serve.request_timeout_s)) as http:
-        c = _Client(http, url.rstrip("/"), model or s.model.name, s.serve.vocab, seed, on_step)
+        c = Client(http, url.rstrip("/"), model or s.model.name, s.serve.vocab, seed, on_step)
         t0 = time.perf_counter()
         prefill_grid, prefill_samples, residual = await _prefill(c, s, grid)
         restore, _ = await _restore(c, s, grid)
