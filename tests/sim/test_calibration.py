@@ -37,12 +37,20 @@ def test_the_grid_is_interpolated_inside_and_the_analytic_model_answers_outside(
     assert "1 of 3 prefill costs lay outside the measured range" in c.fallback_lines()[0]
 
 
-def test_decode_follows_the_fit_and_the_control_plane_comes_from_the_file():
+def test_decode_passes_through_every_measured_step_and_is_linear_between_batch_sizes():
     _, c = _cost()
-    f = c.cal
-    assert c.decode_step_s(4, 1000) == pytest.approx(f.decode_fixed_s + 4 * f.decode_per_seq_s + 1000 * f.decode_per_ctx_token_s)
-    assert c.decode_step_s(0, 0) == 0.0
-    assert c.control_plane_s == f.control_plane_s
+    samples = c.cal.raw["decode"]["samples"]
+    for x in samples:  # two contexts per batch size: each batch's line goes through both
+        assert c.decode_step_s(x["batch"], x["context_tokens"]) == pytest.approx(x["step_s"])
+    two, four = c.decode_step_s(2, 2 * 2000), c.decode_step_s(4, 4 * 2000)
+    assert two < c.decode_step_s(3, 3 * 2000) < four
+    assert c.decode_step_s(3, 3 * 2000) == pytest.approx((two + four) / 2)
+    assert c.decode_step_s(0, 0) == 0.0 and not c.fallbacks
+
+
+def test_the_control_plane_comes_from_the_file():
+    _, c = _cost()
+    assert c.control_plane_s == c.cal.control_plane_s
 
 
 def test_a_bad_file_names_the_field(tmp_path):
@@ -62,6 +70,11 @@ def test_a_bad_file_names_the_field(tmp_path):
     del doc["save"]
     bad.write_text(json.dumps(doc))
     with pytest.raises(CalibrationError, match="missing field save.fit.fixed_s"):
+        load_calibration(bad)
+    doc = json.loads(FILE.read_text())
+    doc["decode"]["samples"][0]["step_s"] = "fast"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match=r"decode.samples\[0\] must have a whole batch > 0"):
         load_calibration(bad)
 
 
