@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 GRID = {"new_tokens": [1, 128, 512], "cached_tokens": [0, 896], "restore_tokens": [64, 256],
-        "decode": [(1, 64), (2, 64), (4, 64)], "reps": 1}
+        "decode": [(1, 64), (1, 256), (2, 64), (2, 256)], "reps": 1}
 
 
 @pytest.fixture(scope="module")
