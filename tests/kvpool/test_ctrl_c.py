@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-import kvpool.cli as cli
+import kvpool.cli.entry as entry
 
 pytestmark = pytest.mark.timeout(120)
 SWEEP = ["sim", "run", "mi355x-1p1d", "--sessions", "8,16", "--duration", "3600", "--seed", "11",
@@ -60,18 +60,29 @@ def test_ctrl_c_inside_a_destructor_reaches_the_command():
         exc_type, exc_value, exc_traceback, err_msg, object = KeyboardInterrupt, KeyboardInterrupt(), None, None, None
 
     with pytest.raises(KeyboardInterrupt):
-        cli._ctrl_c_in_a_destructor(Unraisable())
+        entry._ctrl_c_in_a_destructor(Unraisable())
         for _ in range(1000):  # the interrupt arrives at the next bytecode boundaries
             time.sleep(0.001)
     seen = []
-    old = cli._default_unraisablehook
-    cli._default_unraisablehook = seen.append
+    old = entry._default_unraisablehook
+    entry._default_unraisablehook = seen.append
     try:
         other = type("U", (), {"exc_type": ValueError})()
-        cli._ctrl_c_in_a_destructor(other)
+        entry._ctrl_c_in_a_destructor(other)
     finally:
-        cli._default_unraisablehook = old
+        entry._default_unraisablehook = old
     assert seen == [other]
+
+
+def test_ctrl_c_while_the_command_line_builds_its_app_is_aborted():
+    """Not only the imports: a Ctrl-C anywhere in the command line's loading (here in the app's
+    construction, after every import) is ``aborted``, status 130, no traceback."""
+    code = ("import runpy, typer\n"
+            "def interrupted(*args, **kwargs):\n    raise KeyboardInterrupt\n"
+            "typer.Typer.add_typer = interrupted  # only the top-level app adds sub-apps\n"
+            "runpy.run_module('kvpool.cli', run_name='__main__')\n")
+    p = subprocess.run([sys.executable, "-c", code, "--version"], capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stderr.strip()) == (130, "aborted"), (p.returncode, p.stderr[-2000:])
 
 
 def test_ctrl_c_inside_a_string_exec_still_exits_130(tmp_path):
