@@ -10,9 +10,17 @@ Sub-packages (one distribution, top-level folders mapped into this namespace):
     kvpool.dashboard  the Streamlit capacity planner
 """
 
-from importlib.metadata import PackageNotFoundError, version
 
-try:
-    __version__ = version("kvpool")
-except PackageNotFoundError:  # running from a source tree without an install
-    __version__ = "0.0.0+unknown"
+def __getattr__(name: str) -> str:
+    """``kvpool.__version__``, read from the installed metadata when first asked for (importing
+    the package stays instant: the command line's Ctrl-C guard starts after it)."""
+    if name != "__version__":
+        raise AttributeError(f"module 'kvpool' has no attribute {name!r}")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("kvpool")
+    except PackageNotFoundError:  # running from a source tree without an install
+        found = "0.0.0+unknown"
+    globals()["__version__"] = found
+    return found
