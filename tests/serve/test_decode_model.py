@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_testing import Batch
 
-from kvpool.backend.refmodel import RefConfig
-from kvpool.backend.serve.decode_model import ROW_BLOCK, DcpCaches, DecodeModel, DecodeSeq, rank_pages
+from kvpool.backend.serve.decode_model import ROW_BLOCK
 from kvpool.backend.serve.model_config import ref_config
-from kvpool.backend.serve.reference import _model, place_dcp, recompute_generate, reference_generate
+from kvpool.backend.serve.reference import recompute_generate, reference_generate
 from kvpool.scenario.load import load_scenario
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_torch_thread")]
@@ -22,51 +22,6 @@ def prompts(k: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 256, (int(torch.randint(1, 50, (1,), generator=g)),), generator=g).tolist()
             for _ in range(k)]
-
-
-class Batch:
-    """Prompts prefilled and placed in one instance's DCP caches, each sequence on its own
-    (shuffled) pages; ``run(rows, steps)`` decodes the sequences ``rows`` together, from the
-    prompts' KV each time."""
-
-    def __init__(self, cfg: RefConfig, ps: list[list[int]], dcp: int, steps: int, tp: int = 1,
-                 share: bool = True, devices: list[str] | None = None) -> None:
-        self.model = _model(cfg)
-        P = cfg.page_tokens
-        need = [[rank_pages(len(p) + steps + 1, r, dcp, P) for r in range(dcp)] for p in ps]
-        blocks = max(sum(n[r] for n in need) for r in range(dcp)) + 3
-        self.kv = DcpCaches(cfg, dcp, blocks, ["cpu"], share=share)
-        perm = [torch.randperm(blocks, generator=torch.Generator().manual_seed(40 + r)) for r in range(dcp)]
-        taken = [0] * dcp
-        self.tables, self.first = [], []
-        for p, n in zip(ps, need):
-            tables = []
-            for r in range(dcp):
-                tables.append(perm[r][taken[r]:taken[r] + n[r]].to(torch.long))
-                taken[r] += n[r]
-            table = torch.arange(-(-len(p) // P))
-            caches = self.model.new_caches(table.numel())
-            logits = self.model.prefill(p, caches, table)
-            place_dcp(cfg, caches, table, len(p), self.kv, tables)
-            self.tables.append(tables)
-            self.first.append(int(logits.argmax()))
-        self.ps = ps
-        self.snapshot = [[c.clone() for c in rank] for rank in self.kv.rank_caches]
-        self.step = DecodeModel(self.model, self.kv, devices or ["cpu"] * tp, tp=tp)
-
-    def run(self, rows: list[int], steps: int) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
-        for rank, saved in zip(self.kv.rank_caches, self.snapshot):
-            for c, s in zip(rank, saved):
-                c.copy_(s)
-        toks = {i: [self.first[i]] for i in rows}
-        logits = {i: [] for i in rows}
-        for _ in range(steps):
-            seqs = [DecodeSeq(toks[i][-1], len(self.ps[i]) + len(toks[i]) - 1, self.tables[i]) for i in rows]
-            nxt, lg = self.step.step(seqs)
-            for k, i in enumerate(rows):
-                toks[i].append(nxt[k])
-                logits[i].append(lg[k].clone())
-        return toks, logits
 
 
 @pytest.mark.parametrize("dcp", [1, 2])

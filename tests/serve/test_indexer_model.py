@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_testing import Batch
 
 from kvpool.backend.refmodel import (
     RefModel,
@@ -14,9 +15,9 @@ from kvpool.backend.refmodel import (
     quantize_index_keys,
     select_topk,
 )
-from kvpool.backend.serve.decode_model import ROW_BLOCK, DcpCaches, DecodeModel, DecodeSeq, rank_pages
+from kvpool.backend.serve.decode_model import ROW_BLOCK
 from kvpool.backend.serve.model_config import ServeConfigError, ref_config
-from kvpool.backend.serve.reference import _model, place_dcp, recompute_generate, reference_generate
+from kvpool.backend.serve.reference import _model, recompute_generate, reference_generate
 from kvpool.kernels.format import ChunkFormat
 from kvpool.scenario.load import load_scenario
 
@@ -152,56 +153,17 @@ def test_dcp_decode_with_the_indexer_equals_the_recompute(cfg):
         assert reference_generate(cfg, p, 10, 1) == want, n
 
 
-class Batch:
-    """Prompts prefilled and placed in one instance's DCP caches; ``run(rows, steps)`` decodes
-    the sequences ``rows`` together from the prompts' KV."""
-
-    def __init__(self, cfg, ps: list[list[int]], dcp: int, steps: int, share: bool = True) -> None:
-        self.model, P = _model(cfg), cfg.page_tokens
-        need = [[rank_pages(len(p) + steps + 1, r, dcp, P) for r in range(dcp)] for p in ps]
-        blocks = max(sum(n[r] for n in need) for r in range(dcp)) + 2
-        self.kv = DcpCaches(cfg, dcp, blocks, ["cpu"], share=share)
-        perm = [torch.randperm(blocks, generator=torch.Generator().manual_seed(50 + r)) for r in range(dcp)]
-        taken, self.tables, self.first = [0] * dcp, [], []
-        for p, n in zip(ps, need):
-            tables = []
-            for r in range(dcp):
-                tables.append(perm[r][taken[r]:taken[r] + n[r]].to(torch.long))
-                taken[r] += n[r]
-            table = torch.arange(-(-len(p) // P))
-            caches = self.model.new_caches(table.numel())
-            self.first.append(int(self.model.prefill(p, caches, table).argmax()))
-            place_dcp(cfg, caches, table, len(p), self.kv, tables)
-            self.tables.append(tables)
-        self.ps = ps
-        self.snapshot = [[c.clone() for c in self.kv.handoff_caches(r)] for r in range(dcp)]
-        self.step = DecodeModel(self.model, self.kv, ["cpu"])
-
-    def run(self, rows: list[int], steps: int):
-        for r, saved in enumerate(self.snapshot):
-            for c, s in zip(self.kv.handoff_caches(r), saved):
-                c.copy_(s)
-        toks, logits = {i: [self.first[i]] for i in rows}, {i: [] for i in rows}
-        for _ in range(steps):
-            seqs = [DecodeSeq(toks[i][-1], len(self.ps[i]) + len(toks[i]) - 1, self.tables[i]) for i in rows]
-            nxt, lg = self.step.step(seqs)
-            for k, i in enumerate(rows):
-                toks[i].append(nxt[k])
-                logits[i].append(lg[k].clone())
-        return toks, logits
-
-
 def test_a_sequences_bits_with_the_indexer_do_not_depend_on_the_batch_or_the_cache_sharing():
     lengths = [10, 28, 40, 70] * 5                         # dense, crossing topk during the steps, sparse
     ps = [tokens(n, 60 + i) for i, n in enumerate(lengths)]
     assert len(ps) > ROW_BLOCK
-    batch = Batch(CFG, ps, 2, 6)
+    batch = Batch(CFG, ps, 2, 6, seed=50, spare_blocks=2)
     target = 3
     alone = batch.run([target], 6)
     crowd = batch.run(list(range(len(ps)))[::-1], 6)       # the target in the second row block
     assert crowd[0][target] == alone[0][target]
     assert all(torch.equal(a, b) for a, b in zip(alone[1][target], crowd[1][target]))
-    apart = Batch(CFG, ps[:4], 2, 6, share=False).run([0, 1, 2, 3], 6)
+    apart = Batch(CFG, ps[:4], 2, 6, share=False, seed=50, spare_blocks=2).run([0, 1, 2, 3], 6)
     assert batch.kv.shared_index is not None and len(batch.kv.shared_index) == 3
     assert {i: crowd[0][i] for i in range(4)} == apart[0]
     for i, p in enumerate(ps[:4]):
