@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from decode_testing import Batch
+from indexer_sets import INDEXER, INDEXER_SETS, TOPK
 
 from kvpool.backend.refmodel import (
     RefModel,
@@ -23,10 +24,7 @@ from kvpool.scenario.load import load_scenario
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
-#: GLM-5.2's indexer schedule (the first 3 layers, then every 4th from layer 6): layers 0, 1, 2 of cpu-tiny's 4.
-INDEXER = 'model.extra_records=[{name="indexer", bytes_per_token=144, first_dense_layers=3, every_k=4, offset=6}]'
-TOPK = 32
-SETS = [INDEXER, f"serve.index_topk={TOPK}", "serve.index_heads=4", "serve.index_dim=64"]
+SETS = INDEXER_SETS
 CFG = ref_config(load_scenario("cpu-tiny", SETS))
 #: the same model with a top-k no context reaches: every indexer layer dense
 WIDE = ref_config(load_scenario("cpu-tiny", SETS + ["serve.index_topk=100000"]))

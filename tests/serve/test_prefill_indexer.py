@@ -6,18 +6,14 @@ and every byte count is layers x latent + indexer layers x 144 B per token."""
 
 from __future__ import annotations
 
-
 import pytest
-
+from indexer_sets import INDEXER_SETS, TOKEN_BYTES
 from prefill_testing import assert_matches_reference, prefill, prompt, running, sources
 
 from kvpool.backend.serve import handoff_plan as hp
 
-INDEXER = 'model.extra_records=[{name="indexer", bytes_per_token=144, first_dense_layers=3, every_k=4, offset=6}]'
-OVERRIDES = ["serve.prefill_kv_tokens=640", "prefill.max_batched_tokens=128", INDEXER, "serve.index_topk=32",
-             "serve.index_heads=4", "serve.index_dim=64"]
-#: cpu-tiny: 4 layers of 1,152 B latents; the indexer on layers 0, 1 (stage 0) and 2 (stage 1)
-TOKEN_BYTES = 4 * 1152 + 3 * 144
+#: 40 pages of prefill KV, 128-token steps; the indexer on layers 0, 1 (stage 0) and 2 (stage 1)
+OVERRIDES = ["serve.prefill_kv_tokens=640", "prefill.max_batched_tokens=128", *INDEXER_SETS]
 
 
 @pytest.fixture(scope="module")

@@ -8,17 +8,14 @@ started is left."""
 
 from __future__ import annotations
 
-
 import pytest
+from indexer_sets import INDEXER_SETS, TOKEN_BYTES
 from serve_process import multi_turn_session, start_serve
 
 from kvpool.backend.serve.model_config import ref_config
 from kvpool.scenario.load import load_scenario
 
-INDEXER = 'model.extra_records=[{name="indexer", bytes_per_token=144, first_dense_layers=3, every_k=4, offset=6}]'
-SERVE_SETS = ["serve.prefill_kv_tokens=4096", INDEXER, "serve.index_topk=32", "serve.index_heads=4",
-              "serve.index_dim=64"]
-TOKEN_BYTES = 4 * 1152 + 3 * 144
+SERVE_SETS = ["serve.prefill_kv_tokens=4096", *INDEXER_SETS]
 CHUNK_TOKENS = 64
 
 
