@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from device_timing import sync, times_s
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvpool.backend.refmodel import RefModel
@@ -77,11 +78,6 @@ def load_baseline(rev: str) -> Any:
     return module
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def count_launches(step, seqs, dev: torch.device) -> dict:
     """Launches of one step: torch ops, Triton attention launches, and (GPU) profiled kernels."""
     triton_launches = [0]
@@ -113,18 +109,6 @@ def count_launches(step, seqs, dev: torch.device) -> dict:
     return out
 
 
-def times_s(fn, dev: torch.device, reps: int) -> list[float]:
-    """Seconds of each of ``reps`` runs of ``fn``, each timed from and to an idle ``dev``."""
-    times = []
-    for _ in range(reps):
-        sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
 def run_case(impl: Any, name: str, model: RefModel, config, dcp: int, batch: int, ctx: int, dev: torch.device,
              reps: int, kwargs: dict) -> dict:
     P = config.page_tokens
@@ -135,7 +119,7 @@ def run_case(impl: Any, name: str, model: RefModel, config, dcp: int, batch: int
     seqs = [impl.DecodeSeq(1 + b, ctx, t, [x.tolist() for x in t]) for b, t in enumerate(tables)]
     step.step(seqs)            # warm-up (compiles the kernels)
     counts = count_launches(step, seqs, dev)
-    times = times_s(lambda: step.step(seqs), dev, reps)
+    times = times_s(lambda: step.step(seqs), (dev,), reps)
     return {"impl": name, "batch": batch, "context_tokens": ctx, "step_s": statistics.median(times),
             "step_s_min": min(times), **counts}
 
@@ -144,7 +128,7 @@ def copy_read_bytes_per_s(dev: torch.device, nbytes: int = 256 << 20, reps: int 
     """Bytes per second a device copy reads (best of ``reps``; it also writes as many)."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)
-    return nbytes / min(times_s(lambda: b.copy_(a), dev, reps))
+    return nbytes / min(times_s(lambda: b.copy_(a), (dev,), reps))
 
 
 def launch_s(dev: torch.device, launches: int = 2000) -> float:

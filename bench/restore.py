@@ -56,6 +56,7 @@ import threading
 import time
 
 import torch
+from device_timing import sync, times_s
 
 from kvpool.backend.connector_data import LoadPlan, SavePlan, StageObjects
 from kvpool.backend.connector_worker import ConnectorWorker, WorkerConfig, slot_bytes_for
@@ -83,20 +84,8 @@ def glm53() -> KVSpec:
     )  # fmt: skip
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def median_s(fn, reps: int, dev: torch.device) -> float:
-    out = []
-    for _ in range(reps):
-        sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    return statistics.median(times_s(fn, (dev,), reps))
 
 
 def make_caches(fmt: ChunkFormat, blocks: int, dev: torch.device, fill: bool) -> list[torch.Tensor]:

@@ -47,6 +47,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import torch
+from device_timing import sync, times_s
 
 ROOT = Path(__file__).resolve().parents[1]
 KVPOOL = [sys.executable, "-m", "kvpool.cli"]
@@ -101,27 +102,13 @@ def correctness_session(url: str, model: str, vocab: int, turns: int, first_toke
     return session
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def gb_s(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
 def best_s(fn, devices: tuple[torch.device, ...], reps: int) -> float:
     """The fastest of ``reps`` runs of ``fn``, each timed from and to an idle ``devices``."""
-    times = []
-    for _ in range(reps):
-        for d in devices:
-            sync(d)
-        t0 = time.perf_counter()
-        fn()
-        for d in devices:
-            sync(d)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(times_s(fn, devices, reps))
 
 
 def copy_limits(dev: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> dict:
