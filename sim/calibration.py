@@ -12,7 +12,7 @@ Contract:
           linear: per measured batch size, the line through its steps over the context per
           sequence (``context / batch``), and between two measured batch sizes linear in the batch,
           inside the measured batch and context range (``decode.fit``, one plane over all of
-          them, stays in the file: it under-predicts long batches, 39.7 against 49.7 ms measured at
+          them, stays in the file unread: it under-predicts long batches, 39.7 against 49.7 ms at
           two sequences of 4,096 tokens on cpu-tiny);
         - ``pool_load_s(nbytes)``: ``restore.fixed_s + nbytes / restore.bytes_per_s`` (per rank,
           the NIC's share taken out: the simulator's links price it) inside the measured sizes;
@@ -56,9 +56,6 @@ class Calibration:
     new_tokens: tuple[int, ...]
     cached_tokens: tuple[int, ...]
     prefill_step_s: tuple[tuple[float, ...], ...]   # [new][cached]
-    decode_fixed_s: float
-    decode_per_seq_s: float
-    decode_per_ctx_token_s: float
     decode_lines: tuple[tuple[int, float, float], ...]  # (batch, s at no context, s per token per sequence)
     decode_batch: tuple[int, int]                   # measured range
     decode_context: tuple[int, int]
@@ -169,8 +166,6 @@ def parse_calibration(doc: object, where: str) -> Calibration:
     return Calibration(
         path=where, device=str(_get(doc, "device.name", where)), prefill_pp=pp,
         new_tokens=new, cached_tokens=cached, prefill_step_s=tuple(tuple(float(v) for v in row) for row in grid),
-        decode_fixed_s=_num(doc, "decode.fit.fixed_s", where), decode_per_seq_s=_num(doc, "decode.fit.per_seq_s", where),
-        decode_per_ctx_token_s=_num(doc, "decode.fit.per_ctx_token_s", where),
         decode_lines=_decode_lines(_get(doc, "decode.samples", where), where),
         decode_batch=_range(doc, "decode.batch_range", where), decode_context=_range(doc, "decode.context_range", where),
         restore_fixed_s=_num(doc, "restore.fit.fixed_s", where),

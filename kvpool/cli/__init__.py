@@ -7,12 +7,24 @@ no traceback; so every statement of the command line's modules runs inside the `
 
 import sys
 
-try:
-    from kvpool.cli.entry import app, exit_aborted, main, script
-except KeyboardInterrupt:
+
+def exit_aborted() -> None:
+    """Print ``aborted`` and exit with status 130 after a Ctrl-C (defined before anything loads,
+    so the guard below and the commands share it).
+
+    Under ``python -m``, CPython kills the process with SIGINT at exit, whatever status it was given,
+    once a KeyboardInterrupt has ended a string ``exec``/``eval`` (dataclasses, namedtuple and
+    pydantic build their methods that way while a module loads), even a KeyboardInterrupt caught
+    afterwards. Any later string evaluation clears that mark, so one is made here, on purpose."""
     sys.stderr.write("aborted\n")
     sys.stderr.flush()
-    eval("None")  # see exit_aborted: a Ctrl-C inside an import's string exec would turn 130 into SIGINT
+    eval("None")
     sys.exit(130)
+
+
+try:
+    from kvpool.cli.entry import app, main, script
+except KeyboardInterrupt:
+    exit_aborted()
 
 __all__ = ["app", "exit_aborted", "main", "script"]

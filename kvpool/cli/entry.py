@@ -12,6 +12,7 @@ import sys
 import typer
 
 from kvpool.cli import calibrate as calibrate_cli
+from kvpool.cli import exit_aborted  # the package's, defined before this module loads
 from kvpool.cli import dashboard as dashboard_cli
 from kvpool.cli import pool as pool_cli
 from kvpool.cli import replay as replay_cli
@@ -116,18 +117,6 @@ def script() -> None:
         exit_aborted()
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def exit_aborted() -> None:
-    """Print ``aborted`` and exit with status 130 after a Ctrl-C.
-
-    Under ``python -m``, CPython kills the process with SIGINT at exit, whatever status it was given,
-    once a KeyboardInterrupt has ended a string ``exec``/``eval`` (dataclasses, namedtuple and
-    pydantic build their methods that way while a module loads), even a KeyboardInterrupt caught
-    afterwards. Any later string evaluation clears that mark, so one is made here, on purpose."""
-    typer.echo("aborted", err=True)
-    eval("None")
-    sys.exit(130)
 
 
 _default_unraisablehook = sys.unraisablehook
