@@ -149,7 +149,8 @@ def _answer_wait_s(rec: dict) -> float:
 
 
 def _bytes_fit(samples: Sequence[tuple[int, float]]) -> dict:
-    """``fixed_s + bytes / bytes_per_s`` over (bytes, seconds) samples, with its range and rate."""
+    """``fixed_s + bytes / bytes_per_s`` over (bytes, seconds) samples, with its range, its rate
+    and the samples (the restore, the hand-off and the save curves)."""
     fixed, slope = _linfit([b for b, _ in samples], [t for _, t in samples])
     return {"fit": {"fixed_s": fixed, "bytes_per_s": 1.0 / slope if slope > 0 else 1e15},
             "bytes_range": [0, max(b for b, _ in samples)],
@@ -210,10 +211,8 @@ async def _restore(c: Client, s, grid: dict) -> tuple[dict, list[dict]]:
             samples.append({"tokens": rec["pool_tokens"], "bytes_per_stage": per_stage, "stage_s": float(t)})
     if not samples:
         raise RuntimeError("no restore from the pool was observed: is the pool empty or pool.min_load_tokens too large?")
-    fixed, slope = _linfit([x["bytes_per_stage"] for x in samples], [x["stage_s"] for x in samples])
-    b = [x["bytes_per_stage"] for x in samples]
-    return {"fit": {"fixed_s": fixed, "bytes_per_s": 1.0 / slope if slope > 0 else 1e15},
-            "bytes_range": [0, max(b)], "samples": samples}, samples
+    curve = _bytes_fit([(x["bytes_per_stage"], x["stage_s"]) for x in samples])
+    return {**curve, "samples": samples}, samples
 
 
 async def _decode(c: Client, s, grid: dict) -> dict:
