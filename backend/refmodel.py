@@ -229,6 +229,19 @@ def select_topk(scores: torch.Tensor, pos: torch.Tensor, topk: int) -> torch.Ten
     return chosen & causal
 
 
+@dataclass(frozen=True)
+class _Page:
+    """One page of queries as every layer of a stage sees it: computed once per page, read by each
+    layer, so a layer's step launches no work of its own for them and never waits for the device."""
+
+    pos: torch.Tensor  # [n] absolute positions of the page's queries
+    first: int  # pos[0], a multiple of the page size
+    block: int  # the cache block that holds the page
+    cos: torch.Tensor  # [n, 32] RoPE tables at pos
+    sin: torch.Tensor
+    future: torch.Tensor  # [n, first + n] True where the key comes after the query
+
+
 class RefModel:
     """Seeded MLA-style decoder. See the module docstring."""
 
@@ -295,10 +308,14 @@ class RefModel:
         return [self.new_stage_caches(s, num_blocks, device) for s in range(len(self.config.stage_layers))]
 
     # -- forward -----------------------------------------------------------------------------
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Rotate the last dim (pairs of halves) of ``x`` [n, ..., 64] by positions ``pos`` [n]."""
+    def _rope_tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's ``cos`` and ``sin`` ``[n, 32]`` (float32) at positions ``pos [n]``."""
         ang = pos.to(torch.float64)[:, None] * self._inv_freq[None, :]
-        cos, sin = ang.cos().float(), ang.sin().float()
+        return ang.cos().float(), ang.sin().float()
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the last dim (pairs of halves) of ``x [n, ..., 64]`` by ``_rope_tables``' ``cos``, ``sin``."""
         while cos.dim() < x.dim():
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         x1, x2 = x[..., : ROPE_DIM // 2], x[..., ROPE_DIM // 2 :]
@@ -316,39 +333,42 @@ class RefModel:
         p = self.layers[li]
         return quantize_index_keys(_rms(h @ p["w_ik"], p["ln_ik"]), self.config)
 
-    def _layer(self, li: int, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+    def _layer(self, li: int, x: torch.Tensor, page: _Page, cache: torch.Tensor, table: torch.Tensor,
                icache: torch.Tensor | None = None) -> torch.Tensor:
         c, p = self.config, self.layers[li]
         n, H, P = x.shape[0], c.heads, c.page_tokens
-        p0 = int(pos[0])
+        p0, blk = page.first, page.block
         h = _rms(x, p["ln1"])
         ckv = _rms(h @ p["w_dkv"], p["ln_kv"])
-        kpe = self._rope(h @ p["w_kr"], pos)
+        kpe = self._rotate(h @ p["w_kr"], page.cos, page.sin)
         rec = torch.cat([ckv, kpe], dim=-1).to(c.cache_dtype)
-        blk = int(table[p0 // P])
         cache[blk, p0 % P : p0 % P + n] = rec  # one page at a time (p0 is page-aligned)
         T = p0 + n
-        chosen = None
+        mask = page.future
         if icache is not None:
             icache.view(torch.uint8)[blk, p0 % P : p0 % P + n] = self.index_keys(li, h).view(torch.uint8)
             if T > c.index_topk:
                 ikeys = icache.view(torch.uint8)[table[: -(-T // P)]].reshape(-1, c.index_record_bytes)[:T]
                 q, wts = self.index_query(li, h)
-                chosen = select_topk(index_scores(q, wts, dequantize_index_keys(ikeys, c)), pos, c.index_topk)
+                mask = ~select_topk(index_scores(q, wts, dequantize_index_keys(ikeys, c)), page.pos, c.index_topk)
         keys = cache[table[: -(-T // P)]].reshape(-1, c.record_elems)[:T].float()
         ck, kr = keys[:, :KV_LORA_RANK], keys[:, KV_LORA_RANK:]
         qn = (h @ p["w_qn"]).view(n, H, c.nope_dim)
-        qr = self._rope((h @ p["w_qr"]).view(n, H, ROPE_DIM), pos)
+        qr = self._rotate((h @ p["w_qr"]).view(n, H, ROPE_DIM), page.cos, page.sin)
         qlat = torch.einsum("nhd,hdc->hnc", qn, p["w_uk"])
         scores = (qlat @ ck.T + qr.transpose(0, 1) @ kr.T) / math.sqrt(c.nope_dim + ROPE_DIM)
-        mask = torch.arange(T, device=x.device)[None, :] > pos[:, None]
-        if chosen is not None:
-            mask = ~chosen
         scores = scores.masked_fill(mask[None], float("-inf"))
         olat = torch.softmax(scores, dim=-1) @ ck  # [H, n, 512]
         o = torch.einsum("hnc,hcv->nhv", olat, p["w_uv"]).reshape(n, H * c.v_dim) @ p["w_o"]
         x = x + o
         return x + torch.nn.functional.silu(_rms(x, p["ln2"]) @ p["w1"]) @ p["w2"]
+
+    def _page(self, first: int, n: int, host_table: list[int]) -> _Page:
+        """Page ``first // page_tokens``'s ``n`` queries as every layer of a stage sees them."""
+        pos = torch.arange(first, first + n, device=self.device)
+        cos, sin = self._rope_tables(pos)
+        future = torch.arange(first + n, device=self.device)[None, :] > pos[:, None]
+        return _Page(pos, first, host_table[first // self.config.page_tokens], cos, sin, future)
 
     @torch.no_grad()
     def embed_tokens(self, tokens: torch.Tensor | list[int]) -> torch.Tensor:
@@ -381,13 +401,14 @@ class RefModel:
         by_layer: dict[int, list[torch.Tensor]] = {}
         for (li, _), cache in zip(segs, caches):
             by_layer.setdefault(li, []).append(cache)
+        host_table = table.tolist()  # one read of the block table, not one per page and layer
         out = []
         for p0 in range(start_token, end, c.page_tokens):
-            pos = torch.arange(p0, min(p0 + c.page_tokens, end), device=self.device)
-            h = x[p0 - start_token : p0 - start_token + pos.numel()]
+            page = self._page(p0, min(c.page_tokens, end - p0), host_table)
+            h = x[p0 - start_token : p0 - start_token + page.pos.numel()]
             for li in self.stage_layer_ids(stage):
                 mine = by_layer[li]  # the latent cache, then the indexer cache on an indexer layer
-                h = self._layer(li, h, pos, mine[0], table, mine[1] if len(mine) > 1 else None)
+                h = self._layer(li, h, page, mine[0], table, mine[1] if len(mine) > 1 else None)
             out.append(h)
         return torch.cat(out)
 
