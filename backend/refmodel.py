@@ -309,8 +309,8 @@ class RefModel:
 
     # -- forward -----------------------------------------------------------------------------
     def _rope_tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's ``cos`` and ``sin`` ``[n, 32]`` (float32) at positions ``pos [n]``."""
-        ang = pos.to(torch.float64)[:, None] * self._inv_freq[None, :]
+        """RoPE's ``cos`` and ``sin`` ``[n, 32]`` (float32) at positions ``pos [n]``, on ``pos``'s device."""
+        ang = pos.to(torch.float64)[:, None] * self._inv_freq.to(pos.device)[None, :]
         return ang.cos().float(), ang.sin().float()
 
     @staticmethod

@@ -264,8 +264,7 @@ class DecodeModel:
     def _rope_tables(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row, the RoPE factors ``(C, S) [rows, 1, 64]``: ``rope(x) = x * C + roll(x, 32) * S``
         (``C = [cos, cos]``, ``S = [-sin, sin]``: ``RefModel``'s rotation, the same products)."""
-        ang = pos.to(torch.float64)[:, None] * self.model._inv_freq[None, :]
-        cos, sin = ang.cos().float(), ang.sin().float()
+        cos, sin = self.model._rope_tables(pos)
         return torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
 
     def _pre_fused(self, li: int, x: list[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor]
@@ -391,12 +390,8 @@ class DecodeModel:
         return rec, torch.stack(qlat, dim=1), torch.stack(qr, dim=1)
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """``RefModel``'s RoPE of rows ``x [B, 64]`` at ``pos [B]``, on ``x``'s device."""
-        inv = self.model._inv_freq.to(x.device)
-        ang = pos.to(torch.float64)[:, None] * inv[None, :]
-        cos, sin = ang.cos().float(), ang.sin().float()
-        x1, x2 = x[..., : ROPE_DIM // 2], x[..., ROPE_DIM // 2:]
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        """``RefModel``'s RoPE of rows ``x [B, 64]`` at ``pos [B]`` (both on one device)."""
+        return self.model._rotate(x, *self.model._rope_tables(pos))
 
     def _attend(self, li: int, s: DecodeSeq, rec: torch.Tensor, qlat: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
         """Caches not shared (ranks on several devices): write the new token's record on its rank,
