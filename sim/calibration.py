@@ -24,7 +24,10 @@ Contract:
         - outside a curve's measured range the ``fallback`` (the analytic model) answers, and the
           call is counted in ``fallbacks`` (per curve): the run reports them.
       ``control_plane_s``: the measured fixed time per request outside prefill, hand-off and the
-      first decode step (``overheads.control_plane_s``), used instead of ``cost.control_plane_s``.
+      first token (``overheads.control_plane_s``), used instead of ``cost.control_plane_s``;
+      ``sharing``: how much one worker computing beside it slows a decode step and a prefill stage
+      on a shared device (``sharing.*_slowdown_per_worker``; ``None`` in a file without the section),
+      which ``sim.devices`` applies in serve mode.
     * Steps of a pipeline: the file's prefill step is one stage's share (a single-step request's
       prefill time over ``prefill.pp``), as ``sim.instances.PrefillInstance`` overlaps the stages.
 """
@@ -49,6 +52,15 @@ class CalibrationError(ValueError):
 
 
 @dataclass(frozen=True)
+class Sharing:
+    """How much workers on one device slow one another (``backend.serve.calibrate``'s sharing phase):
+    the share of its time alone that one other worker computing beside it adds to a step."""
+
+    decode_slowdown_per_worker: float
+    prefill_slowdown_per_worker: float
+
+
+@dataclass(frozen=True)
 class Calibration:
     path: str
     device: str
@@ -70,6 +82,7 @@ class Calibration:
     save_bytes: tuple[int, int]
     stages: int
     control_plane_s: float
+    sharing: Sharing | None  # absent from files written before kvpool calibrate measured it
     raw: dict = field(repr=False, compare=False, default_factory=dict)
 
 
@@ -177,7 +190,14 @@ def parse_calibration(doc: object, where: str) -> Calibration:
         save_fixed_s=_num(doc, "save.fit.fixed_s", where),
         save_bytes_per_s=_num(doc, "save.fit.bytes_per_s", where, positive=True),
         save_bytes=_range(doc, "save.bytes_range", where), stages=pp,
-        control_plane_s=_num(doc, "overheads.control_plane_s", where), raw=doc)
+        control_plane_s=_num(doc, "overheads.control_plane_s", where), sharing=_sharing(doc, where), raw=doc)
+
+
+def _sharing(doc: dict, where: str) -> Sharing | None:
+    if "sharing" not in doc:
+        return None
+    return Sharing(_num(doc, "sharing.decode_slowdown_per_worker", where),
+                   _num(doc, "sharing.prefill_slowdown_per_worker", where))
 
 
 #: The largest calibration file read (one is a few KiB: grids of a few dozen points per curve).
@@ -226,6 +246,7 @@ class CalibratedCost:
         self.fallback = fallback
         self.nic_bytes_s = nic_bytes_s
         self.control_plane_s = cal.control_plane_s
+        self.sharing = cal.sharing
         self.calls: Counter[str] = Counter()
         self.fallbacks: Counter[str] = Counter()
 

@@ -29,6 +29,7 @@ from kvpool.sim.events import call_later, fire
 from kvpool.sim.gpucache import GPUPrefixCache
 
 if TYPE_CHECKING:
+    from kvpool.sim.devices import Placement
     from kvpool.sim.steps.pages import PrefillPages
 
 
@@ -64,6 +65,14 @@ class Workers:
 
 
 @dataclass
+class _Flight:
+    """A step on its way through the stages after stage 0 (ordered pipeline)."""
+
+    alone_s: float  # one stage's time for it, computed alone
+    finished: list[_Compute]  # the computes whose last chunk it holds
+
+
+@dataclass
 class _Compute:
     remaining: int
     context: int
@@ -96,8 +105,12 @@ class PrefillInstance:
         #: serve mode (``ordered_pipeline``): every stage computes its steps in the order they came
         #: and at most ``pp`` steps are in flight, as the prefill engine schedules them
         self.ordered = False
-        self._stage_free = [0.0] * pp  # ordered: when stage j (>= 1) ends the last step it was given
-        self._in_flight: deque[float] = deque()  # ordered: when each step in flight leaves the last stage
+        self._stage_queue: list[deque[_Flight]] = [deque() for _ in range(pp)]  # ordered: steps waiting for stage j >= 1
+        self._stage_computing = [False] * pp  # ordered: whether stage j >= 1 computes a step now
+        self._flying = 0  # ordered: steps that have started at stage 0 and not yet left the last stage
+        self._room_wanted = False  # ordered: the next step waits for a step in flight to leave
+        #: serve mode with workers sharing devices (``sim.devices``): each stage's placement, else None
+        self.placements: list[Placement] | None = None
 
     @property
     def ranks(self) -> int:
@@ -148,15 +161,9 @@ class PrefillInstance:
             self.step_s = 0.0
             self._idle = True
             return
-        if self.ordered:
-            flight = self._in_flight
-            if ev is not None and getattr(ev, "value", None) == "in-flight":
-                flight.popleft()  # the step it waited for has left the pipeline
-            while flight and flight[0] <= self.env.now:
-                flight.popleft()
-            if len(flight) >= self.pp:  # wait for the oldest step in flight to leave
-                call_later(self.env, flight[0] - self.env.now, self._step, "in-flight")
-                return
+        if self.ordered and self._flying >= self.pp:  # wait for a step in flight to leave (_leave_stage)
+            self._room_wanted = True
+            return
         budget = self.max_batched_tokens
         now = self.env.now
         batch: list[tuple[_Compute, int]] = []
@@ -168,25 +175,33 @@ class PrefillInstance:
             budget -= take
             if c.start_s < 0:
                 c.start_s = now
-        step = self.cost.prefill_step_s([(take, c.context) for c, take in batch])
+        alone = self.cost.prefill_step_s([(take, c.context) for c, take in batch])
+        step = alone
+        if self.ordered:
+            self._flying += 1
+            step = alone * self._stage_starts(0)
         self.step_s = step
-        call_later(self.env, step, self._step_done, (batch, step))
+        call_later(self.env, step, self._step_done, (batch, step, alone))
 
     def _step_done(self, ev) -> None:
-        batch, step = ev.value
+        batch, step, alone = ev.value
         env = self.env
         self.busy_s += step
-        if self.ordered:
-            exit_in = self._pipeline_exit_in(step)
-        else:
-            exit_in = (self.pp - 1) * step  # the later stages' fill, as if each took the same step
+        finished = []
         for c, take in batch:
             c.remaining -= take
             c.context += take
             self.computed_tokens += take
             if c.remaining == 0 and not c.cancelled:
                 self._computes.remove(c)
-                if exit_in > 0 or self.ordered:
+                finished.append(c)
+        if self.ordered:
+            self._stage_ends(0)
+            self._leave_stage(0, _Flight(alone, finished))
+        else:
+            exit_in = (self.pp - 1) * step  # the later stages' fill, as if each took the same step
+            for c in finished:
+                if exit_in > 0:
                     call_later(env, exit_in, lambda _e, d=c.done, t=c.start_s: fire(d, t))
                 else:
                     c.done.succeed(c.start_s)
@@ -196,17 +211,49 @@ class PrefillInstance:
             self.step_s = 0.0
             self._idle = True
 
-    def _pipeline_exit_in(self, step: float) -> float:
-        """``ordered_pipeline``: a step has left stage 0 now; it passes the later stages in order.
-        Seconds until it leaves the last one (kept in ``_in_flight`` while it is on its way)."""
-        now = end = self.env.now
-        free = self._stage_free
-        for j in range(1, self.pp):
-            end = max(end, free[j]) + step
-            free[j] = end
-        if end > now:
-            self._in_flight.append(end)
-        return end - now
+    # ordered pipeline: a step passes stage 1, 2, ... in turn; each stage takes its steps in order
+
+    def _leave_stage(self, stage: int, flight: _Flight) -> None:
+        """``flight`` has left ``stage``: on to the next stage, or out of the pipeline after the last
+        (its finished computes complete, and a step waiting for room may start)."""
+        after = stage + 1
+        if after < self.pp:
+            self._stage_queue[after].append(flight)
+            if not self._stage_computing[after]:
+                self._next_on_stage(after)
+            return
+        self._flying -= 1
+        for c in flight.finished:
+            call_later(self.env, 0.0, lambda _e, d=c.done, t=c.start_s: fire(d, t))
+        if self._room_wanted:
+            self._room_wanted = False
+            self._step()
+
+    def _next_on_stage(self, stage: int) -> None:
+        flight = self._stage_queue[stage].popleft()
+        self._stage_computing[stage] = True
+        call_later(self.env, flight.alone_s * self._stage_starts(stage), self._stage_done, (stage, flight))
+
+    def _stage_done(self, ev) -> None:
+        stage, flight = ev.value
+        self._stage_computing[stage] = False
+        self._stage_ends(stage)
+        self._leave_stage(stage, flight)
+        if self._stage_queue[stage]:
+            self._next_on_stage(stage)
+
+    def _stage_starts(self, stage: int) -> float:
+        """``stage`` starts a step now: what its time alone is multiplied by (the workers beside it)."""
+        if self.placements is None:
+            return 1.0
+        placement = self.placements[stage]
+        factor = placement.factor()
+        placement.start()
+        return factor
+
+    def _stage_ends(self, stage: int) -> None:
+        if self.placements is not None:
+            self.placements[stage].stop()
 
 
 @dataclass
@@ -251,6 +298,15 @@ class DecodeInstance:
         self._on_occupancy = on_occupancy
         self._new: list[_Seq] = []  # joined since the last reschedule (first token pending)
         self._wake_cb = self._wake  # bound once: a wake-up is scheduled per join and finish
+        self._alone_step = 0.0  # the running batch's step, computed alone
+        #: serve mode with workers sharing devices (``sim.devices``): this instance's placement, else None
+        self.placement: Placement | None = None
+
+    def share_devices(self, placement: Placement) -> None:
+        """Compute on ``placement``'s devices: a step takes its time alone x ``placement.factor()``,
+        repriced whenever another worker there starts or stops."""
+        self.placement = placement
+        placement.listen(self._devices_changed)
 
     @property
     def free_tokens(self) -> int:
@@ -314,16 +370,39 @@ class DecodeInstance:
     def _reschedule(self) -> None:
         self._version += 1
         running = self._running
+        self._computing(bool(running))
         if not running:
             self._step = 0.0
             self._new.clear()
             return
-        self._step = self.cost.decode_step_s(len(running), int(self._base_sum + len(running) * self._clock))
+        self._alone_step = self.cost.decode_step_s(len(running), int(self._base_sum + len(running) * self._clock))
+        self._step = self._alone_step * self._sharing_factor()
         for seq in self._new:  # first tokens: one step after joining
             call_later(self.env, self._step, lambda _e, ev=seq.first: fire(ev) if not ev.triggered else None)
         self._new.clear()
-        wait = max(0.0, (running[0][0] - self._clock) / self.tokens_per_step * self._step)
+        self._wake_at_first_finish()
+
+    def _wake_at_first_finish(self) -> None:
+        wait = max(0.0, (self._running[0][0] - self._clock) / self.tokens_per_step * self._step)
         call_later(self.env, wait, self._wake_cb, self._version)
+
+    def _sharing_factor(self) -> float:
+        return 1.0 if self.placement is None else self.placement.factor()
+
+    def _computing(self, running: bool) -> None:
+        """Tell the devices this instance shares whether it computes (it steps while it has a batch)."""
+        placement = self.placement
+        if placement is not None and placement.computing != running:
+            placement.start() if running else placement.stop()
+
+    def _devices_changed(self) -> None:
+        """Another worker on this instance's devices started or stopped: the batch steps at the new rate from now."""
+        if not self._running:
+            return
+        self._advance()
+        self._version += 1
+        self._step = self._alone_step * self._sharing_factor()
+        self._wake_at_first_finish()
 
     def _finish(self, seq: _Seq) -> None:
         self.reserved_tokens -= seq.reserved

@@ -11,13 +11,14 @@
                  ``policy.hits`` (``sim.steps.lookup``); in serve mode (``cost.kv_capacity =
                  "serve"``) it first waits, first come first served, for pages for its whole
                  prompt on its prefill (``sim.steps.pages``), which it holds until its hand-off
-                 and its save have both ended (then it decodes, as production's prefill answers)
+                 and its save have both ended (then the prefill answers with the first token, as
+                 production's does, and the decode generates the others)
     4. restore   pool -> every prefill rank, when the pool holds part of the prompt
                  (``sim.steps.restore``)
     5. compute   chunked prefill, then the GPU cache keeps the prompt (``sim.steps.compute``;
                  in serve mode its full pages are committed)
     6. save      the prompt's new chunks -> pool, in the background (``sim.steps.save``; in
-                 serve mode its pages and its first decode step wait for it)
+                 serve mode its pages and its first token wait for it)
     7. hand-off  prefill stages -> decode ranks (``sim.steps.handoff``)
     8. decode    continuous batching on the decode instance (``DecodeInstance.generate``)
     9. finish    ``rec.end_s``; the gate's reservation goes back; after a play's last request
@@ -193,22 +194,38 @@ class Lifecycle:
 
     def unhold(self, r: Request) -> None:
         """Serve mode: one of its hand-off and save has ended; after both, its pages go back and
-        it decodes."""
+        the prefill answers with the first token (production's router streams it to the client
+        then); the decode instance generates the other ``out_tokens - 1``."""
         r.holds -= 1
-        if not r.holds:
-            r.prefill.pages.release(r)
-            self.decode(r)
+        if r.holds:
+            return
+        r.prefill.pages.release(r)
+        rec = r.rec
+        if rec.error:
+            return
+        rec.first_token_s = self.env.now
+        if rec.out_tokens <= 1:
+            rec.decode_start_s = self.env.now
+            self.finish(r)
+            return
+        self.decode(r, first_token_decoded=False)
 
     # 8. decode --------------------------------------------------------------------------
-    def decode(self, r: Request) -> None:
+    def decode(self, r: Request, first_token_decoded: bool = True) -> None:
+        """``r`` joins its decode instance's batch. The instance generates every output token, or
+        with ``first_token_decoded=False`` all but the first, which the prefill gave (serve mode):
+        then its KV holds the prompt and that token."""
         env, rec = self.env, r.rec
         if rec.error:
             return
         rec.decode_start_s = env.now
         r.stage = DECODING
-        first, done = r.decode.generate(rec.in_tokens, rec.out_tokens)
+        if first_token_decoded:
+            first, done = r.decode.generate(rec.in_tokens, rec.out_tokens)
+            first.callbacks.append(lambda _e: setattr(rec, "first_token_s", env.now))
+        else:
+            first, done = r.decode.generate(rec.in_tokens + 1, rec.out_tokens - 1)
         r.first_ev = first
-        first.callbacks.append(lambda _e: setattr(rec, "first_token_s", env.now))
         done.callbacks.append(lambda _e: self.finish(r))
 
     # 9. finish --------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Contract:
     * ``World(s, cost=, unbounded=)`` builds everything a request meets on its way
       (``sim.lifecycle``): the SimPy environment, the cost model, the key space, the prefill and
       decode instances (each prefill with its GPU prefix cache; with ``cost.kv_capacity = "serve"``
-      its paged KV, ``sim.steps.pages``, instead), the pool (``None`` without one),
+      its paged KV, ``sim.steps.pages``, instead, and with a calibration that measured ``sharing``
+      the workers placed on ``kvpool serve``'s devices, ``sim.devices``), the pool (``None`` without one),
       the network (``sim.cluster.Network``), the SSD links, in a shared multi-server pool one link
       per rail for the other servers' NICs (``pool_rails``, ``sim.steps.nics``), one router per decode group and
       the admission gate (``None`` when disabled). It holds no request state and decides nothing.
@@ -29,6 +30,7 @@ from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacit
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import CostModel, cost_model
+from kvpool.sim.devices import shared_devices
 from kvpool.sim.gpucache import GPUPrefixCache, Scratch
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
@@ -87,6 +89,7 @@ class World:
             for p in self.prefills:
                 p.pages = PrefillPages(max(1, cache_tokens // page), page)
                 p.ordered_pipeline()
+            self._share_devices()
         self._decode_capacity_tokens = sum(d.capacity_tokens for d in self.decodes)
         #: per decode group: its prefill instances (every instance when a group has none)
         self.group_prefills = [[p.index for p, pl in zip(self.prefills, self.layout.prefill) if pl.group == g]
@@ -104,6 +107,18 @@ class World:
         self.pool_rails = self._pool_rails()
         #: per prefill, per rank: its own NIC and its rail's link for the other servers' part (or None)
         self.rank_nics = [[self._nics_of(p, rank) for rank in range(p.ranks)] for p in self.prefills]
+
+    def _share_devices(self) -> None:
+        """Serve mode with a calibration that measured ``sharing``: the workers on ``kvpool serve``'s
+        devices, each slowed by the others computing there (``sim.devices``)."""
+        sharing = getattr(self.cost, "sharing", None)
+        if sharing is None:
+            return
+        stages, decodes = shared_devices(self.s, sharing.decode_slowdown_per_worker, sharing.prefill_slowdown_per_worker)
+        for p, placements in zip(self.prefills, stages, strict=True):
+            p.placements = placements
+        for d, placement in zip(self.decodes, decodes, strict=True):
+            d.share_devices(placement)
 
     def _pool_rails(self) -> list[FairLink]:
         c, g = self.s.cluster, self.s.gpu

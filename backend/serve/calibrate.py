@@ -4,30 +4,44 @@ Contract: ``await measure(url, scenario, on_step=...) -> dict`` sends ``POST /v1
 requests of token ids it chooses (numpy ``Generator(seed)``: equal seeds, equal prompts) and reads
 the router's ``kvpool.record`` of each (``docs/serve.md``). Nothing but the public API is used, so
 any server of the scenario can be measured; the prompts are private to the calibration (fresh random
-ids), so they never hit a workload's cached prefixes. The curves (``sim.calibration`` reads them):
+ids), so they never hit a workload's cached prefixes. Three warm-up requests come first and are
+not measured (a server's first requests of a kind pay one-time costs: kernel compiles, first
+allocations). The curves (``sim.calibration`` reads them):
 
     prefill   for every cached context c of ``cached_tokens`` (a prefix sent first, then held by the
               GPU prefix cache) and every new-token count n of ``new_tokens`` (n <= the step budget):
               the prefill window ``prefill_end_s - prefill_start_s`` of the prompt c + n, over
               ``prefill.pp``: one stage's step (median of ``reps``)
-    restore   prefixes of ``restore_tokens`` are sent (saved to the pool), the GPU prefix cache is
-              flushed by fresh prompts filling ``serve.prefill_kv_tokens`` + one step, then every
-              prefix + 16 fresh tokens restores from the pool: ``restore_stage_s`` per stage over the
-              bytes per stage; fitted ``fixed_s + bytes / bytes_per_s``
+    restore   prefixes of ``restore_tokens`` (up to the longest whose prompt fits the prefill's
+              KV, so a workload's restores lie inside the curve) are sent (saved to the pool), the
+              GPU prefix cache is flushed by fresh prompts filling ``serve.prefill_kv_tokens`` + one
+              step, then every prefix + 16 fresh tokens restores from the pool (after one more
+              prefix restored unmeasured, a first restore's one-time costs): ``restore_stage_s``
+              per stage over the bytes per stage; fitted ``fixed_s + bytes / bytes_per_s``
     decode    ``batch`` concurrent requests sharing a cached prefix (so prefill is short), prompt
               lengths from ``decode_contexts``, ``DECODE_TOKENS`` generated: in the window where all
               of them stream, tokens per second per sequence -> step time; fitted over (batch, total
               context) as ``fixed_s + per_seq_s x batch + per_ctx_token_s x context``
     handoff   ``handoff_s`` (the hand-off alone) over ``handoff_bytes`` of the prefill and restore
               phases' requests, which go one at a time (no hand-off queues behind another's, as the
-              decode phase's do); fitted ``fixed_s + bytes / bytes_per_s``
+              decode phase's do); fitted ``fixed_s + bytes / bytes_per_s`` (every such fit is
+              Theil-Sen's, ``_robust_line``: a few transfers that waited for something else do not
+              tilt it)
     save      the same requests that saved: ``save_s`` over ``save_bytes`` per stage (the stages
               save in parallel, beside the hand-off); fitted ``fixed_s + bytes / bytes_per_s``
+    sharing   workers that share a device (``serve.devices``) slow one another: ``SHARE_PROMPTS``
+              fresh prompts of ``share.prompt_tokens`` are prefilled alone; then ``share.batch``
+              sequences of ``share.context_tokens``-token prompts (a shared prefix sent first)
+              decode, and once they have streamed for ``SHARE_SETTLE_STEPS`` steps, as many fresh
+              prompts of that length are sent one after another beside them. A single-step
+              prompt's stages compute one after another, so inside its prefill window exactly one
+              stage computes beside the decode: ``decode_slowdown_per_worker`` is the decode's step
+              inside the windows over its step before them, less 1; ``prefill_slowdown_per_worker``
+              the median window beside the decode over the median window alone, less 1 (both >= 0)
     overheads ``control_plane_s``: median over the single-token prefill requests of client TTFT less
               the prefill window and the longer of ``handoff_s`` and ``save_s`` (the prefill's
-              answer waits for both), less the fitted decode step of one sequence (the simulator's
-              first token comes one decode step after the hand-off and the save; the server's with
-              the prefill's answer)
+              answer, which carries the first token, waits for both; so does the simulator's in
+              serve mode)
 
 ``on_step(label)`` is called after every request (a progress bar); ``plan_size(grid, s)`` says how
 many calls there will be.
@@ -49,6 +63,10 @@ from kvpool.backend.serve.replay_client import _sse_data
 
 DECODE_TOKENS = 48
 RESTORE_NEW_TOKENS = 16
+WARM_UP_REQUESTS = 3  # _warm_up's
+SHARE_PROMPTS = 3  # prompts prefilled alone; and at least as many beside the decode
+SHARE_SETTLE_STEPS = 16  # decode steps streamed before the first prompt beside them
+SHARE_MAX_PROMPTS = 12  # prompts sent beside the decode at most
 
 
 def default_grid(s) -> dict:
@@ -59,14 +77,18 @@ def default_grid(s) -> dict:
     new = sorted({1, max(1, step // 8), max(1, step // 2), step})
     top = (kv - step) // page * page
     cached = sorted({0, top // 8 // page * page, top // 2 // page * page, top} - {-1})
-    restore = sorted({max(s.pool.min_load_tokens, s.pool.chunk_tokens) * k for k in (1, 4, 16, 64)
-                      if max(s.pool.min_load_tokens, s.pool.chunk_tokens) * k <= kv // 2})
+    restore_unit = max(s.pool.min_load_tokens, s.pool.chunk_tokens)
+    longest_restore = (kv - RESTORE_NEW_TOKENS - page) // restore_unit * restore_unit  # its prompt fits the cache
+    restore = sorted({restore_unit * k for k in (1, 4, 16, 64) if restore_unit * k <= longest_restore}
+                     | ({longest_restore} if longest_restore > 0 else set()))
     budget = int(s.gate.tokens_per_decode * s.gate.budget_fraction) if s.gate.enabled else s.serve.decode_kv_tokens
     budget = min(budget, s.serve.decode_kv_tokens)
     batches = sorted({1, 2, 4, max(1, s.decode.max_seqs // 2), s.decode.max_seqs})
     long_ctx = lambda b: max(64, min(kv // 2, budget // b - DECODE_TOKENS - page) // page * page)  # noqa: E731
+    share_batch = min(4, s.decode.max_seqs)
     return {"new_tokens": new, "cached_tokens": [c for c in cached if c >= 0], "restore_tokens": restore,
-            "decode": [(b, L) for b in batches for L in sorted({64, long_ctx(b)})], "reps": 1}
+            "decode": [(b, L) for b in batches for L in sorted({64, long_ctx(b)})], "reps": 1,
+            "share": {"prompt_tokens": max(1, step // 8), "batch": share_batch, "context_tokens": long_ctx(share_batch)}}
 
 
 def flush_sizes(s) -> list[int]:
@@ -82,9 +104,11 @@ def plan_size(grid: dict, s) -> int:
     and one when the GPU prefix cache has been flushed."""
     g = grid
     prefill = len([c for c in g["cached_tokens"] if c]) + len(g["cached_tokens"]) * len(g["new_tokens"]) * g["reps"]
-    restore = 2 * len(g["restore_tokens"]) + len(flush_sizes(s)) + 1
+    warm_up = WARM_UP_REQUESTS
+    restore = 2 * (len(g["restore_tokens"]) + 1) + len(flush_sizes(s)) + 1  # with the warm-up prefix
     decode = sum(1 + b for b, _ in g["decode"])
-    return prefill + restore + decode
+    sharing = 2 * SHARE_PROMPTS + 1 + g["share"]["batch"]  # prompts alone and beside, the prefix, the sequences
+    return warm_up + prefill + restore + decode + sharing
 
 
 class Client:
@@ -150,23 +174,40 @@ def _answer_wait_s(rec: dict) -> float:
 
 def _bytes_fit(samples: Sequence[tuple[int, float]]) -> dict:
     """``fixed_s + bytes / bytes_per_s`` over (bytes, seconds) samples, with its range, its rate
-    and the samples (the restore, the hand-off and the save curves)."""
-    fixed, slope = _linfit([b for b, _ in samples], [t for _, t in samples])
+    and the samples (the restore, the hand-off and the save curves). The line is Theil-Sen's
+    (``_robust_line``): a transfer that waited for something else (a compile, a busy core) does not
+    tilt it."""
+    fixed, slope = _robust_line([b for b, _ in samples], [t for _, t in samples])
     return {"fit": {"fixed_s": fixed, "bytes_per_s": 1.0 / slope if slope > 0 else 1e15},
             "bytes_range": [0, max(b for b, _ in samples)],
             "gb_s": (1.0 / slope / 1e9) if slope > 0 else math.inf,
             "samples": [{"bytes": b, "s": t} for b, t in samples]}
 
 
-def _linfit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """(intercept, slope) of least squares, the intercept clamped at 0 (slope refitted through 0 then)."""
+def _robust_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of the Theil-Sen line: the slope is the median of the slopes between
+    every two samples of different x, clamped at >= 0; the intercept the median of ``y - slope x``,
+    clamped at >= 0 (the slope then the median of ``y / x``). A minority of samples far above the
+    rest (fewer than about three in ten) moves neither."""
     x, y = np.asarray(xs, float), np.asarray(ys, float)
-    if len(x) < 2 or np.ptp(x) == 0:
-        return 0.0, float(np.mean(y) / np.mean(x)) if np.mean(x) else 0.0
-    slope, icpt = np.polyfit(x, y, 1)
+    i, j = np.triu_indices(len(x), k=1)
+    apart = x[i] != x[j]
+    slope = max(0.0, float(np.median((y[j] - y[i])[apart] / (x[j] - x[i])[apart]))) if apart.any() else 0.0
+    icpt = float(np.median(y - slope * x))
     if icpt < 0:
-        return 0.0, float((x @ y) / (x @ x))
-    return float(icpt), max(float(slope), 1e-15)
+        positive = x > 0
+        return 0.0, float(np.median(y[positive] / x[positive])) if positive.any() else 0.0
+    return icpt, slope
+
+
+async def _warm_up(c: Client, s) -> None:
+    """Requests that are not measured: a server's first requests of a kind pay one-time costs
+    (kernel compiles, first allocations) that its later ones do not. A one-token prompt, a prompt of
+    an eighth of a step (saved to the pool) and the same prompt again with ``RESTORE_NEW_TOKENS``
+    more (a GPU prefix hit), two tokens each."""
+    prompt = c.fresh(max(1, s.prefill.max_batched_tokens // 8))
+    for ids in (c.fresh(1), prompt, prompt + c.fresh(RESTORE_NEW_TOKENS)):
+        await c.complete(ids, 2, "warm-up")
 
 
 async def _prefill(c: Client, s, grid: dict) -> tuple[list[list[float]], list[dict], list[float]]:
@@ -193,12 +234,14 @@ async def _prefill(c: Client, s, grid: dict) -> tuple[list[list[float]], list[di
 
 
 async def _restore(c: Client, s, grid: dict) -> tuple[dict, list[dict]]:
+    warm_up = c.fresh(grid["restore_tokens"][0])  # restored first, not measured (a first restore's costs)
     prefixes = [c.fresh(p) for p in grid["restore_tokens"]]
-    for p in prefixes:
+    for p in [warm_up, *prefixes]:
         await c.complete(p, 1, f"restore: save {len(p)}")
     for n in flush_sizes(s):
         await c.complete(c.fresh(n), 1, "restore: flush the GPU cache")
     c.on_step("restore: flushed")
+    await c.complete(warm_up + c.fresh(RESTORE_NEW_TOKENS), 1, "restore: warm-up")
     samples = []
     for p in prefixes:
         out = await c.complete(p + c.fresh(RESTORE_NEW_TOKENS), 1, f"restore {len(p)}")
@@ -249,6 +292,73 @@ async def _decode(c: Client, s, grid: dict) -> dict:
     return fit_decode(samples)
 
 
+async def _sharing(c: Client, s, grid: dict, decode: dict) -> dict:
+    """How much the decode and a prefill stage slow each other on a shared device (the module docstring)."""
+    g = grid["share"]
+    prompt, batch, ctx = g["prompt_tokens"], g["batch"], g["context_tokens"]
+    alone = [await c.complete(c.fresh(prompt), 1, "sharing: prompt alone") for _ in range(SHARE_PROMPTS)]
+    step_s = _measured_step_s(decode, batch, ctx)
+    prompt_s = max(o["ttft_s"] for o in alone)  # one prompt's request, end to end, alone
+    # long enough to stream through the prompts beside them even if each took four times as long
+    tokens = SHARE_SETTLE_STEPS + math.ceil(4 * SHARE_PROMPTS * prompt_s / step_s) + SHARE_SETTLE_STEPS
+    if s.gate.enabled:
+        tokens = min(tokens, s.gate.max_output_tokens)
+    page = s.model.page_tokens
+    shared = c.fresh(max(0, ctx - page) // page * page)  # prefilled once: the sequences start together
+    await c.complete(shared, 1, "sharing: decode prefix")
+    streaming = [asyncio.Event() for _ in range(batch)]
+    decoding = [asyncio.ensure_future(c.complete(shared + c.fresh(ctx - len(shared)), tokens,
+                                                 f"sharing: decode {batch} x {ctx}", ev))
+                for ev in streaming]
+    for ev in streaming:
+        await ev.wait()
+    await asyncio.sleep(SHARE_SETTLE_STEPS * step_s)
+    windows = []
+    for _ in range(SHARE_PROMPTS):
+        out = await c.complete(c.fresh(prompt), 1, "sharing: prompt beside the decode")
+        windows.append(_client_window(out))
+    decoded = await asyncio.gather(*decoding)
+    arrivals = [[o["t0"] + t for t in o["token_times_s"]] for o in decoded]
+    streamed = (max(ts[0] for ts in arrivals), min(ts[-1] for ts in arrivals))  # every sequence streams
+    beside = [w for w in windows if streamed[0] <= w[0] and w[1] <= streamed[1]]
+    if not beside or windows[0][0] <= streamed[0]:
+        raise RuntimeError(f"sharing: the {batch} decoding sequences did not stream through the prompts beside them "
+                           f"({tokens} tokens each)")
+    before_s = batch * (windows[0][0] - streamed[0]) / _tokens_within(arrivals, [(streamed[0], windows[0][0])])
+    beside_s = batch * sum(hi - lo for lo, hi in beside) / _tokens_within(arrivals, beside)
+    window_alone = statistics.median(_window(o["record"]) for o in alone)
+    window_beside = statistics.median(hi - lo for lo, hi in beside)
+    return {"prompt_tokens": prompt, "batch": batch, "context_tokens": ctx, "decode_tokens": tokens,
+            "prefill_window_alone_s": [_window(o["record"]) for o in alone],
+            "prefill_window_beside_s": [hi - lo for lo, hi in beside],
+            "decode_step_before_s": before_s * s.decode.mtp_accept_tokens,
+            "decode_step_beside_s": beside_s * s.decode.mtp_accept_tokens,
+            "decode_slowdown_per_worker": max(0.0, beside_s / before_s - 1.0),
+            "prefill_slowdown_per_worker": max(0.0, window_beside / window_alone - 1.0)}
+
+
+def _measured_step_s(decode: dict, batch: int, ctx: int) -> float:
+    """The decode phase's step of ``batch`` sequences of ``ctx``-token prompts (the plane's if not measured)."""
+    for x in decode["samples"]:
+        if x["batch"] == batch and x["prompt_tokens"] == ctx:
+            return x["step_s"]
+    d = decode["fit"]
+    return d["fixed_s"] + d["per_seq_s"] * batch + d["per_ctx_token_s"] * batch * ctx
+
+
+def _client_window(out: dict) -> tuple[float, float]:
+    """A request's prefill window (``prefill_start_s``, ``prefill_end_s``) on the client's clock: its
+    record's clock is the router's, whose ``arrival_s`` is when the client sent it."""
+    rec = out["record"]
+    sent = out["t0"] - float(rec["arrival_s"])
+    return sent + float(rec["prefill_start_s"]), sent + float(rec["prefill_end_s"])
+
+
+def _tokens_within(arrivals: Sequence[Sequence[float]], spans: Sequence[tuple[float, float]]) -> int:
+    """Tokens (of every sequence) that arrived inside one of ``spans`` (after its start, by its end), at least 1."""
+    return max(1, sum(1 for ts in arrivals for t in ts for lo, hi in spans if lo < t <= hi))
+
+
 def fit_decode(samples: Sequence[dict]) -> dict:
     """The decode curve of measured steps: ``fixed_s + per_seq_s x batch + per_ctx_token_s x context``,
     non-negative least squares over relative errors (short and long steps weigh alike)."""
@@ -269,19 +379,20 @@ async def measure(url: str, s, *, grid: dict | None = None, model: str | None = 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=s.serve.request_timeout_s)) as http:
         c = Client(http, url.rstrip("/"), model or s.model.name, s.serve.vocab, seed, on_step)
         t0 = time.perf_counter()
+        await _warm_up(c, s)
+        measured_from = len(c.records)
         prefill_grid, prefill_samples, residual = await _prefill(c, s, grid)
         restore, _ = await _restore(c, s, grid)
-        one_at_a_time = [o["record"] for o in c.records]  # the decode phase's requests come together
+        # the requests sent one at a time (the decode phase's come together); the restore's warm-up is one
+        one_at_a_time = [o["record"] for o in c.records[measured_from:]]
         decode = await _decode(c, s, grid)
+        sharing = await _sharing(c, s, grid, decode)
         wall = time.perf_counter() - t0
     hand = [(int(r.get("handoff_bytes", 0)), float(r.get("handoff_s", 0.0))) for r in one_at_a_time if r.get("handoff_bytes")]
     pp = s.prefill.pp
     saves = [(int(r["save_bytes"]) // pp, float(r.get("save_s", 0.0))) for r in one_at_a_time if r.get("save_bytes")]
     if not saves:
         raise RuntimeError("no save to the pool was observed: is pool.chunk_tokens larger than every prompt?")
-    d = decode["fit"]
-    first_step = d["fixed_s"] + d["per_seq_s"] + d["per_ctx_token_s"] * 64
-    control = max(0.0, statistics.median(residual) - first_step) if residual else 0.0
     return {
         "grid": grid,
         "prefill": {"pp": s.prefill.pp, "max_batched_tokens": s.prefill.max_batched_tokens,
@@ -291,8 +402,27 @@ async def measure(url: str, s, *, grid: dict | None = None, model: str | None = 
         "restore": restore,
         "handoff": _bytes_fit(hand),
         "save": _bytes_fit(saves),
-        "overheads": {"control_plane_s": control, "ttft_residual_s_median": statistics.median(residual) if residual else 0.0,
-                      "first_decode_step_s": first_step},
+        "sharing": sharing,
+        "overheads": _overheads(statistics.median(residual) if residual else 0.0),
         "requests": len(c.records),
         "wall_s": wall,
     }
+
+
+def _overheads(residual_s: float) -> dict:
+    """``control_plane_s``: the median TTFT residual (>= 0)."""
+    return {"control_plane_s": max(0.0, residual_s), "ttft_residual_s_median": residual_s}
+
+
+def refit(doc: dict) -> dict:
+    """``doc`` (a calibration document) with its fitted curves recomputed from its samples by this
+    module's fits: restore, hand-off and save (``_bytes_fit``), decode (``fit_decode``) and the
+    overheads (from ``ttft_residual_s_median``). The measured grids and samples stay as they are."""
+    out = dict(doc)
+    out["restore"] = {**_bytes_fit([(x["bytes_per_stage"], x["stage_s"]) for x in doc["restore"]["samples"]]),
+                      "samples": doc["restore"]["samples"]}
+    for curve in ("handoff", "save"):
+        out[curve] = _bytes_fit([(x["bytes"], x["s"]) for x in doc[curve]["samples"]])
+    out["decode"] = fit_decode(doc["decode"]["samples"])
+    out["overheads"] = _overheads(doc["overheads"]["ttft_residual_s_median"])
+    return out

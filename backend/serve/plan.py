@@ -3,9 +3,8 @@
 Contract:
     * ``build_plan(scenario, run_dir, router_port, devices=None) -> ServePlan``: one prefill engine
       and ``prefill.pp`` stage processes per prefill instance, one decode engine per decode
-      instance driving ``decode.tp`` ranks. Workers take ``devices`` (default ``serve.devices``) in
-      order -- every prefill instance's stages, then every decode instance's ranks -- wrapping
-      around, so several workers may share one device.
+      instance driving ``decode.tp`` ranks, on the devices ``kvpool.scenario.derive.serve_devices``
+      gives them (``devices``, default ``serve.devices``, in order, wrapping around).
     * Every process is started as ``python -m kvpool.backend.serve.<module> --plan PLAN --name NAME``
       (``Worker.argv``). It binds its listeners on 127.0.0.1 with port 0 and, once it serves, writes
       its ready file (``write_ready``): ``{"pid", "url" or "endpoint", ...}``. Whoever needs it
@@ -30,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvpool.scenario.derive import serve_devices
 from kvpool.scenario.model import Scenario
 
 #: Start order: a process may wait for the ready files of the roles before it.
@@ -106,23 +106,14 @@ class ServePlan:
 def build_plan(scenario: Scenario, run_dir: str | Path, router_port: int, devices: tuple[str, ...] | None = None,
                *, pool_address: str = "") -> ServePlan:
     """The processes of ``scenario`` (see the module docstring); ``pool_address`` is the Mooncake pool's."""
-    devs = tuple(devices) if devices else tuple(scenario.serve.devices)
-    taken = 0
-
-    def take(n: int) -> tuple[str, ...]:
-        nonlocal taken
-        out = tuple(devs[(taken + k) % len(devs)] for k in range(n))
-        taken += n
-        return out
-
+    placed = serve_devices(scenario, devices)
     workers: list[Worker] = []
-    p, d = scenario.prefill, scenario.decode
-    for i in range(p.instances):
-        for s, dev in enumerate(take(p.pp)):
+    for i, stages in enumerate(placed.prefill):
+        for s, dev in enumerate(stages):
             workers.append(Worker(f"prefill{i}-stage{s}", "prefill_stage", i, s, (dev,)))
         workers.append(Worker(f"prefill{i}", "prefill_engine", i, -1, ()))
-    for j in range(d.instances):
-        workers.append(Worker(f"decode{j}", "decode_engine", j, -1, take(d.tp)))
+    for j, ranks in enumerate(placed.decode):
+        workers.append(Worker(f"decode{j}", "decode_engine", j, -1, ranks))
     return ServePlan(scenario.model_dump(mode="json"), str(run_dir), router_port, tuple(workers), pool_address)
 
 

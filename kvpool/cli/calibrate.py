@@ -1,6 +1,7 @@
 """``kvpool calibrate``: measure a production-mode server's cost curves and write a calibration file.
 
 ``kvpool calibrate [SCENARIO] [--url URL] [--set ...] [--out FILE] [--seed S]``
+``kvpool calibrate --refit FILE [--out FILE]``
 
 With ``--url``: the running ``kvpool serve`` there, which must run SCENARIO (its model, KV sizes
 and step budget choose the grid). Without: ``kvpool serve SCENARIO --port 0`` is started in a new
@@ -8,8 +9,13 @@ run directory under ``out/calibrate/`` (``backend.serve.launch.start_serve``), m
 ``backend.serve.calibrate.measure`` (a progress bar counts its requests); the file is
 ``sim.calibration``'s format (``docs/fidelity.md``): ``format``, ``version``, ``kvpool_version``,
 ``created_utc``, ``device``, ``scenario`` (name and SHA-256), ``model`` (the served model's
-configuration), ``grid``, the curves (``prefill``, ``decode``, ``restore``, ``handoff``, ``save``) and
-``overheads``. A scenario uses it with ``--set cost.calibration="FILE"``.
+configuration), ``grid``, the curves (``prefill``, ``decode``, ``restore``, ``handoff``, ``save``),
+``sharing`` (how workers on one device slow one another) and ``overheads``. A scenario uses it with ``--set cost.calibration="FILE"``.
+
+With ``--refit FILE``: no server; FILE's fitted curves (restore, hand-off, save, decode and the
+overheads that follow) are recomputed from its samples by this kvpool's fits
+(``backend.serve.calibrate.refit``) and written to ``--out`` (default: FILE with ``.refit.json``
+in place of ``.json``), stamped ``refitted_utc``.
 """
 
 from __future__ import annotations
@@ -69,8 +75,9 @@ def calibrate(
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     out: Path = typer.Option(None, "--out", help="The calibration file to write (default: out/calibration-NAME.json)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the calibration's prompt tokens."),
+    refit_file: Path = typer.Option(None, "--refit", help="Measure nothing: recompute this calibration file's fitted curves from its samples."),
 ) -> None:
-    """Measure the workers' cost curves (prefill, decode, restore, hand-off, save, control plane) through the
+    """Measure the workers' cost curves (prefill, decode, restore, hand-off, save, sharing, control plane) through the
     server's API and write a calibration file the simulator reads (cost.calibration)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -80,6 +87,9 @@ def calibrate(
     from kvpool.cli.replay import check_url
     from kvpool.outputs import atomic_path, safe_name
 
+    if refit_file is not None:
+        _refit(refit_file, out)
+        return
     s = load_or_exit(scenario, list(set_))
     url = check_url(url) if url is not None else None
     out = out if out is not None else Path("out") / f"calibration-{safe_name(s.name)}.json"
@@ -110,11 +120,42 @@ def calibrate(
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     d, r, h, sv = doc["decode"]["fit"], doc["restore"]["fit"], doc["handoff"]["fit"], doc["save"]["fit"]
+    share = doc["sharing"]
     console.print(f"prefill: {len(doc['prefill']['new_tokens'])} x {len(doc['prefill']['cached_tokens'])} grid; "
                   f"decode step {d['fixed_s'] * 1e3:.2f} ms + {d['per_seq_s'] * 1e3:.3f} ms/seq + "
                   f"{d['per_ctx_token_s'] * 1e6:.3f} us/ctx token; restore {r['fixed_s'] * 1e3:.2f} ms + "
                   f"{r['bytes_per_s'] / 1e9:.2f} GB/s per stage; hand-off {h['fixed_s'] * 1e3:.2f} ms + "
                   f"{h['bytes_per_s'] / 1e9:.2f} GB/s; save {sv['fixed_s'] * 1e3:.2f} ms + {sv['bytes_per_s'] / 1e9:.2f} GB/s "
-                  f"per stage; control plane {doc['overheads']['control_plane_s'] * 1e3:.1f} ms; "
+                  f"per stage; beside one other worker, a decode step +{share['decode_slowdown_per_worker']:.0%}, "
+                  f"a prefill stage +{share['prefill_slowdown_per_worker']:.0%}; "
+                  f"control plane {doc['overheads']['control_plane_s'] * 1e3:.1f} ms; "
                   f"{doc['requests']} requests in {doc['wall_s']:.0f} s")
+    typer.echo(f"wrote {out}")
+
+
+def _refit(path: Path, out: Path | None) -> None:
+    """``--refit``: ``path``'s curves refitted from its samples, checked as the simulator reads them, written to ``out``."""
+    from kvpool.backend.serve.calibrate import refit
+    from kvpool.outputs import atomic_path
+    from kvpool.sim.calibration import CalibrationError, load_calibration, parse_calibration
+
+    try:
+        doc = load_calibration(path).raw
+        try:
+            new = refit(doc)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise CalibrationError(f"{path}: cannot refit: a sample field is missing or malformed ({e!r})") from None
+        new["refitted_utc"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        parse_calibration(new, str(path))
+    except CalibrationError as e:
+        raise UserError(str(e)) from None
+    out = out if out is not None else path.with_name(path.name.removesuffix(".json") + ".refit.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps(new, indent=1) + "\n", encoding="utf-8")
+    for curve in ("restore", "handoff", "save"):
+        before, after = doc[curve]["fit"], new[curve]["fit"]
+        typer.echo(f"{curve}: {before['fixed_s'] * 1e3:.2f} ms + {before['bytes_per_s'] / 1e9:.4g} GB/s -> "
+                   f"{after['fixed_s'] * 1e3:.2f} ms + {after['bytes_per_s'] / 1e9:.4g} GB/s")
+    typer.echo(f"control plane: {doc['overheads']['control_plane_s'] * 1e3:.1f} -> {new['overheads']['control_plane_s'] * 1e3:.1f} ms")
     typer.echo(f"wrote {out}")

@@ -6,6 +6,8 @@ documented in ``docs/scenario.md`` and relied on by scripts and the dashboard.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvpool.policy.chunks import namespace_for
 from kvpool.policy.layout import HandoffPlan
 from kvpool.scenario.model import Scenario
@@ -51,6 +53,32 @@ def decode_kv_capacity_tokens(s: Scenario) -> int:
         per_rank_pages = -(-s.serve.decode_kv_tokens // (s.decode.dcp * s.model.page_tokens))
         return per_rank_pages * s.model.page_tokens * s.decode.dcp
     return decode_gpu_kv_bytes_per_gpu(s) // s.kvspec().bytes_per_token * s.decode.dcp
+
+
+@dataclass(frozen=True)
+class ServeDevices:
+    """Where ``kvpool serve``'s workers compute (``serve_devices``)."""
+
+    prefill: tuple[tuple[str, ...], ...]  # per prefill instance: each stage's device
+    decode: tuple[tuple[str, ...], ...]  # per decode instance: each TP rank's device
+
+
+def serve_devices(s: Scenario, devices: tuple[str, ...] | None = None) -> ServeDevices:
+    """The devices of ``kvpool serve``'s workers: ``devices`` (default ``serve.devices``) taken in
+    order -- every prefill instance's ``prefill.pp`` stages, then every decode instance's
+    ``decode.tp`` ranks -- wrapping around, so several workers may share one device."""
+    devs = tuple(devices) if devices else tuple(s.serve.devices)
+    taken = 0
+
+    def take(n: int) -> tuple[str, ...]:
+        nonlocal taken
+        out = tuple(devs[(taken + k) % len(devs)] for k in range(n))
+        taken += n
+        return out
+
+    prefill = tuple(take(s.prefill.pp) for _ in range(s.prefill.instances))
+    decode = tuple(take(s.decode.tp) for _ in range(s.decode.instances))
+    return ServeDevices(prefill, decode)
 
 
 def pool_capacity_bytes(s: Scenario) -> int:

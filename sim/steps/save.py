@@ -5,7 +5,7 @@ did not hold (a part of ``r.prompt.groups``): every rank packs its objects (in p
 ``CostModel.pack_s``), sends them over its NICs (``PoolNics``) and, once every byte has landed,
 puts them with their group ids (``SimPool.save``: ``policy.grouptable`` eviction); the record's
 ``save_bytes`` grows then, ``save_s`` is the time since the call, and the pool's time series is
-sampled, then ``done()`` when given (serve mode's pages and first decode step wait for it; nothing
+sampled, then ``done()`` when given (serve mode's pages and first token wait for it; nothing
 else does). A save that fails (``lost``, ``[faults]``) moves its
 bytes and puts nothing.
 """

@@ -6,11 +6,15 @@ and save fits see only the requests sent one at a time, and the document reads b
 from __future__ import annotations
 
 import asyncio
+import statistics
 
 import pytest
 
+from kvpool.backend.serve.calibrate import SHARE_PROMPTS, SHARE_SETTLE_STEPS, WARM_UP_REQUESTS
+
 GRID = {"new_tokens": [1, 128, 512], "cached_tokens": [0, 896], "restore_tokens": [64, 256],
-        "decode": [(1, 64), (1, 256), (2, 64), (2, 256)], "reps": 1}
+        "decode": [(1, 64), (1, 256), (2, 64), (2, 256)], "reps": 1,
+        "share": {"prompt_tokens": 128, "batch": 2, "context_tokens": 256}}
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +44,27 @@ def test_every_request_is_counted_and_the_grid_is_the_one_asked_for(measured):
 
 
 @pytest.mark.timeout(300)
+def test_the_sharing_slowdowns_are_the_ratios_of_the_steps_and_windows_it_measured(measured):
+    s, doc, _ = measured
+    share = doc["sharing"]
+    assert {k: share[k] for k in ("prompt_tokens", "batch", "context_tokens")} == GRID["share"]
+    assert len(share["prefill_window_alone_s"]) == SHARE_PROMPTS
+    assert 1 <= len(share["prefill_window_beside_s"]) <= SHARE_PROMPTS  # those inside the decode's stream
+    assert share["decode_tokens"] > 2 * SHARE_SETTLE_STEPS
+    before, beside = share["decode_step_before_s"], share["decode_step_beside_s"]
+    assert 0 < before < 1 and 0 < beside < 1
+    assert share["decode_slowdown_per_worker"] == pytest.approx(max(0.0, beside / before - 1), rel=1e-12)
+    windows = statistics.median(share["prefill_window_beside_s"]) / statistics.median(share["prefill_window_alone_s"])
+    assert share["prefill_slowdown_per_worker"] == pytest.approx(max(0.0, windows - 1), rel=1e-12)
+
+
+@pytest.mark.timeout(300)
 def test_the_hand_off_and_save_fits_are_over_the_requests_sent_one_at_a_time(measured):
     s, doc, _ = measured
     decode_requests = sum(1 + b for b, _ in GRID["decode"])  # a shared prefix, then the batch together
+    sharing_requests = 2 * SHARE_PROMPTS + 1 + GRID["share"]["batch"]  # prompts alone and beside, the decode's
     hand, save = doc["handoff"], doc["save"]
-    assert len(hand["samples"]) == doc["requests"] - decode_requests
+    assert len(hand["samples"]) == doc["requests"] - WARM_UP_REQUESTS - decode_requests - sharing_requests
     per_token = s.model.record_bytes * s.model.layers
     assert {x["bytes"] for x in hand["samples"]} >= {n * per_token for n in (1, 128, 512)}
     assert all(x["s"] > 0 for x in hand["samples"] + save["samples"])

@@ -86,3 +86,48 @@ def test_a_save_costs_its_fit_less_the_nic_and_the_analytic_model_outside_its_si
                                                  - nbytes / (s.gpu.nic_gb_s * 1e9)))
     assert c.pack_s(f.save_bytes[1] + 1) == AnalyticalCost.from_scenario(s).pack_s(f.save_bytes[1] + 1)
     assert c.fallbacks["save"] == 1 and c.calls["save"] == 2
+
+
+def test_sharing_is_read_when_present_checked_and_none_when_absent(tmp_path):
+    doc = json.loads(FILE.read_text())
+    doc["sharing"] = {"decode_slowdown_per_worker": 0.57, "prefill_slowdown_per_worker": 0.06}
+    path = tmp_path / "sharing.json"
+    path.write_text(json.dumps(doc))
+    got = load_calibration(path).sharing
+    assert (got.decode_slowdown_per_worker, got.prefill_slowdown_per_worker) == (0.57, 0.06)
+    doc["sharing"]["prefill_slowdown_per_worker"] = -0.1
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match="sharing.prefill_slowdown_per_worker must be a finite number >= 0"):
+        load_calibration(path)
+    del doc["sharing"]
+    path.write_text(json.dumps(doc))
+    assert load_calibration(path).sharing is None
+
+
+def test_the_robust_line_ignores_a_few_slow_first_transfers_that_tilt_least_squares():
+    from kvpool.backend.serve.calibrate import _bytes_fit, _robust_line
+
+    xs = [1e6 * k for k in range(1, 11)]
+    ys = [0.005 + x / 5e9 for x in xs]  # 5 ms + 5 GB/s
+    ys[0] += 1.3  # the first ever: compiles
+    ys[1] += 0.25
+    fixed, slope = _robust_line(xs, ys)
+    assert fixed == pytest.approx(0.005) and slope == pytest.approx(1 / 5e9)
+    # least squares would have the line fall (a negative slope)
+    assert float(__import__("numpy").polyfit(xs, ys, 1)[0]) < 0
+    fit = _bytes_fit(list(zip(xs, ys)))
+    assert fit["fit"]["fixed_s"] == pytest.approx(0.005) and fit["gb_s"] == pytest.approx(5.0)
+    # flat samples: no per-byte cost, the median as the fixed one
+    assert _robust_line([1, 2, 3], [0.3, 0.1, 0.2]) == (pytest.approx(0.2), 0.0)
+
+
+def test_refit_recomputes_the_fits_from_the_samples_and_keeps_what_was_measured():
+    from kvpool.backend.serve.calibrate import _bytes_fit, refit
+
+    doc = json.loads(FILE.read_text())
+    doc["handoff"]["fit"]["fixed_s"] = 9.0  # a fit its samples do not give
+    new = refit(doc)
+    samples = [(x["bytes"], x["s"]) for x in doc["handoff"]["samples"]]
+    assert new["handoff"] == _bytes_fit(samples) and new["handoff"]["fit"]["fixed_s"] < 1
+    assert new["prefill"] == doc["prefill"] and new["restore"]["samples"] == doc["restore"]["samples"]
+    assert new["overheads"]["control_plane_s"] == max(0.0, doc["overheads"]["ttft_residual_s_median"])

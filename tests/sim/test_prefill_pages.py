@@ -196,9 +196,10 @@ def test_every_page_goes_back_by_the_end_of_a_run_faults_or_not(faults):
         assert any(r.error for r in recs)
 
 
-def test_a_request_decodes_once_its_hand_off_and_its_save_have_both_ended(tmp_path):
-    """As production's prefill answers: the first decode step waits for the longer of the two. With
-    the repository's calibration, but saves measured 20x slower, the save is what delays it."""
+def test_a_request_answers_and_decodes_once_its_hand_off_and_its_save_have_both_ended(tmp_path):
+    """As production's prefill answers: its first token, and its decode's start, wait for the longer
+    of the two. With the repository's calibration, but saves measured 20x slower, the save is what
+    delays them."""
     import json
 
     from trace_builders import KV_TRACES
@@ -217,5 +218,6 @@ def test_a_request_decodes_once_its_hand_off_and_its_save_have_both_ended(tmp_pa
     assert saved and len(saved) < len(recs)
     for r in recs:
         assert r.decode_start_s == pytest.approx(r.prefill_end_s + max(r.handoff_s, r.save_s), abs=1e-9), r
+        assert r.first_token_s == r.decode_start_s
     assert any(r.save_s > r.handoff_s for r in saved)
     assert all(r.save_s == 0 for r in recs if not r.save_bytes)
