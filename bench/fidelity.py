@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -75,6 +76,7 @@ def real_load(a, work: Path, load: int) -> tuple[dict, list[dict]]:
     where = work / f"real-{load}"
     done = where / "summary.json"
     if not (a.reuse and done.exists()):
+        shutil.rmtree(where / "replay", ignore_errors=True)  # an earlier replay's records are not this one's
         where.mkdir(parents=True, exist_ok=True)
         served = start_serve(a.scenario, a.sets, where / "serve")
         url = served.url

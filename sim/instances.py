@@ -12,6 +12,12 @@ step time is constant (cost model of the running batch), every sequence advances
 ``mtp_accept_tokens`` tokens per step; the next event is the first sequence to finish. A request
 joins when its KV fits (``in + out`` tokens reserved of the instance's KV capacity) and the batch
 has room (``max_seqs``); its first token comes one step after it joins.
+
+Serve mode: the prefill keeps the engine's pipeline (``ordered_pipeline``: each stage takes its
+steps in order, at most ``pp`` in flight), and where the workers share devices (``sim.devices``)
+a stage's step takes its time alone x the placement's factor when the stage starts it, and the
+decode's step its time alone x its factor, repriced whenever another worker on its devices starts
+or stops.
 """
 
 from __future__ import annotations

@@ -30,7 +30,9 @@ allocations). The curves (``sim.calibration`` reads them):
     save      the same requests that saved: ``save_s`` over ``save_bytes`` per stage (the stages
               save in parallel, beside the hand-off); fitted ``fixed_s + bytes / bytes_per_s``
     sharing   workers that share a device (``serve.devices``) slow one another: ``SHARE_PROMPTS``
-              fresh prompts of ``share.prompt_tokens`` are prefilled alone; then ``share.batch``
+              fresh prompts are prefilled alone (of the prefill grid's shortest ``new_tokens``, at
+              least ``share.prompt_tokens``, whose window spans ``SHARE_WINDOW_STEPS`` decode steps
+              by the grid; its longest when none does); then ``share.batch``
               sequences of ``share.context_tokens``-token prompts (a shared prefix sent first)
               decode, and once they have streamed for ``SHARE_SETTLE_STEPS`` steps, as many fresh
               prompts of that length are sent one after another beside them. A single-step
@@ -66,7 +68,7 @@ RESTORE_NEW_TOKENS = 16
 WARM_UP_REQUESTS = 3  # _warm_up's
 SHARE_PROMPTS = 3  # prompts prefilled alone; and at least as many beside the decode
 SHARE_SETTLE_STEPS = 16  # decode steps streamed before the first prompt beside them
-SHARE_MAX_PROMPTS = 12  # prompts sent beside the decode at most
+SHARE_WINDOW_STEPS = 8  # decode steps a prompt's prefill window should span
 
 
 def default_grid(s) -> dict:
@@ -292,12 +294,14 @@ async def _decode(c: Client, s, grid: dict) -> dict:
     return fit_decode(samples)
 
 
-async def _sharing(c: Client, s, grid: dict, decode: dict) -> dict:
+async def _sharing(c: Client, s, grid: dict, decode: dict, prefill_grid: list[list[float]]) -> dict:
     """How much the decode and a prefill stage slow each other on a shared device (the module docstring)."""
     g = grid["share"]
-    prompt, batch, ctx = g["prompt_tokens"], g["batch"], g["context_tokens"]
-    alone = [await c.complete(c.fresh(prompt), 1, "sharing: prompt alone") for _ in range(SHARE_PROMPTS)]
+    batch, ctx = g["batch"], g["context_tokens"]
     step_s = _measured_step_s(decode, batch, ctx)
+    prompt = _share_prompt_tokens(g["prompt_tokens"], grid["new_tokens"], [row[0] for row in prefill_grid],
+                                  SHARE_WINDOW_STEPS * step_s / s.prefill.pp)
+    alone = [await c.complete(c.fresh(prompt), 1, "sharing: prompt alone") for _ in range(SHARE_PROMPTS)]
     prompt_s = max(o["ttft_s"] for o in alone)  # one prompt's request, end to end, alone
     # long enough to stream through the prompts beside them even if each took four times as long
     tokens = SHARE_SETTLE_STEPS + math.ceil(4 * SHARE_PROMPTS * prompt_s / step_s) + SHARE_SETTLE_STEPS
@@ -335,6 +339,15 @@ async def _sharing(c: Client, s, grid: dict, decode: dict) -> dict:
             "decode_step_beside_s": beside_s * s.decode.mtp_accept_tokens,
             "decode_slowdown_per_worker": max(0.0, beside_s / before_s - 1.0),
             "prefill_slowdown_per_worker": max(0.0, window_beside / window_alone - 1.0)}
+
+
+def _share_prompt_tokens(least: int, new_tokens: Sequence[int], uncached_step_s: Sequence[float],
+                         stage_step_s: float) -> int:
+    """The shortest prompt of the prefill grid's ``new_tokens`` (at least ``least``) whose measured
+    stage step (no cached context) lasts ``stage_step_s``, so that its window spans several decode
+    steps; the longest of them when none does."""
+    fits = [n for n, t in zip(new_tokens, uncached_step_s) if n >= least and t >= stage_step_s]
+    return min(fits) if fits else max(new_tokens)
 
 
 def _measured_step_s(decode: dict, batch: int, ctx: int) -> float:
@@ -386,7 +399,7 @@ async def measure(url: str, s, *, grid: dict | None = None, model: str | None = 
         # the requests sent one at a time (the decode phase's come together); the restore's warm-up is one
         one_at_a_time = [o["record"] for o in c.records[measured_from:]]
         decode = await _decode(c, s, grid)
-        sharing = await _sharing(c, s, grid, decode)
+        sharing = await _sharing(c, s, grid, decode, prefill_grid)
         wall = time.perf_counter() - t0
     hand = [(int(r.get("handoff_bytes", 0)), float(r.get("handoff_s", 0.0))) for r in one_at_a_time if r.get("handoff_bytes")]
     pp = s.prefill.pp

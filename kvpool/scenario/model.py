@@ -310,7 +310,8 @@ class CostConfig(_Section):
     calibration: Annotated[str, Strict(), Field(min_length=1, max_length=4096)] | None = Field(
         default=None,
         description="a calibration file (kvpool calibrate): measured prefill, decode, restore and hand-off "
-                    "curves and overheads replace the analytic model inside their grids (a relative path is "
+                    "curves and overheads replace the analytic model inside their grids, and in serve mode its "
+                    "sharing section slows the workers that share a device (a relative path is "
                     "taken from the working directory, as workload.traces is); none: analytic only",
     )
     control_plane_s: Float = Field(

@@ -10,7 +10,8 @@ import statistics
 
 import pytest
 
-from kvpool.backend.serve.calibrate import SHARE_PROMPTS, SHARE_SETTLE_STEPS, WARM_UP_REQUESTS
+from kvpool.backend.serve.calibrate import (SHARE_PROMPTS, SHARE_SETTLE_STEPS, SHARE_WINDOW_STEPS, WARM_UP_REQUESTS,
+                                            _measured_step_s, _share_prompt_tokens)
 
 GRID = {"new_tokens": [1, 128, 512], "cached_tokens": [0, 896], "restore_tokens": [64, 256],
         "decode": [(1, 64), (1, 256), (2, 64), (2, 256)], "reps": 1,
@@ -47,7 +48,12 @@ def test_every_request_is_counted_and_the_grid_is_the_one_asked_for(measured):
 def test_the_sharing_slowdowns_are_the_ratios_of_the_steps_and_windows_it_measured(measured):
     s, doc, _ = measured
     share = doc["sharing"]
-    assert {k: share[k] for k in ("prompt_tokens", "batch", "context_tokens")} == GRID["share"]
+    assert (share["batch"], share["context_tokens"]) == (GRID["share"]["batch"], GRID["share"]["context_tokens"])
+    # a prompt of the prefill grid, at least the one asked for, long enough by the grid
+    steps = [row[0] for row in doc["prefill"]["step_s"]]
+    long_enough = SHARE_WINDOW_STEPS * _measured_step_s(doc["decode"], 2, 256) / s.prefill.pp
+    assert share["prompt_tokens"] == _share_prompt_tokens(128, GRID["new_tokens"], steps, long_enough)
+    assert share["prompt_tokens"] in GRID["new_tokens"] and share["prompt_tokens"] >= GRID["share"]["prompt_tokens"]
     assert len(share["prefill_window_alone_s"]) == SHARE_PROMPTS
     assert 1 <= len(share["prefill_window_beside_s"]) <= SHARE_PROMPTS  # those inside the decode's stream
     assert share["decode_tokens"] > 2 * SHARE_SETTLE_STEPS
@@ -56,6 +62,13 @@ def test_the_sharing_slowdowns_are_the_ratios_of_the_steps_and_windows_it_measur
     assert share["decode_slowdown_per_worker"] == pytest.approx(max(0.0, beside / before - 1), rel=1e-12)
     windows = statistics.median(share["prefill_window_beside_s"]) / statistics.median(share["prefill_window_alone_s"])
     assert share["prefill_slowdown_per_worker"] == pytest.approx(max(0.0, windows - 1), rel=1e-12)
+
+
+def test_the_sharing_prompt_is_the_shortest_measured_one_whose_window_spans_enough_decode_steps():
+    new, stage_s = [1, 128, 512, 1024], [0.002, 0.01, 0.07, 0.17]
+    assert _share_prompt_tokens(128, new, stage_s, 0.05) == 512
+    assert _share_prompt_tokens(128, new, stage_s, 0.001) == 128  # never shorter than asked
+    assert _share_prompt_tokens(128, new, stage_s, 1.0) == 1024  # none long enough: the longest
 
 
 @pytest.mark.timeout(300)
