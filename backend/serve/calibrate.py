@@ -66,6 +66,7 @@ from kvpool.backend.serve.replay_client import _sse_data
 DECODE_TOKENS = 48
 RESTORE_NEW_TOKENS = 16
 WARM_UP_REQUESTS = 3  # _warm_up's
+NO_BYTE_COST_BYTES_PER_S = 1e15  # a fitted rate where the samples show no cost per byte
 SHARE_PROMPTS = 3  # prompts prefilled alone; and at least as many beside the decode
 SHARE_SETTLE_STEPS = 16  # decode steps streamed before the first prompt beside them
 SHARE_WINDOW_STEPS = 8  # decode steps a prompt's prefill window should span
@@ -178,11 +179,12 @@ def _bytes_fit(samples: Sequence[tuple[int, float]]) -> dict:
     """``fixed_s + bytes / bytes_per_s`` over (bytes, seconds) samples, with its range, its rate
     and the samples (the restore, the hand-off and the save curves). The line is Theil-Sen's
     (``_robust_line``): a transfer that waited for something else (a compile, a busy core) does not
-    tilt it."""
+    tilt it. Samples that do not grow with their bytes give ``NO_BYTE_COST_BYTES_PER_S`` (and
+    ``gb_s`` ``None``): the fixed time is the whole cost."""
     fixed, slope = _robust_line([b for b, _ in samples], [t for _, t in samples])
-    return {"fit": {"fixed_s": fixed, "bytes_per_s": 1.0 / slope if slope > 0 else 1e15},
+    return {"fit": {"fixed_s": fixed, "bytes_per_s": 1.0 / slope if slope > 0 else NO_BYTE_COST_BYTES_PER_S},
             "bytes_range": [0, max(b for b, _ in samples)],
-            "gb_s": (1.0 / slope / 1e9) if slope > 0 else math.inf,
+            "gb_s": (1.0 / slope / 1e9) if slope > 0 else None,
             "samples": [{"bytes": b, "s": t} for b, t in samples]}
 
 

@@ -48,6 +48,15 @@ def _device_name(s) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def _transfer(fit: dict) -> str:
+    """A transfer fit as a reader says it: its fixed time and its rate, or none where the fit found
+    no cost per byte (a rate of 100 TB/s or more, which no transfer here reaches)."""
+    fixed = f"{fit['fixed_s'] * 1e3:.2f} ms"
+    if fit["bytes_per_s"] >= 1e14:
+        return f"{fixed} (no measurable cost per byte)"
+    return f"{fixed} + {fit['bytes_per_s'] / 1e9:.2f} GB/s"
+
+
 def calibration_document(s, measured: dict, *, url: str, device: str) -> dict:
     from kvpool import __version__
     from kvpool.sim.calibration import FORMAT, VERSION
@@ -118,15 +127,13 @@ def calibrate(
             served.stop()
     doc = calibration_document(s, measured, url=url, device=_device_name(s))
     with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
     d, r, h, sv = doc["decode"]["fit"], doc["restore"]["fit"], doc["handoff"]["fit"], doc["save"]["fit"]
     share = doc["sharing"]
     console.print(f"prefill: {len(doc['prefill']['new_tokens'])} x {len(doc['prefill']['cached_tokens'])} grid; "
                   f"decode step {d['fixed_s'] * 1e3:.2f} ms + {d['per_seq_s'] * 1e3:.3f} ms/seq + "
-                  f"{d['per_ctx_token_s'] * 1e6:.3f} us/ctx token; restore {r['fixed_s'] * 1e3:.2f} ms + "
-                  f"{r['bytes_per_s'] / 1e9:.2f} GB/s per stage; hand-off {h['fixed_s'] * 1e3:.2f} ms + "
-                  f"{h['bytes_per_s'] / 1e9:.2f} GB/s; save {sv['fixed_s'] * 1e3:.2f} ms + {sv['bytes_per_s'] / 1e9:.2f} GB/s "
-                  f"per stage; beside one other worker, a decode step +{share['decode_slowdown_per_worker']:.0%}, "
+                  f"{d['per_ctx_token_s'] * 1e6:.3f} us/ctx token; restore {_transfer(r)} per stage; "
+                  f"hand-off {_transfer(h)}; save {_transfer(sv)} per stage; beside one other worker, a decode step +{share['decode_slowdown_per_worker']:.0%}, "
                   f"a prefill stage +{share['prefill_slowdown_per_worker']:.0%}; "
                   f"control plane {doc['overheads']['control_plane_s'] * 1e3:.1f} ms; "
                   f"{doc['requests']} requests in {doc['wall_s']:.0f} s")
@@ -152,10 +159,9 @@ def _refit(path: Path, out: Path | None) -> None:
     out = out if out is not None else path.with_name(path.name.removesuffix(".json") + ".refit.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(new, indent=1) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(new, indent=1, allow_nan=False) + "\n", encoding="utf-8")
     for curve in ("restore", "handoff", "save"):
         before, after = doc[curve]["fit"], new[curve]["fit"]
-        typer.echo(f"{curve}: {before['fixed_s'] * 1e3:.2f} ms + {before['bytes_per_s'] / 1e9:.4g} GB/s -> "
-                   f"{after['fixed_s'] * 1e3:.2f} ms + {after['bytes_per_s'] / 1e9:.4g} GB/s")
+        typer.echo(f"{curve}: {_transfer(before)} -> {_transfer(after)}")
     typer.echo(f"control plane: {doc['overheads']['control_plane_s'] * 1e3:.1f} -> {new['overheads']['control_plane_s'] * 1e3:.1f} ms")
     typer.echo(f"wrote {out}")

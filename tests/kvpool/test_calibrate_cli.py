@@ -23,10 +23,28 @@ def test_refit_writes_the_refitted_file_beside_the_old_one_and_says_what_changed
     assert code == 0, stderr
     assert "handoff: 9000.00 ms" in stdout and stdout.rstrip().endswith("cal.refit.json")
     out = tmp_path / "cal.refit.json"
-    written = json.loads(out.read_text())
+    written = json.loads(out.read_text(), parse_constant=_not_json)  # strict JSON: no Infinity or NaN
     assert written["handoff"] == json.loads(json.dumps(refit(doc)["handoff"])) and "refitted_utc" in written
     assert load_calibration(out).handoff_fixed_s == written["handoff"]["fit"]["fixed_s"]
     assert json.loads(src.read_text()) == doc  # the measured file stays as it was
+
+
+def _not_json(name: str):
+    raise AssertionError(f"{name} is not JSON")
+
+
+def test_a_transfer_that_costs_no_more_per_byte_is_written_as_json_and_said_so(tmp_path):
+    doc = json.loads(FILE.read_text())
+    for x in doc["handoff"]["samples"]:
+        x["s"] = 0.004  # every hand-off took 4 ms, whatever its bytes
+    src = tmp_path / "flat.json"
+    src.write_text(json.dumps(doc))
+    code, stdout, stderr, _ = cli("calibrate", "--refit", str(src))
+    assert code == 0, stderr
+    assert "-> 4.00 ms (no measurable cost per byte)" in stdout
+    written = json.loads((tmp_path / "flat.refit.json").read_text(), parse_constant=_not_json)
+    assert written["handoff"]["gb_s"] is None and written["handoff"]["fit"]["fixed_s"] == 0.004
+    assert load_calibration(tmp_path / "flat.refit.json").handoff_fixed_s == 0.004
 
 
 def test_a_file_without_its_samples_is_one_error_line(tmp_path):
