@@ -10,7 +10,8 @@ run directory under ``out/calibrate/`` (``backend.serve.launch.start_serve``), m
 ``sim.calibration``'s format (``docs/fidelity.md``): ``format``, ``version``, ``kvpool_version``,
 ``created_utc``, ``device``, ``scenario`` (name and SHA-256), ``model`` (the served model's
 configuration), ``grid``, the curves (``prefill``, ``decode``, ``restore``, ``handoff``, ``save``),
-``sharing`` (how workers on one device slow one another) and ``overheads``. A scenario uses it with ``--set cost.calibration="FILE"``.
+``sharing`` (how workers on one device slow one another) and ``overheads``. A scenario uses it
+with ``--set cost.calibration="FILE"``.
 
 With ``--refit FILE``: no server; FILE's fitted curves (restore, hand-off, save, decode and the
 overheads that follow) are recomputed from its samples by this kvpool's fits
@@ -82,9 +83,10 @@ def calibrate(
     scenario: str = typer.Argument("cpu-tiny", help="Built-in scenario name or TOML file: the one the server runs (or is started with)."),
     url: str = typer.Option(None, "--url", help="A running kvpool serve of SCENARIO, e.g. http://127.0.0.1:8000 (default: start one)."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
-    out: Path = typer.Option(None, "--out", help="The calibration file to write (default: out/calibration-NAME.json)."),
+    out: Path = typer.Option(None, "--out", help="The calibration file to write (default: out/calibration-NAME.json; with --refit: FILE.refit.json)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the calibration's prompt tokens."),
-    refit_file: Path = typer.Option(None, "--refit", help="Measure nothing: recompute this calibration file's fitted curves from its samples."),
+    refit_file: Path = typer.Option(
+        None, "--refit", help="Measure nothing: recompute this calibration file's fitted curves from its samples."),
 ) -> None:
     """Measure the workers' cost curves (prefill, decode, restore, hand-off, save, sharing, control plane) through the
     server's API and write a calibration file the simulator reads (cost.calibration)."""
@@ -133,7 +135,8 @@ def calibrate(
     console.print(f"prefill: {len(doc['prefill']['new_tokens'])} x {len(doc['prefill']['cached_tokens'])} grid; "
                   f"decode step {d['fixed_s'] * 1e3:.2f} ms + {d['per_seq_s'] * 1e3:.3f} ms/seq + "
                   f"{d['per_ctx_token_s'] * 1e6:.3f} us/ctx token; restore {_transfer(r)} per stage; "
-                  f"hand-off {_transfer(h)}; save {_transfer(sv)} per stage; beside one other worker, a decode step +{share['decode_slowdown_per_worker']:.0%}, "
+                  f"hand-off {_transfer(h)}; save {_transfer(sv)} per stage; beside one other worker, "
+                  f"a decode step +{share['decode_slowdown_per_worker']:.0%}, "
                   f"a prefill stage +{share['prefill_slowdown_per_worker']:.0%}; "
                   f"control plane {doc['overheads']['control_plane_s'] * 1e3:.1f} ms; "
                   f"{doc['requests']} requests in {doc['wall_s']:.0f} s")
@@ -141,7 +144,8 @@ def calibrate(
 
 
 def _refit(path: Path, out: Path | None) -> None:
-    """``--refit``: ``path``'s curves refitted from its samples, checked as the simulator reads them, written to ``out``."""
+    """``--refit``: ``path``'s curves refitted from its samples, checked as the simulator reads them,
+    written to ``out``."""
     from kvpool.backend.serve.calibrate import refit
     from kvpool.outputs import atomic_path
     from kvpool.sim.calibration import CalibrationError, load_calibration, parse_calibration
@@ -163,5 +167,6 @@ def _refit(path: Path, out: Path | None) -> None:
     for curve in ("restore", "handoff", "save"):
         before, after = doc[curve]["fit"], new[curve]["fit"]
         typer.echo(f"{curve}: {_transfer(before)} -> {_transfer(after)}")
-    typer.echo(f"control plane: {doc['overheads']['control_plane_s'] * 1e3:.1f} -> {new['overheads']['control_plane_s'] * 1e3:.1f} ms")
+    before_s, after_s = doc["overheads"]["control_plane_s"], new["overheads"]["control_plane_s"]
+    typer.echo(f"control plane: {before_s * 1e3:.1f} -> {after_s * 1e3:.1f} ms")
     typer.echo(f"wrote {out}")
