@@ -84,14 +84,19 @@ def default_grid(s) -> dict:
     longest_restore = (kv - RESTORE_NEW_TOKENS - page) // restore_unit * restore_unit  # its prompt fits the cache
     restore = sorted({restore_unit * k for k in (1, 4, 16, 64) if restore_unit * k <= longest_restore}
                      | ({longest_restore} if longest_restore > 0 else set()))
-    budget = int(s.gate.tokens_per_decode * s.gate.budget_fraction) if s.gate.enabled else s.serve.decode_kv_tokens
-    budget = min(budget, s.serve.decode_kv_tokens)
+    budget = _decode_budget_tokens(s)
     batches = sorted({1, 2, 4, max(1, s.decode.max_seqs // 2), s.decode.max_seqs})
     long_ctx = lambda b: max(64, min(kv // 2, budget // b - DECODE_TOKENS - page) // page * page)  # noqa: E731
     share_batch = min(4, s.decode.max_seqs)
     return {"new_tokens": new, "cached_tokens": [c for c in cached if c >= 0], "restore_tokens": restore,
             "decode": [(b, L) for b in batches for L in sorted({64, long_ctx(b)})], "reps": 1,
             "share": {"prompt_tokens": max(1, step // 8), "batch": share_batch, "context_tokens": long_ctx(share_batch)}}
+
+
+def _decode_budget_tokens(s) -> int:
+    """The KV tokens the decode instance admits at once: its KV, or the gate's budget when smaller."""
+    budget = int(s.gate.tokens_per_decode * s.gate.budget_fraction) if s.gate.enabled else s.serve.decode_kv_tokens
+    return min(budget, s.serve.decode_kv_tokens)
 
 
 def flush_sizes(s) -> list[int]:
@@ -307,9 +312,11 @@ async def _sharing(c: Client, s, grid: dict, decode: dict, prefill_grid: list[li
     prompt_s = max(o["ttft_s"] for o in alone)  # one prompt's request, end to end, alone
     # long enough to stream through the prompts beside them even if each took four times as long
     tokens = SHARE_SETTLE_STEPS + math.ceil(4 * SHARE_PROMPTS * prompt_s / step_s) + SHARE_SETTLE_STEPS
+    page = s.model.page_tokens
+    room = _decode_budget_tokens(s) // batch - ctx - page  # every sequence's KV fits beside the others'
+    tokens = min(tokens, max(2 * SHARE_SETTLE_STEPS + 1, room))
     if s.gate.enabled:
         tokens = min(tokens, s.gate.max_output_tokens)
-    page = s.model.page_tokens
     shared = c.fresh(max(0, ctx - page) // page * page)  # prefilled once: the sequences start together
     await c.complete(shared, 1, "sharing: decode prefix")
     streaming = [asyncio.Event() for _ in range(batch)]
