@@ -82,7 +82,7 @@ class Calibration:
     save_bytes: tuple[int, int]
     stages: int
     control_plane_s: float
-    sharing: Sharing | None  # absent from files written before kvpool calibrate measured it
+    sharing: Sharing | None  # None: the file has no sharing section
     raw: dict = field(repr=False, compare=False, default_factory=dict)
 
 
