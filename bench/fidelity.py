@@ -14,7 +14,9 @@ One run, in order:
                ``cost.calibration`` = the file: the held-out prediction (the fit never saw the traces)
     compare    per load: token shares (GPU / pool / computed, error in points), TTFT p50 and p90,
                throughput and decode speed per user (``gen_speed_per_user_tok_s_p50``; error in %),
-               requests; a table on stdout, the document in ``--out``, and
+               requests; where each run's requests spent their time (``phases``: prefill window,
+               hand-off and time per output token, requests in prefill and sequences decoding
+               on average); a table on stdout, the document in ``--out``, and
                an overlay plot in ``--plot`` (TTFT CDF real vs simulated and token shares, per load)
 
 Usage (CPU; a GPU scenario the same way, e.g. ``--scenario h200-tiny``):
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -116,6 +119,29 @@ def ttfts(records: list[dict], cutoff_s: float | None = None) -> list[float]:
                   and (cutoff_s is None or r["end_s"] <= cutoff_s))
 
 
+def phases(records: list[dict]) -> dict:
+    """Where a run's requests spent their time, to say which mechanism differs: medians of the
+    prefill window, the hand-off and the time per output token, and over the run (first arrival
+    to last end) the time-averaged requests in their prefill window and sequences decoding.
+    Every request that reached its first token counts (warm-up turns too: they load the workers)."""
+    done = [r for r in records if r.get("first_token_s", -1) >= 0 and r.get("end_s", 0) > 0 and not r.get("error")]
+    if not done:
+        return {}
+    t0, t1 = min(r["arrival_s"] for r in done), max(r["end_s"] for r in done)
+    per_token = [(r["end_s"] - r["first_token_s"]) / (r["out_tokens"] - 1) for r in done if r["out_tokens"] > 1]
+    return {"requests": len(done),
+            "prefill_window_s_p50": statistics.median(r["prefill_end_s"] - r["prefill_start_s"] for r in done),
+            "handoff_s_p50": statistics.median(r["handoff_s"] for r in done),
+            "time_per_output_token_s_p50": statistics.median(per_token) if per_token else None,
+            "in_prefill_mean": _time_average([(r["prefill_start_s"], r["prefill_end_s"]) for r in done], t0, t1),
+            "decoding_mean": _time_average([(r["first_token_s"], r["end_s"]) for r in done], t0, t1)}
+
+
+def _time_average(spans: list[tuple[float, float]], t0: float, t1: float) -> float:
+    """How many of ``spans`` are open at once, on average over [t0, t1]."""
+    return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans) / (t1 - t0) if t1 > t0 else 0.0
+
+
 def compare(real: dict, sim: dict) -> dict:
     row = {}
     for k in SHARES:
@@ -197,6 +223,7 @@ def main() -> None:
     rows = []
     for n, (real, rrecs), (srow, srecs, notes) in zip(loads, reals, sims):
         rows.append({"sessions": n, "compare": compare(real, srow), "cost_notes": notes,
+                     "phases": {"real": phases(rrecs), "sim": phases(srecs)},
                      "ttft_real": ttfts(rrecs), "ttft_sim": ttfts(srecs)})
     print_table(rows)
     for r in rows:
