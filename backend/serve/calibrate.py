@@ -339,11 +339,12 @@ async def _sharing(c: Client, s, grid: dict, decode: dict, prefill_grid: list[li
                            f"({tokens} tokens each)")
     before_s = batch * (windows[0][0] - streamed[0]) / _tokens_within(arrivals, [(streamed[0], windows[0][0])])
     beside_s = batch * sum(hi - lo for lo, hi in beside) / _tokens_within(arrivals, beside)
-    window_alone = statistics.median(_window(o["record"]) for o in alone)
-    window_beside = statistics.median(hi - lo for lo, hi in beside)
+    windows_alone_s = [_window(o["record"]) for o in alone]
+    windows_beside_s = [hi - lo for lo, hi in beside]
+    window_alone = statistics.median(windows_alone_s)
+    window_beside = statistics.median(windows_beside_s)
     return {"prompt_tokens": prompt, "batch": batch, "context_tokens": ctx, "decode_tokens": tokens,
-            "prefill_window_alone_s": [_window(o["record"]) for o in alone],
-            "prefill_window_beside_s": [hi - lo for lo, hi in beside],
+            "prefill_window_alone_s": windows_alone_s, "prefill_window_beside_s": windows_beside_s,
             "decode_step_before_s": before_s * s.decode.mtp_accept_tokens,
             "decode_step_beside_s": beside_s * s.decode.mtp_accept_tokens,
             "decode_slowdown_per_worker": max(0.0, beside_s / before_s - 1.0),

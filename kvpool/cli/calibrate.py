@@ -49,11 +49,26 @@ def _device_name(s) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    """``doc`` as strict JSON (no Infinity or NaN), written atomically."""
+    from kvpool.outputs import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+
+
 def _transfer(fit: dict) -> str:
     """A transfer fit as a reader says it: its fixed time and its rate, or none where the fit found
-    no cost per byte (a rate of 100 TB/s or more, which no transfer here reaches)."""
+    no cost per byte (``NO_BYTE_COST_BYTES_PER_S``, or a tenth of it: a file with a least-squares fit
+    holds ``1 / 1e-15``, a hair under it)."""
+    from kvpool.backend.serve.calibrate import NO_BYTE_COST_BYTES_PER_S
+
     fixed = f"{fit['fixed_s'] * 1e3:.2f} ms"
-    if fit["bytes_per_s"] >= 1e14:
+    if fit["bytes_per_s"] >= NO_BYTE_COST_BYTES_PER_S / 10:
         return f"{fixed} (no measurable cost per byte)"
     return f"{fixed} + {fit['bytes_per_s'] / 1e9:.2f} GB/s"
 
@@ -66,7 +81,7 @@ def calibration_document(s, measured: dict, *, url: str, device: str) -> dict:
     sv = s.serve
     return {
         "format": FORMAT, "version": VERSION, "kvpool_version": __version__,
-        "created_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created_utc": _utc_now(),
         "device": {"name": device, "devices": list(sv.devices)},
         "scenario": {"name": s.name, "sha256": scenario_sha256(s)},
         "server": {"url": url},
@@ -96,7 +111,7 @@ def calibrate(
     from kvpool.backend.serve.calibrate import default_grid, measure, plan_size
     from kvpool.backend.serve.launch import ServeStartError, start_serve
     from kvpool.cli.replay import check_url
-    from kvpool.outputs import atomic_path, safe_name
+    from kvpool.outputs import safe_name
 
     if refit_file is not None:
         _refit(refit_file, out)
@@ -128,8 +143,7 @@ def calibrate(
         if served is not None:
             served.stop()
     doc = calibration_document(s, measured, url=url, device=_device_name(s))
-    with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    _write_json(out, doc)
     d, r, h, sv = doc["decode"]["fit"], doc["restore"]["fit"], doc["handoff"]["fit"], doc["save"]["fit"]
     share = doc["sharing"]
     console.print(f"prefill: {len(doc['prefill']['new_tokens'])} x {len(doc['prefill']['cached_tokens'])} grid; "
@@ -147,7 +161,6 @@ def _refit(path: Path, out: Path | None) -> None:
     """``--refit``: ``path``'s curves refitted from its samples, checked as the simulator reads them,
     written to ``out``."""
     from kvpool.backend.serve.calibrate import refit
-    from kvpool.outputs import atomic_path
     from kvpool.sim.calibration import CalibrationError, load_calibration, parse_calibration
 
     try:
@@ -156,14 +169,13 @@ def _refit(path: Path, out: Path | None) -> None:
             new = refit(doc)
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise CalibrationError(f"{path}: cannot refit: a sample field is missing or malformed ({e!r})") from None
-        new["refitted_utc"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        new["refitted_utc"] = _utc_now()
         parse_calibration(new, str(path))
     except CalibrationError as e:
         raise UserError(str(e)) from None
     out = out if out is not None else path.with_name(path.name.removesuffix(".json") + ".refit.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out) as tmp:
-        tmp.write_text(json.dumps(new, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    _write_json(out, new)
     for curve in ("restore", "handoff", "save"):
         before, after = doc[curve]["fit"], new[curve]["fit"]
         typer.echo(f"{curve}: {_transfer(before)} -> {_transfer(after)}")
