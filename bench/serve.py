@@ -13,18 +13,25 @@ One run, in order:
               answer and new tokens; the first one 600 tokens, or index_topk + 64 with the DSA
               indexer so that every turn selects) whose answers must equal ``reference_generate``
               on the same device, the no-cache recompute (no GPU prefix cache, no pool, no hand-off)
+    stack     per load, from the engines' own time accounts (``GET /metrics`` before and after the
+              replay): each prefill engine's ``pending_s`` (it held prompt tokens not yet computed)
+              and each stage's forward seconds, each decode engine's ``busy_s`` (loop iterations
+              that ran a step) and its steps' seconds. ``forward_share`` is the model's part of the
+              engine's busy time (the busiest stage's forward over ``pending_s``; the steps over
+              ``busy_s``); the bottleneck is the engine busy the largest share of the window, and
+              ``stack_cost`` = 1 - its ``forward_share``: the time HTTP, routing, scheduling, the
+              connector, the hand-off and the messages between processes keep the bottleneck from
+              computing. The forward seconds are measured inside the workers as they share the
+              device, so the workers' slowing of one another is not counted as the stack's.
     limits    measured in the same run after the server stopped: pinned host -> device copy and a
               device copy (GB/s, 256 MiB); when the prefill stages and the decode ranks are on
               different GPUs, the GPU-to-GPU copy of every stage-to-decode pair (the hand-off's
               paths; ``handoff_to_peer_copy`` per load is the hand-off GB/s over their median);
               and the bare model forward pass over the work of the
-              highest load: prefill of its requests' computed tokens (a sample of them, the
-              cached prefix computed first and not timed) and decode steps at its concurrency.
-              ``stack_ratio`` = served throughput / bare-forward throughput of the same tokens:
-              what HTTP, routing, scheduling, the connector and the hand-off leave of the model's
-              own speed (the bare forward runs prefill and decode one after the other, the
-              server overlaps them, so the ratio can exceed 1 below saturation; given only when
-              every worker runs on the one device the bare forward uses).
+              highest load, in one process with nothing beside it: prefill of its requests'
+              computed tokens (a sample of them, the cached prefix computed first and not timed)
+              and decode steps at its concurrency; ``bare_throughput_tok_s`` is the served tokens
+              over the prefill and the decode run one after the other (the server overlaps them).
 
 Prints one JSON document (and writes it to ``--out``). Usage, on a machine with a GPU:
     python bench/serve.py [--loads 2,4,8] [--duration 60] [--token-scale 1/16]
@@ -77,6 +84,60 @@ def handoff_gb_s(records: list[dict]) -> float:
     ok = [r for r in records if not r.get("error") and r.get("handoff_s", 0) > 0]
     secs = sum(r["handoff_s"] for r in ok)
     return sum(r["handoff_bytes"] for r in ok) / secs / 1e9 if secs else 0.0
+
+
+def engine_urls(run_dir: Path) -> dict[str, str]:
+    """Each prefill and decode engine's URL, by worker name, from the run directory's ready files."""
+    from kvpool.backend.serve.plan import ServePlan
+
+    plan = ServePlan.read(run_dir / "plan.json")
+    return {w.name: json.loads(plan.ready_path(w.name).read_text())["url"]
+            for w in plan.workers if w.role in ("prefill_engine", "decode_engine")}
+
+
+def time_accounts(urls: dict[str, str]) -> dict[str, dict]:
+    """Each engine's time accounts now: a prefill engine's ``pending_s`` and ``stage_forward_s``
+    (by stage), a decode engine's ``busy_s`` and ``step_s`` (the sum of its steps' seconds)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for name, url in urls.items():
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        samples = {(s.name, s.labels.get("stage", "")): s.value
+                   for fam in text_string_to_metric_families(text) for s in fam.samples}
+        if ("kvpool:prefill_pending_seconds", "") in samples:
+            forward = {int(stage): v for (n, stage), v in samples.items() if n == "kvpool:prefill_stage_forward_seconds"}
+            out[name] = {"pending_s": samples[("kvpool:prefill_pending_seconds", "")],
+                         "stage_forward_s": [forward[k] for k in sorted(forward)]}
+        else:
+            out[name] = {"busy_s": samples[("kvpool:decode_busy_seconds_total", "")],
+                         "step_s": samples[("kvpool:decode_step_seconds_sum", "")]}
+    return out
+
+
+def stack_cost(before: dict[str, dict], after: dict[str, dict], window_s: float) -> dict:
+    """What the engines did in ``window_s`` between two ``time_accounts`` (see the module docstring)."""
+    engines = {}
+    for name, a in after.items():
+        b = before[name]
+        if "pending_s" in a:
+            busy_s = a["pending_s"] - b["pending_s"]
+            forward_s = [x - y for x, y in zip(a["stage_forward_s"], b["stage_forward_s"])]
+            engines[name] = {"pending_s": busy_s, "stage_forward_s": forward_s,
+                             "forward_share": max(forward_s) / busy_s if busy_s > 0 else None}
+        else:
+            busy_s = a["busy_s"] - b["busy_s"]
+            step_s = a["step_s"] - b["step_s"]
+            engines[name] = {"busy_s": busy_s, "step_s": step_s,
+                             "forward_share": step_s / busy_s if busy_s > 0 else None}
+        engines[name]["busy_share_of_window"] = busy_s / window_s
+    bottleneck = max(engines, key=lambda n: engines[n]["busy_share_of_window"])
+    share = engines[bottleneck]["forward_share"]
+    return {"window_s": window_s, "engines": engines, "bottleneck": bottleneck,
+            "stack_cost": None if share is None else 1.0 - share}
 
 
 def post(url: str, body: dict, timeout_s: float = 300) -> dict:
@@ -226,8 +287,11 @@ def main() -> None:
         first = max(600, config.index_topk + 64) if config.indexer_layers else 600
         session = correctness_session(url, s.model.name, s.serve.vocab, a.turns, first_tokens=first,
                                       grow_tokens=300, out_tokens=16, seed=s.seed)
+        urls = engine_urls(served.run_dir)
         for n in loads:
+            before, t0 = time_accounts(urls), time.monotonic()
             summary, records = replay(a.scenario, url, a.traces, n, a.duration, a.token_scale, work / f"load{n}", a.sets)
+            summary["stack"] = stack_cost(before, time_accounts(urls), time.monotonic() - t0)
             summary["handoff_gb_s"] = handoff_gb_s(records)
             # every worker of the plan runs on these devices: throughput per physical GPU beside the
             # scenario's per-GPU figure (which counts the GPUs of its layout)
@@ -237,7 +301,8 @@ def main() -> None:
             records_by_load[n] = records
             log(f"{n} sessions: {summary['throughput_per_gpu_tok_s']:.0f} tok/s/GPU, TTFT p50 "
                 f"{summary['ttft_p50_s']:.2f} s p90 {summary['ttft_p90_s']:.2f} s, gpu/pool/computed "
-                f"{summary['share_gpu']:.2f}/{summary['share_pool']:.2f}/{summary['share_computed']:.2f}")
+                f"{summary['share_gpu']:.2f}/{summary['share_pool']:.2f}/{summary['share_computed']:.2f}, "
+                f"bottleneck {summary['stack']['bottleneck']} (stack cost {summary['stack']['stack_cost']})")
     finally:
         status = served.stop()
     check = []
@@ -254,9 +319,6 @@ def main() -> None:
             summary["handoff_to_peer_copy"] = summary["handoff_gb_s"] / limits["peer_copy_gb_s_median"]
     top = loads[-1]
     bare = bare_forward(config, records_by_load[top], top, s.decode.max_seqs, s.decode.dcp, dev)
-    if bare and len(set(s.serve.devices)) == 1:
-        # the bare forward runs on one device: a ratio only where the server runs on that one too
-        bare["stack_ratio"] = results[-1]["throughput_tok_s"] / bare["bare_throughput_tok_s"]
     doc = {"bench": "serve", "scenario": a.scenario, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%d"), "loads": loads, "duration_s": a.duration,
            "token_scale": str(Fraction(a.token_scale)), "traces": os.path.relpath(a.traces, ROOT),

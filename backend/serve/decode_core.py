@@ -222,11 +222,13 @@ class DecodeCore:
             while not self._stop.is_set():
                 busy = bool(self.running)
                 self._commands(0.0 if busy else POLL_S if self.reqs else IDLE_POLL_S)
+                t_work = time.monotonic()   # an idle wait for commands is not part of a busy iteration
                 self._poll_ranks()
                 self._handoffs()
                 self._admit()
                 if self.running:
                     self._step()
+                    self.metrics.busy_s.inc(time.monotonic() - t_work)
         except Exception as exc:  # noqa: BLE001  (the engine must end every stream, whatever broke)
             self.log(f"decode{self.instance}: engine thread failed: {exc}\n{traceback.format_exc()}")
             self._stop_reason = f"decode engine failed: {type(exc).__name__}: {exc}"

@@ -40,6 +40,9 @@ class DecodeMetrics:
         self.steps = Counter("kvpool:decode_steps", "decode steps run", registry=r)
         self.step_s = Histogram("kvpool:decode_step_seconds", "one decode step of the whole batch",
                                 buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.busy_s = Counter("kvpool:decode_busy_seconds",
+                              "engine loop time of the iterations that ran a decode step (its steps' share "
+                              "is kvpool:decode_step_seconds_sum)", registry=r)
         self.batch_seqs = Histogram("kvpool:decode_batch_sequences", "sequences in one decode step",
                                     buckets=tuple(float(1 << k) for k in range(17)), registry=r)
         self.finished = Counter("kvpool:request_success", "requests finished, by reason", ["finished_reason"],

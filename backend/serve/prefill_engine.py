@@ -146,6 +146,12 @@ class EngineMetrics:
         Gauge("kvpool:prefill_running_requests", "Requests admitted", registry=r).set_function(lambda: sched.running)
         Gauge("kvpool:prefill_steps_done", "Chunked-prefill steps done", registry=r).set_function(lambda: sched.steps_done)
         Gauge("kvpool:prefill_step_tokens_done", "Tokens computed in steps", registry=r).set_function(lambda: sched.step_tokens_done)
+        forward = Gauge("kvpool:prefill_stage_forward_seconds", "Seconds each stage spent in its layers' forward pass",
+                        ["stage"], registry=r)
+        for stage in range(sched.pp):
+            forward.labels(str(stage)).set_function(lambda stage=stage: sched.stage_forward_s[stage])
+        Gauge("kvpool:prefill_pending_seconds", "Seconds the engine held prompt tokens not yet computed",
+              registry=r).set_function(lambda: sched.pending_s)
         self.step_requests = Histogram("kvpool:prefill_step_requests", "Requests with a chunk in a prefill step",
                                        buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.step_tokens = Histogram("kvpool:prefill_step_tokens", "Tokens computed in a prefill step",

@@ -27,6 +27,13 @@ Per request (in this order):
        have ended; then the pages are released. The record's ``handoff_s`` is the hand-off's own
        time (its send to the last stage's reply), ``save_s`` the save's (0 without one).
 
+Time accounts (read by the engine's metrics, any thread): ``stage_forward_s[s]`` sums the
+``forward_s`` stage ``s`` answers with each compute step (its layers' forward pass, to a device
+synchronization); ``pending_s`` is the wall time the engine held prompt tokens it had not yet
+computed (a request queued for pages, loading or computing). At saturation the busiest stage's
+forward time over ``pending_s`` is the share of the engine's time the model computes; the rest is
+what scheduling, the connector, the hand-off and the messages between processes cost.
+
 Bounds: every stage call has a deadline (``exists`` ``EXISTS_WAIT_S``; ``load`` the worker's load
 timeout + ``STAGE_SLACK_S``; ``compute`` ``COMPUTE_WAIT_S``; ``save`` the save timeout + slack;
 ``handoff`` ``handoff_timeout_s`` + slack). A stage whose process is gone (checked every
@@ -229,6 +236,8 @@ class PrefillScheduler:
         self._decode_ranks: dict[int, int] = {}
         self.steps_done = 0
         self.step_tokens_done = 0
+        self.stage_forward_s = [0.0] * self.pp
+        self.pending_s = 0.0
 
     # -- any thread ------------------------------------------------------------------------
     def submit(self, rid: str, tokens: tuple[int, ...], decode: int, session: str, done: Callable[[Outcome], None]) -> None:
@@ -266,6 +275,7 @@ class PrefillScheduler:
                 self._break(f"prefill stage {self.names[s]} holds {rep.get('num_blocks')} pages, the engine {self.blocks.num_blocks}")
         self.started.set()
         next_liveness = 0.0
+        t_mark, pending = time.monotonic(), False
         try:
             while not self.stop.is_set():
                 self._take_inbox()
@@ -279,11 +289,19 @@ class PrefillScheduler:
                 if not self.broken:
                     self._admit()
                     self._schedule_step()
+                now = time.monotonic()
+                if pending:
+                    self.pending_s += now - t_mark
+                t_mark, pending = now, self._holds_uncomputed()   # the state the poll waits in
                 poller.poll(0 if self.client.has_kept else int(LIVENESS_EVERY_S * 1000))
                 self.waker.drain()
         finally:
             self._fail_all("the prefill engine is stopping", 503)
             self.client.close()
+
+    def _holds_uncomputed(self) -> bool:
+        """Whether a request waits for pages, loads or has tokens left to compute."""
+        return bool(self.queued) or any(r.state in ("loading", "running") for r in self.live.values())
 
     def _take_inbox(self) -> None:
         while True:
@@ -418,6 +436,9 @@ class PrefillScheduler:
     def _on_compute(self, step: _Step, stage: int, header: dict, tensors) -> None:
         if not header.get("ok"):
             raise StageBroken(f"prefill stage {self.names[stage]} failed a compute step: {header.get('error')}")
+        forward_s = header.get("forward_s")
+        if isinstance(forward_s, (int, float)) and forward_s >= 0:
+            self.stage_forward_s[stage] += forward_s
         if stage < self.pp - 1:
             if len(tensors) != 1:
                 raise StageBroken(f"prefill stage {self.names[stage]} answered a step without hidden states")

@@ -27,14 +27,16 @@ the ready file is ``{"pid", "endpoint"}``). Every reply has ``"ok"``; failures c
     ``exists {keys}``                 -> ``{"present": [bool] | null}`` (null: the pool gave no answer)
     ``load {plan, blocks}``           -> ``{"report": StageReport}`` (connector load thread)
     ``save {plan, blocks}``           -> ``{"report": StageSaveReport}`` (connector save thread)
-    ``compute {items}`` + hidden      -> ``{"first_tokens": {rid: token}}`` + hidden
+    ``compute {items}`` + hidden      -> ``{"forward_s", "first_tokens": {rid: token}}`` + hidden
         ``items``: ``[{"rid", "start", "end", "blocks", "tokens"?, "last"?}]`` in order: tokens
         ``[start, end)`` of each request through its block table. Stage 0 embeds ``tokens`` (the
         ids of ``[start, end)``); later stages take one float32 tensor ``[sum(end - start), d_model]``
         (the previous stage's output, items back to back). A stage other than the last answers its
         output the same way; the last stage answers, for each item with ``"last": true``, the
         greedy first token (argmax of the logits of the item's last token). Hidden states go
-        through the engine (stage -> engine -> next stage).
+        through the engine (stage -> engine -> next stage). ``forward_s`` is the step's time in
+        this stage's layers: from its input on the device to a device synchronization after the
+        last item (the input's copy and the output's return are not in it).
     ``handoff {rid, decode, blocks, plan, timeout_s}`` -> ``{"report": handoff StageReport}``
         this stage's KV of the request's tokens to every rank of decode instance ``decode``:
         ``plan`` is the latents' plan (``handoff_plan.stage_plan``); the indexer records follow
@@ -325,6 +327,7 @@ class StageServer:
         x_in = tensors[0].to(self.device) if self.stage > 0 else None
         outs, first = [], {}
         off = 0
+        t0 = time.perf_counter()
         for rid, start, end, blocks, toks, last in items:
             n = end - start
             x = self.model.embed_tokens(toks) if x_in is None else x_in[off:off + n]
@@ -337,9 +340,10 @@ class StageServer:
                 outs.append(h)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        forward_s = time.perf_counter() - t0
         if self.last:
-            return {"first_tokens": first}, ()
-        return {}, (torch.cat(outs).float(),)
+            return {"first_tokens": first, "forward_s": forward_s}, ()
+        return {"forward_s": forward_s}, (torch.cat(outs).float(),)
 
     def cmd_handoff(self, ident, header, tensors) -> None:
         rid = link._need(header, "rid", str)

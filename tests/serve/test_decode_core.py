@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 import pytest
 import torch
@@ -47,6 +48,7 @@ def test_two_prefill_instances_feed_one_decode_instance_and_the_batch_is_bounded
 async def _scenario_run() -> None:
     loop = asyncio.get_running_loop()
     core = DecodeCore(SCENARIO, 0, ("cpu", "cpu"), loop, log=lambda s: None)
+    t_start = time.monotonic()
     assert len(core.rank_endpoints) == 2 and all(len(eps) == 2 for eps in core.rank_endpoints)
     core.start()
     stages: dict[tuple[int, int], PrefillStage] = {}
@@ -86,6 +88,10 @@ async def _scenario_run() -> None:
         at_most_2 = float(re.search(r'^kvpool:decode_batch_sequences_bucket\{le="2.0"\} (\S+)$', text, re.M).group(1))
         at_most_1 = float(re.search(r'^kvpool:decode_batch_sequences_bucket\{le="1.0"\} (\S+)$', text, re.M).group(1))
         assert count == at_most_2 > at_most_1          # batches of 2, never more (max_seqs 2)
+        # the time accounts: the steps are inside the busy iterations, which are inside the run
+        step_s = float(re.search(r"^kvpool:decode_step_seconds_sum (\S+)$", text, re.M).group(1))
+        busy_s = float(re.search(r"^kvpool:decode_busy_seconds_total (\S+)$", text, re.M).group(1))
+        assert 0 < step_s <= busy_s <= time.monotonic() - t_start
         assert core.kv_usage == 0.0
         # no room: 2,048 tokens over 2 ranks
         with pytest.raises(NoRoom, match="no room for 2100 tokens"):

@@ -6,6 +6,7 @@ that arrive together share chunked-prefill steps; bad requests get a 4xx with a 
 from __future__ import annotations
 
 import re
+import time
 import threading
 
 import pytest
@@ -137,3 +138,25 @@ def test_metrics_name_every_source_and_the_denominator(served):
             re.finditer(r'^kvpool:prompt_tokens_by_source_total\{source="(\w+)"\} (\S+)$', text, re.M)}
     total = float(re.search(r"^kvpool:prompt_tokens_total (\S+)$", text, re.M).group(1))
     assert total > 0 and sum(sums.values()) == total
+
+
+def time_accounts(dep) -> tuple[dict[int, float], float]:
+    """The engine's per-stage forward seconds and its pending seconds, from ``GET /metrics``."""
+    _, text = dep.get("/metrics")
+    forward_s = {int(m.group(1)): float(m.group(2)) for m in
+                 re.finditer(r'^kvpool:prefill_stage_forward_seconds\{stage="(\d+)"\} (\S+)$', text, re.M)}
+    return forward_s, float(re.search(r"^kvpool:prefill_pending_seconds (\S+)$", text, re.M).group(1))
+
+
+def test_each_stage_forward_pass_lies_inside_the_time_the_engine_held_work(served):
+    dep, decode, _ = served
+    forward_before, pending_before = time_accounts(dep)
+    t0 = time.monotonic()
+    prefill(dep, decode, "timed-1", prompt(300, 40))
+    elapsed_s = time.monotonic() - t0
+    forward_after, pending_after = time_accounts(dep)
+    pending_s = pending_after - pending_before
+    assert sorted(forward_after) == [0, 1]
+    for stage, f in forward_after.items():
+        assert 0 < f - forward_before[stage] <= pending_s, (stage, forward_before, forward_after, pending_s)
+    assert pending_s <= elapsed_s
