@@ -11,7 +11,8 @@ allocations). The curves (``sim.calibration`` reads them):
     prefill   for every cached context c of ``cached_tokens`` (a prefix sent first, then held by the
               GPU prefix cache) and every new-token count n of ``new_tokens`` (n <= the step budget):
               the prefill window ``prefill_end_s - prefill_start_s`` of the prompt c + n, over
-              ``prefill.pp``: one stage's step (median of ``reps``)
+              ``prefill.pp``: one stage's step, the fastest of ``reps`` (a first allocation of a
+              size or a neighbour's burst only ever lengthens a window)
     restore   prefixes of ``restore_tokens`` (up to the longest whose prompt fits the prefill's
               KV, so a workload's restores lie inside the curve) are sent (saved to the pool), the
               GPU prefix cache is flushed by fresh prompts filling ``serve.prefill_kv_tokens`` + one
@@ -89,7 +90,7 @@ def default_grid(s) -> dict:
     long_ctx = lambda b: max(64, min(kv // 2, budget // b - DECODE_TOKENS - page) // page * page)  # noqa: E731
     share_batch = min(4, s.decode.max_seqs)
     return {"new_tokens": new, "cached_tokens": [c for c in cached if c >= 0], "restore_tokens": restore,
-            "decode": [(b, L) for b in batches for L in sorted({64, long_ctx(b)})], "reps": 1,
+            "decode": [(b, L) for b in batches for L in sorted({64, long_ctx(b)})], "reps": 2,
             "share": {"prompt_tokens": max(1, step // 8), "batch": share_batch, "context_tokens": long_ctx(share_batch)}}
 
 
@@ -237,7 +238,7 @@ async def _prefill(c: Client, s, grid: dict) -> tuple[list[list[float]], list[di
                 samples.append({"new_tokens": n, "cached_tokens": cached, "gpu_tokens": rec.get("gpu_tokens"),
                                 "prefill_s": w, "handoff_s": rec.get("handoff_s"), "ttft_s": out["ttft_s"]})
                 residual.append(out["ttft_s"] - w - _answer_wait_s(rec))
-            rows[n][cached] = statistics.median(got)
+            rows[n][cached] = min(got)
     grid_s = [[max(1e-6, rows[n][cc]) for cc in grid["cached_tokens"]] for n in grid["new_tokens"]]
     return grid_s, samples, residual
 
