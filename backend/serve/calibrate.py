@@ -403,14 +403,24 @@ async def measure(url: str, s, *, grid: dict | None = None, model: str | None = 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=s.serve.request_timeout_s)) as http:
         c = Client(http, url.rstrip("/"), model or s.model.name, s.serve.vocab, seed, on_step)
         t0 = time.perf_counter()
+        phase_s = {}
+
+        def phase_ended(name: str) -> None:
+            phase_s[name] = time.perf_counter() - t0 - sum(phase_s.values())
+
         await _warm_up(c, s)
+        phase_ended("warm_up")
         measured_from = len(c.records)
         prefill_grid, prefill_samples, residual = await _prefill(c, s, grid)
+        phase_ended("prefill")
         restore, _ = await _restore(c, s, grid)
+        phase_ended("restore")
         # the requests sent one at a time (the decode phase's come together); the restore's warm-up is one
         one_at_a_time = [o["record"] for o in c.records[measured_from:]]
         decode = await _decode(c, s, grid)
+        phase_ended("decode")
         sharing = await _sharing(c, s, grid, decode, prefill_grid)
+        phase_ended("sharing")
         wall = time.perf_counter() - t0
     hand = [(int(r.get("handoff_bytes", 0)), float(r.get("handoff_s", 0.0))) for r in one_at_a_time if r.get("handoff_bytes")]
     pp = s.prefill.pp
@@ -430,6 +440,7 @@ async def measure(url: str, s, *, grid: dict | None = None, model: str | None = 
         "overheads": _overheads(statistics.median(residual) if residual else 0.0),
         "requests": len(c.records),
         "wall_s": wall,
+        "phase_s": phase_s,
     }
 
 
