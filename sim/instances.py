@@ -1,7 +1,7 @@
 """Prefill and decode instances as SimPy actors.
 
 Prefill (``PrefillInstance``): chunked prefill in steps of at most ``max_batched_tokens`` tokens,
-FIFO over the requests whose KV is ready; with PP the stages overlap, so a step takes the cost
+FIFO over the requests whose KV is ready (``policy.prefill_steps.pack_step``, the engine's rule); with PP the stages overlap, so a step takes the cost
 model's time for the whole pipeline's work per stage share, and a request's last chunk completes
 ``pp - 1`` step times after its step (the pipeline fill). Per stage, pool loads run on
 ``load_workers_per_stage`` load workers (ATOM's default is one), each stage starting its load
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import simpy
 
+from kvpool.policy.prefill_steps import pack_step
 from kvpool.sim.cost import CostModel
 from kvpool.sim.events import call_later, fire
 from kvpool.sim.gpucache import GPUPrefixCache
@@ -108,6 +109,9 @@ class PrefillInstance:
         self.computed_tokens = 0
         self._computes: deque[_Compute] = deque()
         self._idle = True  # no step under way or about to start
+        #: a step's chunks end on multiples of this many tokens (``policy.prefill_steps``): 1 in the
+        #: fluid default model, the page size in serve mode
+        self.step_page_tokens = 1
         #: serve mode (``ordered_pipeline``): every stage computes its steps in the order they came
         #: and at most ``pp`` steps are in flight, as the prefill engine schedules them
         self.ordered = False
@@ -151,14 +155,16 @@ class PrefillInstance:
                 return True
         return False
 
-    def ordered_pipeline(self) -> None:
+    def ordered_pipeline(self, page_tokens: int) -> None:
         """Keep the prefill engine's pipeline (serve mode): a step leaves stage 0 after its step
         time, then passes every later stage in order, each taking the step time once the stage
         has ended the steps before it; its requests' last chunks complete when it leaves the last
         stage. A new step starts at stage 0 only while fewer than ``pp`` steps are in flight. (The
         default model lets every step complete ``pp - 1`` of its own step times after it left
-        stage 0, which lets a short step overtake a long one.)"""
+        stage 0, which lets a short step overtake a long one.) A step's chunks are cut to whole
+        pages of ``page_tokens``, as the engine's are."""
         self.ordered = True
+        self.step_page_tokens = page_tokens
 
     def _step(self, ev=None) -> None:
         """Start a step over the queue's head (written as callbacks: a step is one scheduled
@@ -170,15 +176,10 @@ class PrefillInstance:
         if self.ordered and self._flying >= self.pp:  # wait for a step in flight to leave (_leave_stage)
             self._room_wanted = True
             return
-        budget = self.max_batched_tokens
         now = self.env.now
-        batch: list[tuple[_Compute, int]] = []
-        for c in self._computes:
-            if budget <= 0:
-                break
-            take = min(c.remaining, budget)
-            batch.append((c, take))
-            budget -= take
+        takes = pack_step((c.remaining for c in self._computes), self.max_batched_tokens, self.step_page_tokens)
+        batch: list[tuple[_Compute, int]] = list(zip(self._computes, takes))
+        for c, _ in batch:
             if c.start_s < 0:
                 c.start_s = now
         alone = self.cost.prefill_step_s([(take, c.context) for c, take in batch])

@@ -15,8 +15,8 @@ Per request (in this order):
        outcome is all-or-nothing (``report_stage``); a failed load recomputes those tokens.
     4. **Compute**: the tokens the connector did not provide (``[gpu, first loaded chunk)`` then
        ``[end of load, prompt)``), in chunks: a step packs chunks of the running requests in
-       admission order up to ``prefill.max_batched_tokens`` tokens (a chunk that does not reach the
-       end of its range is cut to whole pages). A step goes through every stage in order; hidden
+       admission order up to ``prefill.max_batched_tokens`` tokens (``policy.prefill_steps``: a
+       chunk that does not reach the end of its range is cut to whole pages). A step goes through every stage in order; hidden
        states come back to the scheduler and go on to the next stage. Up to ``pp`` steps are in
        flight (stage ``s`` works on step ``k`` while stage ``s + 1`` works on step ``k - 1``); each
        stage computes its steps in the order it receives them. The last stage answers the first
@@ -61,6 +61,7 @@ from kvpool.backend.serve import stage_link as link
 from kvpool.backend.serve.blocks import Allocation, BlockManager
 from kvpool.policy.chunks import ChunkNaming
 from kvpool.policy.layout import HandoffPlan
+from kvpool.policy.prefill_steps import pack_step
 from kvpool.workload.records import RequestRecord
 
 EXISTS_WAIT_S = 5.0
@@ -396,18 +397,12 @@ class PrefillScheduler:
     def _schedule_step(self) -> None:
         if len(self.steps) >= self.pp or any(st.stage == 0 for st in self.steps):
             return
-        budget = self.s.max_batched_tokens
-        P = self.s.page_tokens
+        runnable = [req for req in self.live.values() if req.state == "running" and req.ranges]
+        takes = pack_step([req.ranges[0][1] - req.ranges[0][0] for req in runnable], self.s.max_batched_tokens,
+                          self.s.page_tokens)
         items = []
-        for req in self.live.values():
-            if req.state != "running" or not req.ranges:
-                continue
+        for req, take in zip(runnable, takes):
             start, end = req.ranges[0]
-            take = end - start
-            if take > budget:
-                take = budget // P * P
-            if take <= 0:
-                break
             stop = start + take
             if stop == end:
                 req.ranges.pop(0)
@@ -415,9 +410,6 @@ class PrefillScheduler:
                 req.ranges[0][0] = stop
             items.append((req, start, stop, stop == req.n))
             req.inflight_chunks += 1
-            budget -= take
-            if budget < P:
-                break
         if not items:
             return
         self._sid += 1

@@ -62,7 +62,7 @@ def _pipeline(env, sharing: tuple[float, float] | None):
     s = load_scenario("h200-tiny")
     p = PrefillInstance(env, 0, 0, [0], pp=s.prefill.pp, tp=1, max_batched_tokens=8192, cost=FixedCost(),
                         cache=GPUPrefixCache(None), load_workers=1)
-    p.ordered_pipeline()
+    p.ordered_pipeline(page_tokens=1)
     d = DecodeInstance(env, 0, 0, [1], capacity_tokens=1 << 20, max_seqs=8, tokens_per_step=1.0, cost=FixedCost())
     if sharing is not None:
         stages, decodes = shared_devices(s, *sharing)

@@ -152,7 +152,7 @@ def test_the_serve_pipeline_keeps_step_order_and_at_most_pp_steps_in_flight(orde
     p = PrefillInstance(env, 0, 0, [0, 1], pp=2, tp=1, max_batched_tokens=1000, cost=PerToken(), cache=None,
                         load_workers=1)
     if ordered:
-        p.ordered_pipeline()
+        p.ordered_pipeline(page_tokens=1)
     done: dict[str, tuple[float, float]] = {}
 
     def compute(name: str, tokens: int, at_s: float):
