@@ -140,6 +140,10 @@ def stack_cost(before: dict[str, dict], after: dict[str, dict], window_s: float)
             "stack_cost": None if share is None else 1.0 - share}
 
 
+def percent(share: float | None) -> str:
+    return "-" if share is None else f"{share:.1%}"
+
+
 def post(url: str, body: dict, timeout_s: float = 300) -> dict:
     import urllib.request
 
@@ -302,7 +306,7 @@ def main() -> None:
             log(f"{n} sessions: {summary['throughput_per_gpu_tok_s']:.0f} tok/s/GPU, TTFT p50 "
                 f"{summary['ttft_p50_s']:.2f} s p90 {summary['ttft_p90_s']:.2f} s, gpu/pool/computed "
                 f"{summary['share_gpu']:.2f}/{summary['share_pool']:.2f}/{summary['share_computed']:.2f}, "
-                f"bottleneck {summary['stack']['bottleneck']} (stack cost {summary['stack']['stack_cost']})")
+                f"bottleneck {summary['stack']['bottleneck']} (stack cost {percent(summary['stack']['stack_cost'])})")
     finally:
         status = served.stop()
     check = []
