@@ -18,7 +18,8 @@ One run, in order:
               and each stage's forward seconds, each decode engine's ``busy_s`` (loop iterations
               that ran a step) and its steps' seconds. ``forward_share`` is the model's part of the
               engine's busy time (the busiest stage's forward over ``pending_s``; the steps over
-              ``busy_s``); the bottleneck is the engine busy the largest share of the window, and
+              ``busy_s``), and a prefill engine's ``mean_steps_in_flight`` says how full its
+              pipeline was over ``pending_s`` (``pp`` when every stage holds a step); the bottleneck is the engine busy the largest share of the window, and
               ``stack_cost`` = 1 - its ``forward_share``: the time HTTP, routing, scheduling, the
               connector, the hand-off and the messages between processes keep the bottleneck from
               computing. The forward seconds are measured inside the workers as they share the
@@ -96,8 +97,8 @@ def engine_urls(run_dir: Path) -> dict[str, str]:
 
 
 def time_accounts(urls: dict[str, str]) -> dict[str, dict]:
-    """Each engine's time accounts now: a prefill engine's ``pending_s`` and ``stage_forward_s``
-    (by stage), a decode engine's ``busy_s`` and ``step_s`` (the sum of its steps' seconds)."""
+    """Each engine's time accounts now: a prefill engine's ``pending_s``, ``steps_in_flight_s`` and
+    ``stage_forward_s`` (by stage), a decode engine's ``busy_s`` and ``step_s`` (the sum of its steps' seconds)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -111,6 +112,7 @@ def time_accounts(urls: dict[str, str]) -> dict[str, dict]:
         if ("kvpool:prefill_pending_seconds", "") in samples:
             forward = {int(stage): v for (n, stage), v in samples.items() if n == "kvpool:prefill_stage_forward_seconds"}
             out[name] = {"pending_s": samples[("kvpool:prefill_pending_seconds", "")],
+                         "steps_in_flight_s": samples[("kvpool:prefill_steps_in_flight_seconds", "")],
                          "stage_forward_s": [forward[k] for k in sorted(forward)]}
         else:
             out[name] = {"busy_s": samples[("kvpool:decode_busy_seconds_total", "")],
@@ -126,8 +128,10 @@ def stack_cost(before: dict[str, dict], after: dict[str, dict], window_s: float)
         if "pending_s" in a:
             busy_s = a["pending_s"] - b["pending_s"]
             forward_s = [x - y for x, y in zip(a["stage_forward_s"], b["stage_forward_s"])]
+            in_flight_s = a["steps_in_flight_s"] - b["steps_in_flight_s"]
             engines[name] = {"pending_s": busy_s, "stage_forward_s": forward_s,
-                             "forward_share": max(forward_s) / busy_s if busy_s > 0 else None}
+                             "forward_share": max(forward_s) / busy_s if busy_s > 0 else None,
+                             "mean_steps_in_flight": in_flight_s / busy_s if busy_s > 0 else None}
         else:
             busy_s = a["busy_s"] - b["busy_s"]
             step_s = a["step_s"] - b["step_s"]

@@ -152,6 +152,9 @@ class EngineMetrics:
             forward.labels(str(stage)).set_function(lambda stage=stage: sched.stage_forward_s[stage])
         Gauge("kvpool:prefill_pending_seconds", "Seconds the engine held prompt tokens not yet computed",
               registry=r).set_function(lambda: sched.pending_s)
+        Gauge("kvpool:prefill_steps_in_flight_seconds",
+              "Steps in the pipeline integrated over the time the engine held prompt tokens not yet computed",
+              registry=r).set_function(lambda: sched.steps_in_flight_s)
         self.step_requests = Histogram("kvpool:prefill_step_requests", "Requests with a chunk in a prefill step",
                                        buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.step_tokens = Histogram("kvpool:prefill_step_tokens", "Tokens computed in a prefill step",

@@ -30,7 +30,9 @@ Per request (in this order):
 Time accounts (read by the engine's metrics, any thread): ``stage_forward_s[s]`` sums the
 ``forward_s`` stage ``s`` answers with each compute step (its layers' forward pass, to a device
 synchronization); ``pending_s`` is the wall time the engine held prompt tokens it had not yet
-computed (a request queued for pages, loading or computing). At saturation the busiest stage's
+computed (a request queued for pages, loading or computing), and ``steps_in_flight_s`` the time
+integral of the steps in the pipeline over the same time (over ``pending_s``: how many steps the
+pipeline held on average; ``pp`` when every stage has one). At saturation the busiest stage's
 forward time over ``pending_s`` is the share of the engine's time the model computes; the rest is
 what scheduling, the connector, the hand-off and the messages between processes cost.
 
@@ -239,6 +241,7 @@ class PrefillScheduler:
         self.step_tokens_done = 0
         self.stage_forward_s = [0.0] * self.pp
         self.pending_s = 0.0
+        self.steps_in_flight_s = 0.0
 
     # -- any thread ------------------------------------------------------------------------
     def submit(self, rid: str, tokens: tuple[int, ...], decode: int, session: str, done: Callable[[Outcome], None]) -> None:
@@ -276,7 +279,7 @@ class PrefillScheduler:
                 self._break(f"prefill stage {self.names[s]} holds {rep.get('num_blocks')} pages, the engine {self.blocks.num_blocks}")
         self.started.set()
         next_liveness = 0.0
-        t_mark, pending = time.monotonic(), False
+        t_mark, pending, in_flight = time.monotonic(), False, 0
         try:
             while not self.stop.is_set():
                 self._take_inbox()
@@ -293,7 +296,9 @@ class PrefillScheduler:
                 now = time.monotonic()
                 if pending:
                     self.pending_s += now - t_mark
-                t_mark, pending = now, self._holds_uncomputed()   # the state the poll waits in
+                    self.steps_in_flight_s += in_flight * (now - t_mark)
+                # the state the poll waits in
+                t_mark, pending, in_flight = now, self._holds_uncomputed(), len(self.steps)
                 poller.poll(0 if self.client.has_kept else int(LIVENESS_EVERY_S * 1000))
                 self.waker.drain()
         finally:

@@ -140,23 +140,28 @@ def test_metrics_name_every_source_and_the_denominator(served):
     assert total > 0 and sum(sums.values()) == total
 
 
-def time_accounts(dep) -> tuple[dict[int, float], float]:
-    """The engine's per-stage forward seconds and its pending seconds, from ``GET /metrics``."""
+def time_accounts(dep) -> tuple[dict[int, float], float, float]:
+    """The engine's per-stage forward seconds, its pending seconds and its steps-in-flight
+    seconds, from ``GET /metrics``."""
     _, text = dep.get("/metrics")
     forward_s = {int(m.group(1)): float(m.group(2)) for m in
                  re.finditer(r'^kvpool:prefill_stage_forward_seconds\{stage="(\d+)"\} (\S+)$', text, re.M)}
-    return forward_s, float(re.search(r"^kvpool:prefill_pending_seconds (\S+)$", text, re.M).group(1))
+    pending_s = float(re.search(r"^kvpool:prefill_pending_seconds (\S+)$", text, re.M).group(1))
+    in_flight_s = float(re.search(r"^kvpool:prefill_steps_in_flight_seconds (\S+)$", text, re.M).group(1))
+    return forward_s, pending_s, in_flight_s
 
 
 def test_each_stage_forward_pass_lies_inside_the_time_the_engine_held_work(served):
     dep, decode, _ = served
-    forward_before, pending_before = time_accounts(dep)
+    forward_before, pending_before, in_flight_before = time_accounts(dep)
     t0 = time.monotonic()
-    prefill(dep, decode, "timed-1", prompt(300, 40))
+    prefill(dep, decode, "timed-1", prompt(300, 40))   # three 128-token steps through two stages
     elapsed_s = time.monotonic() - t0
-    forward_after, pending_after = time_accounts(dep)
+    forward_after, pending_after, in_flight_after = time_accounts(dep)
     pending_s = pending_after - pending_before
     assert sorted(forward_after) == [0, 1]
     for stage, f in forward_after.items():
         assert 0 < f - forward_before[stage] <= pending_s, (stage, forward_before, forward_after, pending_s)
     assert pending_s <= elapsed_s
+    # a step is in the pipeline for the whole compute (at most two: one per stage)
+    assert 0 < in_flight_after - in_flight_before <= 2 * pending_s
