@@ -36,6 +36,8 @@ One run, in order:
 
 Prints one JSON document (and writes it to ``--out``). Usage, on a machine with a GPU:
     python bench/serve.py [--loads 2,4,8] [--duration 60] [--token-scale 1/16]
+on the CPU (no copy limits; the correctness check's reference runs on the CPU):
+    python bench/serve.py --scenario cpu-tiny --loads 2,4,8 --token-scale 1/32 --out bench/results/serve-cpu.json
 and on eight GPUs (the seed's 1P1D, one GPU per worker):
     python bench/serve.py --scenario h200x8-tiny --loads 4,8,16 --out bench/results/serve-h200x8.json
 """
