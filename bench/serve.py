@@ -19,7 +19,8 @@ One run, in order:
               that ran a step) and its steps' seconds. ``forward_share`` is the model's part of the
               engine's busy time (the busiest stage's forward over ``pending_s``; the steps over
               ``busy_s``), and a prefill engine's ``mean_steps_in_flight`` says how full its
-              pipeline was over ``pending_s`` (``pp`` when every stage holds a step); the bottleneck is the engine busy the largest share of the window, and
+              pipeline was over ``pending_s`` (``pp`` when every stage holds a step). The
+              bottleneck is the engine busy the largest share of the window, and
               ``stack_cost`` = 1 - its ``forward_share``: the time HTTP, routing, scheduling, the
               connector, the hand-off and the messages between processes keep the bottleneck from
               computing. The forward seconds are measured inside the workers as they share the
@@ -100,7 +101,8 @@ def engine_urls(run_dir: Path) -> dict[str, str]:
 
 def time_accounts(urls: dict[str, str]) -> dict[str, dict]:
     """Each engine's time accounts now: a prefill engine's ``pending_s``, ``steps_in_flight_s`` and
-    ``stage_forward_s`` (by stage), a decode engine's ``busy_s`` and ``step_s`` (the sum of its steps' seconds)."""
+    ``stage_forward_s`` (by stage), a decode engine's ``busy_s`` and ``step_s`` (the sum of its
+    steps' seconds)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families

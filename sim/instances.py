@@ -1,11 +1,11 @@
 """Prefill and decode instances as SimPy actors.
 
 Prefill (``PrefillInstance``): chunked prefill in steps of at most ``max_batched_tokens`` tokens,
-FIFO over the requests whose KV is ready (``policy.prefill_steps.pack_step``, the engine's rule); with PP the stages overlap, so a step takes the cost
-model's time for the whole pipeline's work per stage share, and a request's last chunk completes
-``pp - 1`` step times after its step (the pipeline fill). Per stage, pool loads run on
-``load_workers_per_stage`` load workers (ATOM's default is one), each stage starting its load
-after the forwards queued ahead of it.
+FIFO over the requests whose KV is ready (``policy.prefill_steps.pack_step``, the engine's rule);
+with PP the stages overlap, so a step takes the cost model's time for the whole pipeline's work
+per stage share, and a request's last chunk completes ``pp - 1`` step times after its step (the
+pipeline fill). Per stage, pool loads run on ``load_workers_per_stage`` load workers (ATOM's
+default is one), each stage starting its load after the forwards queued ahead of it.
 
 Decode (``DecodeInstance``): continuous batching as a fluid model. Between joins and leaves the
 step time is constant (cost model of the running batch), every sequence advances

@@ -16,10 +16,10 @@ Per request (in this order):
     4. **Compute**: the tokens the connector did not provide (``[gpu, first loaded chunk)`` then
        ``[end of load, prompt)``), in chunks: a step packs chunks of the running requests in
        admission order up to ``prefill.max_batched_tokens`` tokens (``policy.prefill_steps``: a
-       chunk that does not reach the end of its range is cut to whole pages). A step goes through every stage in order; hidden
-       states come back to the scheduler and go on to the next stage. Up to ``pp`` steps are in
-       flight (stage ``s`` works on step ``k`` while stage ``s + 1`` works on step ``k - 1``); each
-       stage computes its steps in the order it receives them. The last stage answers the first
+       chunk that does not reach the end of its range is cut to whole pages). A step goes through
+       every stage in order; hidden states come back to the scheduler and go on to the next stage.
+       Up to ``pp`` steps are in flight (stage ``s`` works on step ``k`` while stage ``s + 1``
+       works on step ``k - 1``); each stage computes its steps in the order it receives them. The last stage answers the first
        token (greedy) with the request's last chunk.
     5. **After compute**: the pages enter the GPU prefix cache; the new full chunks are saved with
        group ids on every stage and the KV is handed to the decode instance on every stage, both at

@@ -6,8 +6,8 @@ that arrive together share chunked-prefill steps; bad requests get a 4xx with a 
 from __future__ import annotations
 
 import re
-import time
 import threading
+import time
 
 import pytest
 
