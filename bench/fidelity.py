@@ -16,7 +16,9 @@ One run, in order:
                throughput and decode speed per user (``gen_speed_per_user_tok_s_p50``; error in %),
                requests; where each run's requests spent their time (``phases``: prefill window,
                hand-off and time per output token, requests in prefill and sequences decoding
-               on average); a table on stdout, the document in ``--out``, and
+               on average); the real run's engine time accounts (``stack_real``:
+               ``engine_accounts.stack_cost``; null for a kept replay whose summary has none);
+               a table on stdout, the document in ``--out``, and
                an overlay plot in ``--plot`` (TTFT CDF real vs simulated and token shares, per load)
 
 Usage (CPU; a GPU scenario the same way, e.g. ``--scenario h200-tiny``):
@@ -39,6 +41,8 @@ import sys
 import time
 from fractions import Fraction
 from pathlib import Path
+
+from engine_accounts import engine_urls, stack_cost, time_accounts
 
 ROOT = Path(__file__).resolve().parents[1]
 KVPOOL = [sys.executable, "-m", "kvpool.cli"]
@@ -87,14 +91,18 @@ def real_load(a, work: Path, load: int) -> tuple[dict, list[dict]]:
             log(f"replaying {load} sessions against {url}")
             cmd = [*KVPOOL, "replay", a.scenario, "--url", url, "--traces", a.traces, "--sessions", str(load),
                    "--out", str(where / "replay"), "--json", *sum((["--set", x] for x in overrides(a)), [])]
+            urls = engine_urls(served.run_dir)
+            before, t0 = time_accounts(urls), time.monotonic()
             doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            stack = stack_cost(before, time_accounts(urls), time.monotonic() - t0)
         finally:
             served.stop()
         jsonl = next((where / "replay").glob("*.jsonl"))
-        done.write_text(json.dumps({"summary": doc["results"][0], "jsonl": str(jsonl.relative_to(where))}))
+        done.write_text(json.dumps({"summary": doc["results"][0], "jsonl": str(jsonl.relative_to(where)),
+                                    "stack": stack}))
     kept = json.loads(done.read_text())
     records = [json.loads(line) for line in (where / kept["jsonl"]).read_text().splitlines() if line.strip()]
-    return kept["summary"], records
+    return {**kept["summary"], "stack": kept.get("stack")}, records
 
 
 def simulated(a, cal: Path, loads: list[int]) -> list[tuple[dict, list[dict], list[str]]]:
@@ -223,7 +231,7 @@ def main() -> None:
     rows = []
     for n, (real, rrecs), (srow, srecs, notes) in zip(loads, reals, sims):
         rows.append({"sessions": n, "compare": compare(real, srow), "cost_notes": notes,
-                     "phases": {"real": phases(rrecs), "sim": phases(srecs)},
+                     "phases": {"real": phases(rrecs), "sim": phases(srecs)}, "stack_real": real["stack"],
                      "ttft_real": ttfts(rrecs), "ttft_sim": ttfts(srecs)})
     print_table(rows)
     for r in rows:

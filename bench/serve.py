@@ -59,6 +59,7 @@ from pathlib import Path
 
 import torch
 from device_timing import sync, times_s
+from engine_accounts import engine_urls, stack_cost, time_accounts
 
 ROOT = Path(__file__).resolve().parents[1]
 KVPOOL = [sys.executable, "-m", "kvpool.cli"]
@@ -88,64 +89,6 @@ def handoff_gb_s(records: list[dict]) -> float:
     ok = [r for r in records if not r.get("error") and r.get("handoff_s", 0) > 0]
     secs = sum(r["handoff_s"] for r in ok)
     return sum(r["handoff_bytes"] for r in ok) / secs / 1e9 if secs else 0.0
-
-
-def engine_urls(run_dir: Path) -> dict[str, str]:
-    """Each prefill and decode engine's URL, by worker name, from the run directory's ready files."""
-    from kvpool.backend.serve.plan import ServePlan
-
-    plan = ServePlan.read(run_dir / "plan.json")
-    return {w.name: json.loads(plan.ready_path(w.name).read_text())["url"]
-            for w in plan.workers if w.role in ("prefill_engine", "decode_engine")}
-
-
-def time_accounts(urls: dict[str, str]) -> dict[str, dict]:
-    """Each engine's time accounts now: a prefill engine's ``pending_s``, ``steps_in_flight_s`` and
-    ``stage_forward_s`` (by stage), a decode engine's ``busy_s`` and ``step_s`` (the sum of its
-    steps' seconds)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for name, url in urls.items():
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        samples = {(s.name, s.labels.get("stage", "")): s.value
-                   for fam in text_string_to_metric_families(text) for s in fam.samples}
-        if ("kvpool:prefill_pending_seconds", "") in samples:
-            forward = {int(stage): v for (n, stage), v in samples.items() if n == "kvpool:prefill_stage_forward_seconds"}
-            out[name] = {"pending_s": samples[("kvpool:prefill_pending_seconds", "")],
-                         "steps_in_flight_s": samples[("kvpool:prefill_steps_in_flight_seconds", "")],
-                         "stage_forward_s": [forward[k] for k in sorted(forward)]}
-        else:
-            out[name] = {"busy_s": samples[("kvpool:decode_busy_seconds_total", "")],
-                         "step_s": samples[("kvpool:decode_step_seconds_sum", "")]}
-    return out
-
-
-def stack_cost(before: dict[str, dict], after: dict[str, dict], window_s: float) -> dict:
-    """What the engines did in ``window_s`` between two ``time_accounts`` (see the module docstring)."""
-    engines = {}
-    for name, a in after.items():
-        b = before[name]
-        if "pending_s" in a:
-            busy_s = a["pending_s"] - b["pending_s"]
-            forward_s = [x - y for x, y in zip(a["stage_forward_s"], b["stage_forward_s"])]
-            in_flight_s = a["steps_in_flight_s"] - b["steps_in_flight_s"]
-            engines[name] = {"pending_s": busy_s, "stage_forward_s": forward_s,
-                             "forward_share": max(forward_s) / busy_s if busy_s > 0 else None,
-                             "mean_steps_in_flight": in_flight_s / busy_s if busy_s > 0 else None}
-        else:
-            busy_s = a["busy_s"] - b["busy_s"]
-            step_s = a["step_s"] - b["step_s"]
-            engines[name] = {"busy_s": busy_s, "step_s": step_s,
-                             "forward_share": step_s / busy_s if busy_s > 0 else None}
-        engines[name]["busy_share_of_window"] = busy_s / window_s
-    bottleneck = max(engines, key=lambda n: engines[n]["busy_share_of_window"])
-    share = engines[bottleneck]["forward_share"]
-    return {"window_s": window_s, "engines": engines, "bottleneck": bottleneck,
-            "stack_cost": None if share is None else 1.0 - share}
 
 
 def percent(share: float | None) -> str:
