@@ -5,15 +5,29 @@ tokens. A step takes the runnable requests in admission order, each request's ne
 the budget left; a request whose tokens do not fit gets whole pages of them (the rest waits for a
 later step), and packing stops when less than a page of budget is left.
 
-Both worlds call ``pack_step``: the prefill engine's scheduler (``backend.serve.prefill_scheduler``,
-with the model's page size) and the simulator's prefill instance (``sim.instances``: with the page
-size in serve mode, which keeps the engine's pipeline; with one-token pages in the default fluid
-model, whose steps may end anywhere).
+With pipeline parallelism a step passes the stages one after another, and a stage works on a step
+while the next stage works on the one before. A step that takes every runnable request keeps one
+stage busy at a time; with ``prefill.spread_requests`` a step takes at most the runnable requests'
+even share over the stages (``step_requests``), so that the steps after it fill the stages behind
+it. A lone request is still one step (the calibration's prefill cells measure such steps).
+
+Both worlds call these: the prefill engine's scheduler (``backend.serve.prefill_scheduler``, with
+the model's page size) and the simulator's prefill instance (``sim.instances``: with the page size
+in serve mode, which keeps the engine's pipeline; with one-token pages in the default fluid model,
+whose steps may end anywhere and whose stages overlap by assumption).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+
+def step_requests(runnable_requests: int, stages: int, spread: bool) -> int:
+    """How many of the ``runnable_requests`` (in admission order) the next step may take: all of
+    them, or with ``spread`` their share over the ``stages``, rounded up."""
+    if stages < 1:
+        raise ValueError(f"step_requests: stages must be >= 1, got {stages}")
+    return -(-runnable_requests // stages) if spread else runnable_requests
 
 
 def pack_step(remaining_tokens: Iterable[int], budget_tokens: int, page_tokens: int) -> list[int]:

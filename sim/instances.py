@@ -14,7 +14,8 @@ joins when its KV fits (``in + out`` tokens reserved of the instance's KV capaci
 has room (``max_seqs``); its first token comes one step after it joins.
 
 Serve mode: the prefill keeps the engine's pipeline (``ordered_pipeline``: each stage takes its
-steps in order, at most ``pp`` in flight), and where the workers share devices (``sim.devices``)
+steps in order, at most ``pp`` in flight; with ``prefill.spread_requests`` a step takes at most the
+computes' share over the stages), and where the workers share devices (``sim.devices``)
 a stage's step takes its time alone x the placement's factor when the stage starts it, and the
 decode's step its time alone x its factor, repriced whenever another worker on its devices starts
 or stops.
@@ -26,11 +27,12 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING
 
 import simpy
 
-from kvpool.policy.prefill_steps import pack_step
+from kvpool.policy.prefill_steps import pack_step, step_requests
 from kvpool.sim.cost import CostModel
 from kvpool.sim.events import call_later, fire
 from kvpool.sim.gpucache import GPUPrefixCache
@@ -112,6 +114,9 @@ class PrefillInstance:
         #: a step's chunks end on multiples of this many tokens (``policy.prefill_steps``): 1 in the
         #: fluid default model, the page size in serve mode
         self.step_page_tokens = 1
+        #: serve mode with ``prefill.spread_requests``: a step takes at most the computes' share over
+        #: the stages (``policy.prefill_steps.step_requests``)
+        self.spread_requests = False
         #: serve mode (``ordered_pipeline``): every stage computes its steps in the order they came
         #: and at most ``pp`` steps are in flight, as the prefill engine schedules them
         self.ordered = False
@@ -155,16 +160,18 @@ class PrefillInstance:
                 return True
         return False
 
-    def ordered_pipeline(self, page_tokens: int) -> None:
+    def ordered_pipeline(self, page_tokens: int, spread_requests: bool = False) -> None:
         """Keep the prefill engine's pipeline (serve mode): a step leaves stage 0 after its step
         time, then passes every later stage in order, each taking the step time once the stage
         has ended the steps before it; its requests' last chunks complete when it leaves the last
         stage. A new step starts at stage 0 only while fewer than ``pp`` steps are in flight. (The
         default model lets every step complete ``pp - 1`` of its own step times after it left
         stage 0, which lets a short step overtake a long one.) A step's chunks are cut to whole
-        pages of ``page_tokens``, as the engine's are."""
+        pages of ``page_tokens``, and with ``spread_requests`` a step takes at most the computes'
+        share over the stages, as the engine's steps do."""
         self.ordered = True
         self.step_page_tokens = page_tokens
+        self.spread_requests = spread_requests
 
     def _step(self, ev=None) -> None:
         """Start a step over the queue's head (written as callbacks: a step is one scheduled
@@ -177,7 +184,9 @@ class PrefillInstance:
             self._room_wanted = True
             return
         now = self.env.now
-        takes = pack_step((c.remaining for c in self._computes), self.max_batched_tokens, self.step_page_tokens)
+        taken = step_requests(len(self._computes), self.pp, self.spread_requests)
+        takes = pack_step((c.remaining for c in islice(self._computes, taken)), self.max_batched_tokens,
+                          self.step_page_tokens)
         batch: list[tuple[_Compute, int]] = list(zip(self._computes, takes))
         for c, _ in batch:
             if c.start_s < 0:

@@ -88,7 +88,7 @@ class World:
             page = s.model.page_tokens
             for p in self.prefills:
                 p.pages = PrefillPages(max(1, cache_tokens // page), page)
-                p.ordered_pipeline(page)
+                p.ordered_pipeline(page, s.prefill.spread_requests)
             self._share_devices()
         self._decode_capacity_tokens = sum(d.capacity_tokens for d in self.decodes)
         #: per decode group: its prefill instances (every instance when a group has none)

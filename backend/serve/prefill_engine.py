@@ -210,7 +210,7 @@ def build_scheduler(plan: ServePlan, worker: Worker, stage_ready: list[dict]):
     blocks = BlockManager(sc.serve.prefill_kv_tokens // cfg.page_tokens, cfg.page_tokens,
                           chain_seed(naming.namespace, "gpu-prefix-cache"))
     settings = SchedulerSettings(sc.prefill.max_batched_tokens, cfg.page_tokens, tuple(cfg.stage_layers), cfg.record_bytes,
-                                 write_cap_bytes(sc), HANDOFF_TIMEOUT_S, worker.instance)
+                                 write_cap_bytes(sc), HANDOFF_TIMEOUT_S, worker.instance, sc.prefill.spread_requests)
     sched_cfg = SchedulerConfig(chunk_tokens=sc.pool.chunk_tokens, page_tokens=cfg.page_tokens,
                                 min_load_tokens=sc.pool.min_load_tokens, recheck_after_s=1.0)
     stages = plan.stages_of(worker.instance)

@@ -16,7 +16,8 @@ Per request (in this order):
     4. **Compute**: the tokens the connector did not provide (``[gpu, first loaded chunk)`` then
        ``[end of load, prompt)``), in chunks: a step packs chunks of the running requests in
        admission order up to ``prefill.max_batched_tokens`` tokens (``policy.prefill_steps``: a
-       chunk that does not reach the end of its range is cut to whole pages). A step goes through
+       chunk that does not reach the end of its range is cut to whole pages; with
+       ``prefill.spread_requests`` at most the running requests' share over the stages). A step goes through
        every stage in order; hidden states come back to the scheduler and go on to the next stage.
        Up to ``pp`` steps are in flight (stage ``s`` works on step ``k`` while stage ``s + 1``
        works on step ``k - 1``); each stage computes its steps in the order it receives them. The last stage answers the first
@@ -63,7 +64,7 @@ from kvpool.backend.serve import stage_link as link
 from kvpool.backend.serve.blocks import Allocation, BlockManager
 from kvpool.policy.chunks import ChunkNaming
 from kvpool.policy.layout import HandoffPlan
-from kvpool.policy.prefill_steps import pack_step
+from kvpool.policy.prefill_steps import pack_step, step_requests
 from kvpool.workload.records import RequestRecord
 
 EXISTS_WAIT_S = 5.0
@@ -196,6 +197,7 @@ class SchedulerSettings:
     max_write_bytes: int
     handoff_timeout_s: float = 30.0
     instance: int = 0
+    spread_requests: bool = False
 
 
 class PrefillScheduler:
@@ -403,6 +405,7 @@ class PrefillScheduler:
         if len(self.steps) >= self.pp or any(st.stage == 0 for st in self.steps):
             return
         runnable = [req for req in self.live.values() if req.state == "running" and req.ranges]
+        runnable = runnable[:step_requests(len(runnable), self.pp, self.s.spread_requests)]
         takes = pack_step([req.ranges[0][1] - req.ranges[0][0] for req in runnable], self.s.max_batched_tokens,
                           self.s.page_tokens)
         items = []

@@ -131,6 +131,7 @@ class PrefillConfig(_Section):
     gpu_mem_utilization: Float = Field(default=0.85, gt=0, le=1, description="fraction of HBM the engine takes")
     reserved_gb_per_gpu: Float = Field(default=0.0, ge=0, le=10_000, description="activations/workspace per GPU, GB")
     max_batched_tokens: Int = Field(default=8192, gt=0, le=MAX_TOKENS, description="chunked-prefill tokens per step")
+    spread_requests: Bool = Field(default=False, description="a step takes at most the runnable requests' even share over the pipeline stages, so that the next steps fill the stages behind it (kvpool serve, and the simulator in serve mode)")
 
     @property
     def gpus(self) -> int:

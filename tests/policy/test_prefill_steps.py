@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.policy.prefill_steps import pack_step
+from kvpool.policy.prefill_steps import pack_step, step_requests
 
 
 def test_requests_that_fit_are_taken_whole_in_admission_order():
@@ -47,3 +47,14 @@ def test_the_remaining_tokens_are_read_only_as_far_as_the_step_reaches():
 def test_a_page_size_below_one_is_refused():
     with pytest.raises(ValueError, match="page_tokens"):
         pack_step([10], 100, 0)
+
+
+def test_a_step_takes_every_runnable_request_unless_spread():
+    assert step_requests(7, 4, spread=False) == 7
+    assert [step_requests(n, 4, spread=True) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    assert step_requests(3, 1, spread=True) == 3     # one stage: nothing to fill
+
+
+def test_step_requests_refuses_a_pipeline_without_stages():
+    with pytest.raises(ValueError, match="stages"):
+        step_requests(3, 0, spread=True)

@@ -174,6 +174,25 @@ def test_the_serve_pipeline_keeps_step_order_and_at_most_pp_steps_in_flight(orde
         assert done["late"] == pytest.approx((1.01, 1.03))
 
 
+@pytest.mark.parametrize("spread", [False, True])
+def test_spread_requests_fill_the_pipeline_behind_the_first_step(spread):
+    """Four 100-token requests at once through two stages (1 ms a token): one step of all four, or
+    (``prefill.spread_requests``) steps of the runnable requests' share over the stages: two, then
+    one, then one, each stage taking the next step as soon as it is free."""
+    env = simpy.Environment()
+    p = PrefillInstance(env, 0, 0, [0, 1], pp=2, tp=1, max_batched_tokens=1000, cost=PerToken(), cache=None,
+                        load_workers=1)
+    p.ordered_pipeline(page_tokens=16, spread_requests=spread)
+    done: dict[int, float] = {}
+    for k in range(4):
+        p.compute(100, 0).callbacks.append(lambda e, k=k: done.__setitem__(k, env.now))
+    env.run()
+    if spread:   # stage 1 takes step A at 0.2, B at 0.4; C waits for A to leave (two in flight)
+        assert [done[k] for k in range(4)] == pytest.approx([0.4, 0.4, 0.5, 0.6])
+    else:
+        assert [done[k] for k in range(4)] == pytest.approx([0.8] * 4)
+
+
 @pytest.mark.parametrize("faults", [[], ["faults.hang_prob_other=0.2", "faults.hang_s=5", "faults.request_timeout_s=6",
                                         "faults.restore_fail_prob=0.3", "faults.save_fail_prob=0.3"]])
 def test_every_page_goes_back_by_the_end_of_a_run_faults_or_not(faults):
