@@ -9,7 +9,7 @@ With pipeline parallelism a step passes the stages one after another, and a stag
 while the next stage works on the one before. A step that takes every runnable request keeps one
 stage busy at a time; with ``prefill.spread_requests`` a step takes at most the runnable requests'
 even share over the stages (``step_requests``), so that the steps after it fill the stages behind
-it. A lone request is still one step (the calibration's prefill cells measure such steps).
+it. A lone request's steps stay as they are (the calibration's prefill cells measure such steps).
 
 Both worlds call these: the prefill engine's scheduler (``backend.serve.prefill_scheduler``, with
 the model's page size) and the simulator's prefill instance (``sim.instances``: with the page size
