@@ -77,7 +77,9 @@ def calibrate(a, work: Path) -> Path:
     return path
 
 
-def real_load(a, work: Path, load: int) -> tuple[dict, list[dict]]:
+def real_load(a, work: Path, load: int) -> tuple[dict, list[dict], dict | None]:
+    """A load's real run: the replay's summary, its records and the engines' time accounts
+    (``engine_accounts.stack_cost``; None for a kept replay whose summary has none)."""
     from kvpool.backend.serve.launch import start_serve
 
     where = work / f"real-{load}"
@@ -102,7 +104,7 @@ def real_load(a, work: Path, load: int) -> tuple[dict, list[dict]]:
                                     "stack": stack}))
     kept = json.loads(done.read_text())
     records = [json.loads(line) for line in (where / kept["jsonl"]).read_text().splitlines() if line.strip()]
-    return {**kept["summary"], "stack": kept.get("stack")}, records
+    return kept["summary"], records, kept.get("stack")
 
 
 def simulated(a, cal: Path, loads: list[int]) -> list[tuple[dict, list[dict], list[str]]]:
@@ -229,9 +231,9 @@ def main() -> None:
     reals = [real_load(a, work, n) for n in loads]
     sims = simulated(a, cal, loads)
     rows = []
-    for n, (real, rrecs), (srow, srecs, notes) in zip(loads, reals, sims):
+    for n, (real, rrecs, stack), (srow, srecs, notes) in zip(loads, reals, sims):
         rows.append({"sessions": n, "compare": compare(real, srow), "cost_notes": notes,
-                     "phases": {"real": phases(rrecs), "sim": phases(srecs)}, "stack_real": real["stack"],
+                     "phases": {"real": phases(rrecs), "sim": phases(srecs)}, "stack_real": stack,
                      "ttft_real": ttfts(rrecs), "ttft_sim": ttfts(srecs)})
     print_table(rows)
     for r in rows:
