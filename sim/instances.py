@@ -408,8 +408,12 @@ class DecodeInstance:
     def _computing(self, running: bool) -> None:
         """Tell the devices this instance shares whether it computes (it steps while it has a batch)."""
         placement = self.placement
-        if placement is not None and placement.computing != running:
-            placement.start() if running else placement.stop()
+        if placement is None or placement.computing == running:
+            return
+        if running:
+            placement.start()
+        else:
+            placement.stop()
 
     def _devices_changed(self) -> None:
         """Another worker on this instance's devices started or stopped: the batch steps at the new rate from now."""
