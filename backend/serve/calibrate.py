@@ -6,13 +6,10 @@ the router's ``kvpool.record`` of each (``docs/serve.md``). Nothing but the publ
 any server of the scenario can be measured; the prompts are private to the calibration (fresh random
 ids), so they never hit a workload's cached prefixes. Three warm-up requests come first and are
 not measured (a server's first requests of a kind pay one-time costs: kernel compiles, first
-allocations). The curves (``sim.calibration`` reads them):
+allocations). The phases run in the order below, restore, decode, prefill, sharing, so that the
+prefill grid is measured on a server whose GPU prefix cache is full and which has decoded, as a
+replay's prefills are. The curves (``sim.calibration`` reads them):
 
-    prefill   for every cached context c of ``cached_tokens`` (a prefix sent first, then held by the
-              GPU prefix cache) and every new-token count n of ``new_tokens`` (n <= the step budget):
-              the prefill window ``prefill_end_s - prefill_start_s`` of the prompt c + n, over
-              ``prefill.pp``: one stage's step, the fastest of ``reps`` (a first allocation of a
-              size or a neighbour's burst only ever lengthens a window)
     restore   prefixes of ``restore_tokens`` (up to the longest whose prompt fits the prefill's
               KV, so a workload's restores lie inside the curve) are sent (saved to the pool), the
               GPU prefix cache is flushed by fresh prompts filling ``serve.prefill_kv_tokens`` + one
@@ -23,6 +20,11 @@ allocations). The curves (``sim.calibration`` reads them):
               lengths from ``decode_contexts``, ``DECODE_TOKENS`` generated: in the window where all
               of them stream, tokens per second per sequence -> step time; fitted over (batch, total
               context) as ``fixed_s + per_seq_s x batch + per_ctx_token_s x context``
+    prefill   for every cached context c of ``cached_tokens`` (a prefix sent first, then held by the
+              GPU prefix cache) and every new-token count n of ``new_tokens`` (n <= the step budget):
+              the prefill window ``prefill_end_s - prefill_start_s`` of the prompt c + n, over
+              ``prefill.pp``: one stage's step, the fastest of ``reps`` (a first allocation of a
+              size or a neighbour's burst only ever lengthens a window)
     handoff   ``handoff_s`` (the hand-off alone) over ``handoff_bytes`` of the prefill and restore
               phases' requests, which go one at a time (no hand-off queues behind another's, as the
               decode phase's do); fitted ``fixed_s + bytes / bytes_per_s`` (every such fit is
@@ -40,7 +42,10 @@ allocations). The curves (``sim.calibration`` reads them):
               prompt's stages compute one after another, so inside its prefill window exactly one
               stage computes beside the decode: ``decode_slowdown_per_worker`` is the decode's step
               inside the windows over its step before them, less 1; ``prefill_slowdown_per_worker``
-              the median window beside the decode over the median window alone, less 1 (both >= 0)
+              the median window beside the decode over the median window alone, less 1 (both >= 0).
+              ``prefill_alone_over_grid``, the median window alone over the prefill grid's window
+              of the same prompt, says whether the server's speed held through the calibration
+              (1: it did); the simulator does not read it
     overheads ``control_plane_s``: median over the single-token prefill requests of client TTFT less
               the prefill window and the longer of ``handoff_s`` and ``save_s`` (the prefill's
               answer, which carries the first token, waits for both; so does the simulator's in
@@ -349,7 +354,18 @@ async def _sharing(c: Client, s, grid: dict, decode: dict, prefill_grid: list[li
             "decode_step_before_s": before_s * s.decode.mtp_accept_tokens,
             "decode_step_beside_s": beside_s * s.decode.mtp_accept_tokens,
             "decode_slowdown_per_worker": max(0.0, beside_s / before_s - 1.0),
-            "prefill_slowdown_per_worker": max(0.0, window_beside / window_alone - 1.0)}
+            "prefill_slowdown_per_worker": max(0.0, window_beside / window_alone - 1.0),
+            "prefill_alone_over_grid": _alone_over_grid(window_alone, s.prefill.pp, prompt, grid, prefill_grid)}
+
+
+def _alone_over_grid(window_alone_s: float, pp: int, prompt_tokens: int, grid: dict,
+                     prefill_grid: list[list[float]]) -> float | None:
+    """The sharing phase's median window alone over the window the prefill grid measured for the same
+    prompt (its cell at no cached context, times ``pp``): 1 when the server computes a prompt at the
+    end of the calibration as fast as in its prefill phase; ``None`` without that cell."""
+    if prompt_tokens not in grid["new_tokens"] or grid["cached_tokens"][0] != 0:
+        return None
+    return window_alone_s / (pp * prefill_grid[grid["new_tokens"].index(prompt_tokens)][0])
 
 
 def _share_prompt_tokens(least: int, new_tokens: Sequence[int], uncached_step_s: Sequence[float],
@@ -410,15 +426,18 @@ async def measure(url: str, s, *, grid: dict | None = None, model: str | None = 
 
         await _warm_up(c, s)
         phase_ended("warm_up")
-        measured_from = len(c.records)
-        prefill_grid, prefill_samples, residual = await _prefill(c, s, grid)
-        phase_ended("prefill")
-        restore, _ = await _restore(c, s, grid)
-        phase_ended("restore")
         # the requests sent one at a time (the decode phase's come together); the restore's warm-up is one
-        one_at_a_time = [o["record"] for o in c.records[measured_from:]]
+        one_at_a_time = []
+        sent = len(c.records)
+        restore, _ = await _restore(c, s, grid)
+        one_at_a_time += [o["record"] for o in c.records[sent:]]
+        phase_ended("restore")
         decode = await _decode(c, s, grid)
         phase_ended("decode")
+        sent = len(c.records)
+        prefill_grid, prefill_samples, residual = await _prefill(c, s, grid)
+        one_at_a_time += [o["record"] for o in c.records[sent:]]
+        phase_ended("prefill")
         sharing = await _sharing(c, s, grid, decode, prefill_grid)
         phase_ended("sharing")
         wall = time.perf_counter() - t0

@@ -154,7 +154,25 @@ def calibrate(
                   f"a prefill stage +{share['prefill_slowdown_per_worker']:.0%}; "
                   f"control plane {doc['overheads']['control_plane_s'] * 1e3:.1f} ms; "
                   f"{doc['requests']} requests in {doc['wall_s']:.0f} s")
+    drift = speed_drift_warning(share.get("prefill_alone_over_grid"))
+    if drift:
+        typer.echo(f"warning: {drift}", err=True)
     typer.echo(f"wrote {out}")
+
+
+#: how far the sharing phase's prompt alone may stray from its prefill-grid window before a warning
+SPEED_DRIFT_LIMIT = 1.15
+
+
+def speed_drift_warning(alone_over_grid: float | None) -> str | None:
+    """A warning when a prompt measured alone at the end of the calibration took more than
+    ``SPEED_DRIFT_LIMIT`` times (or less than its inverse) the window the prefill grid measured for
+    it; ``None`` otherwise."""
+    if alone_over_grid is None or 1 / SPEED_DRIFT_LIMIT <= alone_over_grid <= SPEED_DRIFT_LIMIT:
+        return None
+    return (f"the sharing phase's prompts alone took {alone_over_grid:.2f}x the window the prefill grid measured "
+            "for the same prompt: the server's speed changed during the calibration, so its prefill cells may "
+            "not hold for a replay (sharing.prefill_alone_over_grid)")
 
 
 def _refit(path: Path, out: Path | None) -> None:

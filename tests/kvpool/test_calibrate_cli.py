@@ -55,3 +55,14 @@ def test_a_file_without_its_samples_is_one_error_line(tmp_path):
     code, _, stderr, _ = cli("calibrate", "--refit", str(src), "--out", str(tmp_path / "new.json"))
     assert code == 2 and stderr.startswith(f"error: {src}: cannot refit") and len(stderr.splitlines()) == 1
     assert not (tmp_path / "new.json").exists()
+
+
+def test_a_calibration_whose_server_changed_speed_is_warned_about():
+    from kvpool.cli.calibrate import SPEED_DRIFT_LIMIT, speed_drift_warning
+
+    assert speed_drift_warning(None) is None
+    assert speed_drift_warning(1.0) is None
+    assert speed_drift_warning(SPEED_DRIFT_LIMIT) is None and speed_drift_warning(1 / SPEED_DRIFT_LIMIT) is None
+    slower = speed_drift_warning(1.47)
+    assert slower is not None and "1.47x" in slower and "sharing.prefill_alone_over_grid" in slower
+    assert speed_drift_warning(0.8) is not None

@@ -62,6 +62,19 @@ def test_the_sharing_slowdowns_are_the_ratios_of_the_steps_and_windows_it_measur
     assert share["decode_slowdown_per_worker"] == pytest.approx(max(0.0, beside / before - 1), rel=1e-12)
     windows = statistics.median(share["prefill_window_beside_s"]) / statistics.median(share["prefill_window_alone_s"])
     assert share["prefill_slowdown_per_worker"] == pytest.approx(max(0.0, windows - 1), rel=1e-12)
+    # the same prompt alone at the end against its prefill-grid cell (no cached context) over the stages
+    cell_s = doc["prefill"]["step_s"][GRID["new_tokens"].index(share["prompt_tokens"])][0]
+    assert share["prefill_alone_over_grid"] == pytest.approx(
+        statistics.median(share["prefill_window_alone_s"]) / (s.prefill.pp * cell_s), rel=1e-12)
+
+
+@pytest.mark.timeout(300)
+def test_the_prefill_grid_is_measured_after_the_restore_and_decode_phases(measured):
+    _, doc, steps = measured
+    order = [label.split(" ")[0].rstrip(":") for label in steps]
+    first = {phase: order.index(phase) for phase in ("restore", "decode", "prefill", "sharing")}
+    assert first["restore"] < first["decode"] < first["prefill"] < first["sharing"]
+    assert list(doc["phase_s"]) == ["warm_up", "restore", "decode", "prefill", "sharing"]
 
 
 def test_the_sharing_prompt_is_the_shortest_measured_one_whose_window_spans_enough_decode_steps():

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""One prompt's prefill across a server's life: does a step cost what the calibration measured?
+
+``kvpool calibrate`` measures its prefill cells on a server whose GPU prefix cache is still empty,
+before any decode has run. A replay's prefills run on a server whose cache is full (every new
+prompt evicts) with decodes before and beside them. This bench sends the same kind of prompt
+(``--prompt-tokens`` fresh tokens, ``--prompts`` of them one after another) to one ``kvpool serve
+SCENARIO`` (started here, stopped at the end) in four conditions, in this order:
+
+    fresh         after the calibration's warm-up requests only
+    cache_full    after fresh prompts have filled ``serve.prefill_kv_tokens`` plus one step
+                  (``backend.serve.calibrate.flush_sizes``)
+    after_decode  after ``--batch`` sequences of ``--context``-token prompts have decoded
+                  ``--decode-tokens`` tokens together and finished
+    beside_decode while such a batch decodes (each prompt sent once the batch streams)
+
+Per condition: every prompt's prefill window (its record's ``prefill_end_s - prefill_start_s``)
+and the model's time in it, per stage (the prefill engine's ``kvpool:prefill_stage_forward_seconds``
+before and after the prompt), the medians, and each median over the ``fresh`` one. JSON on stdout
+(and in ``--out``).
+
+    python bench/prefill_drift.py --scenario cpu-tiny --prompt-tokens 256 --out /tmp/drift.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import aiohttp
+from engine_accounts import engine_urls, time_accounts
+
+CONDITIONS = ("fresh", "cache_full", "after_decode", "beside_decode")
+
+
+def log(msg: str) -> None:
+    print(f"[prefill-drift] {msg}", file=sys.stderr, flush=True)
+
+
+def prefill_forward_s(urls: dict[str, str]) -> list[float]:
+    """Every prefill engine's stage forward seconds so far, stage by stage, engines in name order."""
+    accounts = time_accounts(urls)
+    return [x for name in sorted(accounts) for x in accounts[name].get("stage_forward_s", [])]
+
+
+async def timed_prompts(c, urls: dict[str, str], tokens: int, count: int, label: str) -> list[dict]:
+    """``count`` fresh prompts of ``tokens`` tokens, one after another: each one's window and the
+    stages' forward seconds it added."""
+    out = []
+    for _ in range(count):
+        before = prefill_forward_s(urls)
+        answer = await c.complete(c.fresh(tokens), 1, label)
+        after = prefill_forward_s(urls)
+        rec = answer["record"]
+        out.append({"window_s": float(rec["prefill_end_s"]) - float(rec["prefill_start_s"]),
+                    "stage_forward_s": [b - a for a, b in zip(before, after)]})
+    return out
+
+
+async def decoding_batch(c, batch: int, context: int, decode_tokens: int, label: str):
+    """``batch`` sequences of ``context``-token fresh prompts decoding ``decode_tokens`` tokens
+    together: the future of their answers and the events set once each streams."""
+    streaming = [asyncio.Event() for _ in range(batch)]
+    answers = asyncio.gather(*(c.complete(c.fresh(context), decode_tokens, label, ev) for ev in streaming))
+    return answers, streaming
+
+
+async def probe(url: str, urls: dict[str, str], s, a) -> dict[str, list[dict]]:
+    from kvpool.backend.serve.calibrate import Client, _warm_up, flush_sizes
+
+    timeout = aiohttp.ClientTimeout(total=s.serve.request_timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        c = Client(http, url, s.model.name, s.serve.vocab, a.seed, lambda _label: None)
+        await _warm_up(c, s)
+        got = {"fresh": await timed_prompts(c, urls, a.prompt_tokens, a.prompts, "fresh")}
+        log("fresh done; filling the GPU prefix cache")
+        for n in flush_sizes(s):
+            await c.complete(c.fresh(n), 1, "fill")
+        got["cache_full"] = await timed_prompts(c, urls, a.prompt_tokens, a.prompts, "cache full")
+        log("cache full done; a decode batch")
+        answers, _ = await decoding_batch(c, a.batch, a.context, a.decode_tokens, "decode")
+        await answers
+        got["after_decode"] = await timed_prompts(c, urls, a.prompt_tokens, a.prompts, "after decode")
+        log("after decode done; prompts beside a decode batch")
+        answers, streaming = await decoding_batch(c, a.batch, a.context, a.decode_tokens, "decode beside")
+        for ev in streaming:
+            await ev.wait()
+        got["beside_decode"] = await timed_prompts(c, urls, a.prompt_tokens, a.prompts, "beside decode")
+        await answers
+    return got
+
+
+def summarize(got: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per condition the medians (ms) and their ratios to the ``fresh`` condition's."""
+    rows = {}
+    for name in CONDITIONS:
+        prompts = got[name]
+        window = statistics.median(p["window_s"] for p in prompts)
+        forward = statistics.median(sum(p["stage_forward_s"]) for p in prompts)
+        rows[name] = {"window_ms": [round(1e3 * p["window_s"], 1) for p in prompts],
+                      "forward_ms_all_stages": [round(1e3 * sum(p["stage_forward_s"]), 1) for p in prompts],
+                      "window_ms_median": round(1e3 * window, 1), "forward_ms_median": round(1e3 * forward, 1)}
+    fresh = rows["fresh"]
+    for row in rows.values():
+        row["window_over_fresh"] = round(row["window_ms_median"] / fresh["window_ms_median"], 3)
+        row["forward_over_fresh"] = (round(row["forward_ms_median"] / fresh["forward_ms_median"], 3)
+                                     if fresh["forward_ms_median"] > 0 else None)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", default="cpu-tiny")
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="fresh tokens of every timed prompt")
+    p.add_argument("--prompts", type=int, default=3, help="timed prompts per condition, one after another")
+    p.add_argument("--batch", type=int, default=4, help="sequences of the decode batch")
+    p.add_argument("--context", type=int, default=2048, help="prompt tokens of each decoding sequence")
+    p.add_argument("--decode-tokens", type=int, default=96, help="tokens each decoding sequence generates")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", dest="sets", action="append", default=[])
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    from kvpool.backend.serve.launch import start_serve
+    from kvpool.scenario.load import load_scenario
+
+    s = load_scenario(a.scenario, a.sets)
+    log(f"starting kvpool serve {a.scenario}")
+    served = start_serve(a.scenario, a.sets, Path(tempfile.mkdtemp(prefix="kvpool-prefill-drift-")) / "run")
+    try:
+        got = asyncio.run(probe(served.url, engine_urls(served.run_dir), s, a))
+    finally:
+        served.stop()
+    doc = {"bench": "prefill_drift", "scenario": a.scenario, "sets": a.sets, "devices": list(s.serve.devices),
+           "prompt_tokens": a.prompt_tokens, "prompts": a.prompts, "batch": a.batch, "context_tokens": a.context,
+           "decode_tokens": a.decode_tokens, "conditions": summarize(got)}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            doc["device"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    text = json.dumps(doc, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
