@@ -18,6 +18,8 @@ One run, in order:
                hand-off and time per output token, requests in prefill and sequences decoding
                on average); the real run's engine time accounts (``stack_real``:
                ``engine_accounts.stack_cost``; null for a kept replay whose summary has none);
+               a prefill stage's time per computed token (``prefill_stage_us_per_token``: the
+               real stages' forward seconds, the simulated stages' calibrated steps);
                a table on stdout, the document in ``--out``, and
                an overlay plot in ``--plot`` (TTFT CDF real vs simulated and token shares, per load)
 
@@ -107,7 +109,7 @@ def real_load(a, work: Path, load: int) -> tuple[dict, list[dict], dict | None]:
     return kept["summary"], records, kept.get("stack")
 
 
-def simulated(a, cal: Path, loads: list[int]) -> list[tuple[dict, list[dict], list[str]]]:
+def simulated(a, cal: Path, loads: list[int]) -> list[tuple[dict, list[dict], list[str], float | None]]:
     from kvpool.scenario.load import load_scenario
     from kvpool.sim.engine import Simulation
     from kvpool.sim.run import make_replay, run_point, workload_for
@@ -119,8 +121,27 @@ def simulated(a, cal: Path, loads: list[int]) -> list[tuple[dict, list[dict], li
         row = run_point(s, load, a.traces)
         sim = Simulation(s, make_replay(s, workload_for(s, a.traces), load))
         recs = [r.as_dict() for r in sim.run()]
-        out.append((row, recs, row.get("cost_notes", [])))
+        out.append((row, recs, row.get("cost_notes", []), simulated_stage_us_per_token(sim)))
     return out
+
+
+def simulated_stage_us_per_token(sim) -> float | None:
+    """The simulated prefill stage's time per computed token: the prefill instances' busy seconds
+    at their first stage over the tokens they computed. A stage's step is a calibrated cell, a
+    lone request's prefill window over the stages, so the hops between stages are inside it."""
+    tokens = sum(p.computed_tokens for p in sim.prefills)
+    return 1e6 * sum(p.busy_s for p in sim.prefills) / tokens if tokens else None
+
+
+def real_stage_us_per_token(stack: dict | None, records: list[dict]) -> float | None:
+    """The real prefill stages' forward time per computed token: per prefill engine the mean over
+    its stages of ``kvpool:prefill_stage_forward_seconds`` in the replay's window (``stack``),
+    summed, over the tokens the replay's requests computed. The hops between stages are not in it."""
+    engines = [e for e in (stack or {}).get("engines", {}).values() if e.get("stage_forward_s")]
+    tokens = sum(r.get("computed_tokens", 0) for r in records)
+    if not engines or not tokens:
+        return None
+    return 1e6 * sum(statistics.fmean(e["stage_forward_s"]) for e in engines) / tokens
 
 
 def ttfts(records: list[dict], cutoff_s: float | None = None) -> list[float]:
@@ -231,11 +252,17 @@ def main() -> None:
     reals = [real_load(a, work, n) for n in loads]
     sims = simulated(a, cal, loads)
     rows = []
-    for n, (real, rrecs, stack), (srow, srecs, notes) in zip(loads, reals, sims):
+    for n, (real, rrecs, stack), (srow, srecs, notes, sim_stage_us) in zip(loads, reals, sims):
         rows.append({"sessions": n, "compare": compare(real, srow), "cost_notes": notes,
                      "phases": {"real": phases(rrecs), "sim": phases(srecs)}, "stack_real": stack,
+                     "prefill_stage_us_per_token": {"real": real_stage_us_per_token(stack, rrecs), "sim": sim_stage_us},
                      "ttft_real": ttfts(rrecs), "ttft_sim": ttfts(srecs)})
     print_table(rows)
+    for r in rows:
+        stage = r["prefill_stage_us_per_token"]
+        if stage["real"] is not None and stage["sim"] is not None:
+            print(f"sessions {r['sessions']}: a prefill stage per computed token: real {stage['real']:.1f} us "
+                  f"(its forward alone), simulated {stage['sim']:.1f} us (calibrated cells, hops included)")
     for r in rows:
         for line in r["cost_notes"]:
             print(f"note: sessions {r['sessions']}: {line}")

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""One prompt's prefill across a server's life: does a step cost what the calibration measured?
+"""One prompt's prefill across a server's life: does a step cost the same on a fresh server as on one
+that has filled its GPU prefix cache and decoded?
 
-``kvpool calibrate`` measures its prefill cells on a server whose GPU prefix cache is still empty,
-before any decode has run. A replay's prefills run on a server whose cache is full (every new
-prompt evicts) with decodes before and beside them. This bench sends the same kind of prompt
+A calibration's prefill cells hold for a replay only if the server's speed is steady: on one H100
+the prompts ``kvpool calibrate`` timed alone at its end took 1.47x the window its prefill grid
+measured for the same prompt, and a replay's prefills 1.02-1.49x their cells (``docs/fidelity.md``,
+"Where the H100 figures miss"). This bench sends the same kind of prompt
 (``--prompt-tokens`` fresh tokens, ``--prompts`` of them one after another) to one ``kvpool serve
 SCENARIO`` (started here, stopped at the end) in four conditions, in this order:
 

@@ -59,10 +59,16 @@ def test_ctrl_c_inside_a_destructor_reaches_the_command():
     class Unraisable:
         exc_type, exc_value, exc_traceback, err_msg, object = KeyboardInterrupt, KeyboardInterrupt(), None, None, None
 
-    with pytest.raises(KeyboardInterrupt):
-        entry._ctrl_c_in_a_destructor(Unraisable())
-        for _ in range(1000):  # the interrupt arrives at the next bytecode boundaries
-            time.sleep(0.001)
+    # the command line runs with Python's own SIGINT handler, which turns the re-delivered Ctrl-C into
+    # KeyboardInterrupt; this test process may hold another one, left by a test before it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            entry._ctrl_c_in_a_destructor(Unraisable())
+            for _ in range(1000):  # the interrupt arrives at the next bytecode boundaries
+                time.sleep(0.001)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     seen = []
     old = entry._default_unraisablehook
     entry._default_unraisablehook = seen.append
