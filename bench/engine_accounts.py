@@ -9,8 +9,12 @@
                                    share of the window) and ``stack_cost`` = 1 - its
                                    ``forward_share``; a prefill engine also its
                                    ``mean_steps_in_flight`` (``prefill.pp`` when every stage holds a
-                                   step). ``docs/serve.md`` ("What the serving stack costs") says
-                                   what each account counts.
+                                   step) and how its busy time splits: ``computable_share`` (a step
+                                   in flight or tokens a step could take), ``loading_only_share``
+                                   (nothing computable, a request loading from the pool) and
+                                   ``pages_only_share`` (requests waiting for pages only).
+                                   ``docs/serve.md`` ("What the serving stack costs") says what
+                                   each account counts.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def time_accounts(urls: dict[str, str]) -> dict[str, dict]:
         if ("kvpool:prefill_pending_seconds", "") in samples:
             forward = {int(stage): v for (n, stage), v in samples.items() if n == "kvpool:prefill_stage_forward_seconds"}
             out[name] = {"pending_s": samples[("kvpool:prefill_pending_seconds", "")],
+                         "computable_s": samples[("kvpool:prefill_computable_seconds", "")],
+                         "loading_only_s": samples[("kvpool:prefill_loading_only_seconds", "")],
                          "steps_in_flight_s": samples[("kvpool:prefill_steps_in_flight_seconds", "")],
                          "stage_forward_s": [forward[k] for k in sorted(forward)]}
         else:
@@ -61,9 +67,12 @@ def stack_cost(before: dict[str, dict], after: dict[str, dict], window_s: float)
             busy_s = a["pending_s"] - b["pending_s"]
             forward_s = [x - y for x, y in zip(a["stage_forward_s"], b["stage_forward_s"])]
             in_flight_s = a["steps_in_flight_s"] - b["steps_in_flight_s"]
+            computable_s = a["computable_s"] - b["computable_s"]
+            loading_only_s = a["loading_only_s"] - b["loading_only_s"]
             engines[name] = {"pending_s": busy_s, "stage_forward_s": forward_s,
                              "forward_share": max(forward_s) / busy_s if busy_s > 0 else None,
-                             "mean_steps_in_flight": in_flight_s / busy_s if busy_s > 0 else None}
+                             "mean_steps_in_flight": in_flight_s / busy_s if busy_s > 0 else None,
+                             **_split(busy_s, computable_s, loading_only_s)}
         else:
             busy_s = a["busy_s"] - b["busy_s"]
             step_s = a["step_s"] - b["step_s"]
@@ -74,3 +83,11 @@ def stack_cost(before: dict[str, dict], after: dict[str, dict], window_s: float)
     share = engines[bottleneck]["forward_share"]
     return {"window_s": window_s, "engines": engines, "bottleneck": bottleneck,
             "stack_cost": None if share is None else 1.0 - share}
+
+
+def _split(pending_s: float, computable_s: float, loading_only_s: float) -> dict:
+    """A prefill engine's busy time by what it could do: compute, only load, only wait for pages."""
+    if pending_s <= 0:
+        return {"computable_share": None, "loading_only_share": None, "pages_only_share": None}
+    return {"computable_share": computable_s / pending_s, "loading_only_share": loading_only_s / pending_s,
+            "pages_only_share": max(0.0, pending_s - computable_s - loading_only_s) / pending_s}

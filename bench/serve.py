@@ -19,7 +19,9 @@ One run, in order:
               that ran a step) and its steps' seconds. ``forward_share`` is the model's part of the
               engine's busy time (the busiest stage's forward over ``pending_s``; the steps over
               ``busy_s``), and a prefill engine's ``mean_steps_in_flight`` says how full its
-              pipeline was over ``pending_s`` (``pp`` when every stage holds a step). The
+              pipeline was over ``pending_s`` (``pp`` when every stage holds a step) and its
+              ``computable_share``, ``loading_only_share`` and ``pages_only_share`` what it could
+              do in that time (compute; only load from the pool; only wait for pages). The
               bottleneck is the engine busy the largest share of the window, and
               ``stack_cost`` = 1 - its ``forward_share``: the time HTTP, routing, scheduling, the
               connector, the hand-off and the messages between processes keep the bottleneck from
@@ -258,6 +260,12 @@ def main() -> None:
                 f"{summary['ttft_p50_s']:.2f} s p90 {summary['ttft_p90_s']:.2f} s, gpu/pool/computed "
                 f"{summary['share_gpu']:.2f}/{summary['share_pool']:.2f}/{summary['share_computed']:.2f}, "
                 f"bottleneck {summary['stack']['bottleneck']} (stack cost {percent(summary['stack']['stack_cost'])})")
+            for name, e in summary["stack"]["engines"].items():
+                if e.get("computable_share") is not None:
+                    log(f"  {name} busy {percent(e['busy_share_of_window'])} of the window: computable "
+                        f"{percent(e['computable_share'])}, loading only {percent(e['loading_only_share'])}, "
+                        f"waiting for pages only {percent(e['pages_only_share'])}; "
+                        f"{e['mean_steps_in_flight']:.2f} steps in flight")
     finally:
         status = served.stop()
     check = []

@@ -152,6 +152,12 @@ class EngineMetrics:
             forward.labels(str(stage)).set_function(lambda stage=stage: sched.stage_forward_s[stage])
         Gauge("kvpool:prefill_pending_seconds", "Seconds the engine held prompt tokens not yet computed",
               registry=r).set_function(lambda: sched.pending_s)
+        Gauge("kvpool:prefill_computable_seconds",
+              "Seconds of the pending time with a step in flight or tokens a step could take",
+              registry=r).set_function(lambda: sched.computable_s)
+        Gauge("kvpool:prefill_loading_only_seconds",
+              "Seconds of the pending time with nothing computable and a request loading from the pool",
+              registry=r).set_function(lambda: sched.loading_only_s)
         Gauge("kvpool:prefill_steps_in_flight_seconds",
               "Steps in the pipeline integrated over the time the engine held prompt tokens not yet computed",
               registry=r).set_function(lambda: sched.steps_in_flight_s)

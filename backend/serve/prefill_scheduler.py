@@ -33,9 +33,13 @@ Time accounts (read by the engine's metrics, any thread): ``stage_forward_s[s]``
 synchronization); ``pending_s`` is the wall time the engine held prompt tokens it had not yet
 computed (a request queued for pages, loading or computing), and ``steps_in_flight_s`` the time
 integral of the steps in the pipeline over the same time (over ``pending_s``: how many steps the
-pipeline held on average; ``pp`` when every stage has one). At saturation the busiest stage's
-forward time over ``pending_s`` is the share of the engine's time the model computes; the rest is
-what scheduling, the connector, the hand-off and the messages between processes cost.
+pipeline held on average; ``pp`` when every stage has one). ``pending_s`` splits by what the
+engine could do: ``computable_s``, a step in flight or tokens a step could take;
+``loading_only_s``, nothing computable but a request loading from the pool; the rest, requests
+waiting for pages only (the prefill KV is full until a request's hand-off and save end). At
+saturation the busiest stage's forward time over ``pending_s`` is the share of the engine's time
+the model computes; the rest is what scheduling, the connector, the hand-off, the messages between
+processes and the wait for pages cost.
 
 Bounds: every stage call has a deadline (``exists`` ``EXISTS_WAIT_S``; ``load`` the worker's load
 timeout + ``STAGE_SLACK_S``; ``compute`` ``COMPUTE_WAIT_S``; ``save`` the save timeout + slack;
@@ -47,6 +51,7 @@ stage that missed a deadline may still write pages that would be reused).
 
 from __future__ import annotations
 
+import enum
 import os
 import queue
 import threading
@@ -73,6 +78,15 @@ COMPUTE_WAIT_S = 120.0
 LIVENESS_EVERY_S = 0.5
 LOAD_TIMEOUT_S = 10.0   # the stage's ConnectorWorker load_timeout_s
 SAVE_TIMEOUT_S = 30.0   # and save_timeout_s
+
+
+class _Holds(enum.Enum):
+    """What uncomputed work the engine holds (``PrefillScheduler._holds``)."""
+
+    NOTHING = 0
+    PAGES = 1        # only requests waiting for pages
+    LOADING = 2      # requests loading from the pool, none computable
+    COMPUTABLE = 3   # a step in flight or tokens a step could take
 
 
 class StageBroken(RuntimeError):
@@ -243,6 +257,8 @@ class PrefillScheduler:
         self.step_tokens_done = 0
         self.stage_forward_s = [0.0] * self.pp
         self.pending_s = 0.0
+        self.computable_s = 0.0
+        self.loading_only_s = 0.0
         self.steps_in_flight_s = 0.0
 
     # -- any thread ------------------------------------------------------------------------
@@ -281,7 +297,7 @@ class PrefillScheduler:
                 self._break(f"prefill stage {self.names[s]} holds {rep.get('num_blocks')} pages, the engine {self.blocks.num_blocks}")
         self.started.set()
         next_liveness = 0.0
-        t_mark, pending, in_flight = time.monotonic(), False, 0
+        t_mark, holds, in_flight = time.monotonic(), _Holds.NOTHING, 0
         try:
             while not self.stop.is_set():
                 self._take_inbox()
@@ -296,20 +312,35 @@ class PrefillScheduler:
                     self._admit()
                     self._schedule_step()
                 now = time.monotonic()
-                if pending:
-                    self.pending_s += now - t_mark
-                    self.steps_in_flight_s += in_flight * (now - t_mark)
+                self._account(holds, in_flight, now - t_mark)
                 # the state the poll waits in
-                t_mark, pending, in_flight = now, self._holds_uncomputed(), len(self.steps)
+                t_mark, holds, in_flight = now, self._holds(), len(self.steps)
                 poller.poll(0 if self.client.has_kept else int(LIVENESS_EVERY_S * 1000))
                 self.waker.drain()
         finally:
             self._fail_all("the prefill engine is stopping", 503)
             self.client.close()
 
-    def _holds_uncomputed(self) -> bool:
-        """Whether a request waits for pages, loads or has tokens left to compute."""
-        return bool(self.queued) or any(r.state in ("loading", "running") for r in self.live.values())
+    def _holds(self) -> _Holds:
+        """What uncomputed work the engine holds now, the most advanced kind first: a step in flight
+        or tokens a step could take; else a request loading from the pool; else one waiting for
+        pages."""
+        if self.steps or any(r.state == "running" and r.ranges for r in self.live.values()):
+            return _Holds.COMPUTABLE
+        if any(r.state == "loading" for r in self.live.values()):
+            return _Holds.LOADING
+        return _Holds.PAGES if self.queued else _Holds.NOTHING
+
+    def _account(self, holds: _Holds, in_flight: int, dt_s: float) -> None:
+        """Add ``dt_s`` seconds spent holding ``holds`` with ``in_flight`` steps to the time accounts."""
+        if holds is _Holds.NOTHING:
+            return
+        self.pending_s += dt_s
+        self.steps_in_flight_s += in_flight * dt_s
+        if holds is _Holds.COMPUTABLE:
+            self.computable_s += dt_s
+        elif holds is _Holds.LOADING:
+            self.loading_only_s += dt_s
 
     def _take_inbox(self) -> None:
         while True:

@@ -56,9 +56,15 @@ def test_an_evicted_prefix_is_restored_from_the_pool(served):
     assert sources(first)[0] == 0
     for i in range(4):                                        # 4 x 13 pages > the 40 pages: evicts it
         prefill(dep, decode, f"evict-fill-{i}", prompt(200, 100 + i))
+    _, before = time_accounts(dep)
     body = prefill(dep, decode, "evict-b", tokens)
+    _, after = time_accounts(dep)
     gpu, pool, computed = sources(body)
     assert gpu == 0 and pool == 192 and computed == 8          # 3 chunks of 64 from the pool
+    # while its chunks load, the engine holds nothing it could compute
+    spent = {name: after[name] - before[name] for name in after}
+    assert spent["loading_only"] > 0 and spent["computable"] > 0
+    assert spent["loading_only"] + spent["computable"] == pytest.approx(spent["pending"], rel=1e-9)
     rec = body["record"]
     assert rec["restore_bytes"] == 3 * 64 * 4 * 1152 and len(rec["restore_stage_s"]) == 2
     assert rec["save_bytes"] == 0 and rec["save_s"] == 0       # the pool holds every full chunk already
@@ -140,28 +146,31 @@ def test_metrics_name_every_source_and_the_denominator(served):
     assert total > 0 and sum(sums.values()) == total
 
 
-def time_accounts(dep) -> tuple[dict[int, float], float, float]:
-    """The engine's per-stage forward seconds, its pending seconds and its steps-in-flight
-    seconds, from ``GET /metrics``."""
+def time_accounts(dep) -> tuple[dict[int, float], dict[str, float]]:
+    """The engine's per-stage forward seconds and its other time accounts (pending, computable,
+    loading only, steps in flight), from ``GET /metrics``."""
     _, text = dep.get("/metrics")
     forward_s = {int(m.group(1)): float(m.group(2)) for m in
                  re.finditer(r'^kvpool:prefill_stage_forward_seconds\{stage="(\d+)"\} (\S+)$', text, re.M)}
-    pending_s = float(re.search(r"^kvpool:prefill_pending_seconds (\S+)$", text, re.M).group(1))
-    in_flight_s = float(re.search(r"^kvpool:prefill_steps_in_flight_seconds (\S+)$", text, re.M).group(1))
-    return forward_s, pending_s, in_flight_s
+    accounts = {name: float(re.search(rf"^kvpool:prefill_{name}_seconds (\S+)$", text, re.M).group(1))
+                for name in ("pending", "computable", "loading_only", "steps_in_flight")}
+    return forward_s, accounts
 
 
 def test_each_stage_forward_pass_lies_inside_the_time_the_engine_held_work(served):
     dep, decode, _ = served
-    forward_before, pending_before, in_flight_before = time_accounts(dep)
+    forward_before, before = time_accounts(dep)
     t0 = time.monotonic()
     prefill(dep, decode, "timed-1", prompt(300, 40))   # three 128-token steps through two stages
     elapsed_s = time.monotonic() - t0
-    forward_after, pending_after, in_flight_after = time_accounts(dep)
-    pending_s = pending_after - pending_before
+    forward_after, after = time_accounts(dep)
+    spent = {name: after[name] - before[name] for name in after}
     assert sorted(forward_after) == [0, 1]
     for stage, f in forward_after.items():
-        assert 0 < f - forward_before[stage] <= pending_s, (stage, forward_before, forward_after, pending_s)
-    assert pending_s <= elapsed_s
+        assert 0 < f - forward_before[stage] <= spent["pending"], (stage, forward_before, forward_after, spent)
+    assert spent["pending"] <= elapsed_s
     # a step is in the pipeline for the whole compute (at most two: one per stage)
-    assert 0 < in_flight_after - in_flight_before <= 2 * pending_s
+    assert 0 < spent["steps_in_flight"] <= 2 * spent["pending"]
+    # a fresh prompt admitted at once neither loads nor waits for pages: computable all along
+    assert spent["loading_only"] == 0
+    assert spent["computable"] == pytest.approx(spent["pending"], rel=1e-9)
