@@ -16,10 +16,18 @@ SCENARIO`` (started here, stopped at the end) in four conditions, in this order:
                   ``--decode-tokens`` tokens together and finished
     beside_decode while such a batch decodes (each prompt sent once the batch streams)
 
-Per condition: every prompt's prefill window (its record's ``prefill_end_s - prefill_start_s``)
-and the model's time in it, per stage (the prefill engine's ``kvpool:prefill_stage_forward_seconds``
-before and after the prompt), the medians, and each median over the ``fresh`` one. JSON on stdout
-(and in ``--out``).
+then, with prompts of a whole step (``prefill.max_batched_tokens`` tokens), ``--pairs`` times each:
+
+    full_step_alone       one such prompt at a time
+    full_steps_pipelined  two sent together: the second's step follows the first's through the
+                          stages, so the stages compute beside one another (on one device, the
+                          way a replay's pipeline runs)
+
+Per condition: every prompt's (or pair's: the longer) prefill window (its record's
+``prefill_end_s - prefill_start_s``) and the model's time per computed token, all stages together
+(the prefill engine's ``kvpool:prefill_stage_forward_seconds`` before and after), the medians, and
+each median over its reference's (``REFERENCE``: ``fresh`` for the first four,
+``full_step_alone`` for the last two). JSON on stdout (and in ``--out``).
 
     python bench/prefill_drift.py --scenario cpu-tiny --prompt-tokens 256 --out /tmp/drift.json
 """
@@ -37,7 +45,9 @@ from pathlib import Path
 import aiohttp
 from engine_accounts import engine_urls, time_accounts
 
-CONDITIONS = ("fresh", "cache_full", "after_decode", "beside_decode")
+#: each condition and the one its medians are divided by (the same prompt size, an earlier state)
+REFERENCE = {"fresh": "fresh", "cache_full": "fresh", "after_decode": "fresh", "beside_decode": "fresh",
+             "full_step_alone": "full_step_alone", "full_steps_pipelined": "full_step_alone"}
 
 
 def log(msg: str) -> None:
@@ -58,10 +68,29 @@ async def timed_prompts(c, urls: dict[str, str], tokens: int, count: int, label:
         before = prefill_forward_s(urls)
         answer = await c.complete(c.fresh(tokens), 1, label)
         after = prefill_forward_s(urls)
-        rec = answer["record"]
-        out.append({"window_s": float(rec["prefill_end_s"]) - float(rec["prefill_start_s"]),
+        out.append({"window_s": window_s(answer), "tokens": tokens,
                     "stage_forward_s": [b - a for a, b in zip(before, after)]})
     return out
+
+
+async def timed_pairs(c, urls: dict[str, str], tokens: int, count: int, label: str) -> list[dict]:
+    """``count`` pairs of fresh prompts of ``tokens`` tokens (a whole step each), the two of a pair
+    sent together: the second's step follows the first's through the stages, so each stage but the
+    first computes beside the stage before it. Per pair the longer window and the stages' forward
+    seconds the two added."""
+    out = []
+    for _ in range(count):
+        before = prefill_forward_s(urls)
+        answers = await asyncio.gather(*(c.complete(c.fresh(tokens), 1, label) for _ in range(2)))
+        after = prefill_forward_s(urls)
+        out.append({"window_s": max(window_s(a) for a in answers), "tokens": 2 * tokens,
+                    "stage_forward_s": [b - a for a, b in zip(before, after)]})
+    return out
+
+
+def window_s(answer: dict) -> float:
+    rec = answer["record"]
+    return float(rec["prefill_end_s"]) - float(rec["prefill_start_s"])
 
 
 async def decoding_batch(c, batch: int, context: int, decode_tokens: int, label: str):
@@ -94,24 +123,28 @@ async def probe(url: str, urls: dict[str, str], s, a) -> dict[str, list[dict]]:
             await ev.wait()
         got["beside_decode"] = await timed_prompts(c, urls, a.prompt_tokens, a.prompts, "beside decode")
         await answers
+        step = s.prefill.max_batched_tokens
+        log(f"beside decode done; prompts of a whole step ({step} tokens) alone, then in pairs")
+        got["full_step_alone"] = await timed_prompts(c, urls, step, a.pairs, "full step alone")
+        got["full_steps_pipelined"] = await timed_pairs(c, urls, step, a.pairs, "full steps pipelined")
     return got
 
 
 def summarize(got: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per condition the medians (ms) and their ratios to the ``fresh`` condition's."""
+    """Per condition the windows and the forward seconds per computed token, their medians and the
+    medians over those of the condition's ``REFERENCE``."""
     rows = {}
-    for name in CONDITIONS:
-        prompts = got[name]
-        window = statistics.median(p["window_s"] for p in prompts)
-        forward = statistics.median(sum(p["stage_forward_s"]) for p in prompts)
-        rows[name] = {"window_ms": [round(1e3 * p["window_s"], 1) for p in prompts],
-                      "forward_ms_all_stages": [round(1e3 * sum(p["stage_forward_s"]), 1) for p in prompts],
-                      "window_ms_median": round(1e3 * window, 1), "forward_ms_median": round(1e3 * forward, 1)}
-    fresh = rows["fresh"]
-    for row in rows.values():
-        row["window_over_fresh"] = round(row["window_ms_median"] / fresh["window_ms_median"], 3)
-        row["forward_over_fresh"] = (round(row["forward_ms_median"] / fresh["forward_ms_median"], 3)
-                                     if fresh["forward_ms_median"] > 0 else None)
+    for name in REFERENCE:
+        runs = got[name]
+        rows[name] = {"window_ms": [round(1e3 * r["window_s"], 1) for r in runs],
+                      "forward_us_per_token": [round(1e6 * sum(r["stage_forward_s"]) / r["tokens"], 2) for r in runs]}
+        rows[name]["window_ms_median"] = statistics.median(rows[name]["window_ms"])
+        rows[name]["forward_us_per_token_median"] = statistics.median(rows[name]["forward_us_per_token"])
+    for name, row in rows.items():
+        ref = rows[REFERENCE[name]]
+        row["window_over_reference"] = round(row["window_ms_median"] / ref["window_ms_median"], 3)
+        row["forward_over_reference"] = (round(row["forward_us_per_token_median"] / ref["forward_us_per_token_median"], 3)
+                                         if ref["forward_us_per_token_median"] > 0 else None)
     return rows
 
 
@@ -123,6 +156,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="sequences of the decode batch")
     p.add_argument("--context", type=int, default=2048, help="prompt tokens of each decoding sequence")
     p.add_argument("--decode-tokens", type=int, default=96, help="tokens each decoding sequence generates")
+    p.add_argument("--pairs", type=int, default=2,
+                   help="prompts of a whole step alone, and pairs of them sent together (full_step_*)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="sets", action="append", default=[])
     p.add_argument("--out", default=None)
@@ -139,7 +174,8 @@ def main() -> None:
         served.stop()
     doc = {"bench": "prefill_drift", "scenario": a.scenario, "sets": a.sets, "devices": list(s.serve.devices),
            "prompt_tokens": a.prompt_tokens, "prompts": a.prompts, "batch": a.batch, "context_tokens": a.context,
-           "decode_tokens": a.decode_tokens, "conditions": summarize(got)}
+           "decode_tokens": a.decode_tokens, "step_tokens": s.prefill.max_batched_tokens, "pairs": a.pairs,
+           "conditions": summarize(got)}
     try:
         import torch
 
