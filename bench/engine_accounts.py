@@ -12,7 +12,10 @@
                                    step) and how its busy time splits: ``computable_share`` (a step
                                    in flight or tokens a step could take), ``loading_only_share``
                                    (nothing computable, a request loading from the pool) and
-                                   ``pages_only_share`` (requests waiting for pages only).
+                                   ``pages_only_share`` (requests waiting for pages only), and
+                                   where its compute calls' round trips went (``stage_calls``:
+                                   the layers, waiting at a stage, the stage's other work, the
+                                   hop between processes).
                                    ``docs/serve.md`` ("What the serving stack costs") says what
                                    each account counts.
 """
@@ -46,12 +49,18 @@ def time_accounts(urls: dict[str, str]) -> dict[str, dict]:
         samples = {(s.name, s.labels.get("stage", "")): s.value
                    for fam in text_string_to_metric_families(text) for s in fam.samples}
         if ("kvpool:prefill_pending_seconds", "") in samples:
-            forward = {int(stage): v for (n, stage), v in samples.items() if n == "kvpool:prefill_stage_forward_seconds"}
+            def per_stage(metric: str) -> list[float]:
+                got = {int(stage): v for (n, stage), v in samples.items() if n == metric}
+                return [got[k] for k in sorted(got)]
+
             out[name] = {"pending_s": samples[("kvpool:prefill_pending_seconds", "")],
                          "computable_s": samples[("kvpool:prefill_computable_seconds", "")],
                          "loading_only_s": samples[("kvpool:prefill_loading_only_seconds", "")],
                          "steps_in_flight_s": samples[("kvpool:prefill_steps_in_flight_seconds", "")],
-                         "stage_forward_s": [forward[k] for k in sorted(forward)]}
+                         "stage_forward_s": per_stage("kvpool:prefill_stage_forward_seconds"),
+                         "stage_queued_s": per_stage("kvpool:prefill_stage_queued_seconds"),
+                         "stage_handled_s": per_stage("kvpool:prefill_stage_handled_seconds"),
+                         "stage_round_trip_s": per_stage("kvpool:prefill_stage_round_trip_seconds")}
         else:
             out[name] = {"busy_s": samples[("kvpool:decode_busy_seconds_total", "")],
                          "step_s": samples[("kvpool:decode_step_seconds_sum", "")]}
@@ -72,7 +81,9 @@ def stack_cost(before: dict[str, dict], after: dict[str, dict], window_s: float)
             engines[name] = {"pending_s": busy_s, "stage_forward_s": forward_s,
                              "forward_share": max(forward_s) / busy_s if busy_s > 0 else None,
                              "mean_steps_in_flight": in_flight_s / busy_s if busy_s > 0 else None,
-                             **_split(busy_s, computable_s, loading_only_s)}
+                             **_split(busy_s, computable_s, loading_only_s),
+                             "stage_calls": _stage_calls(*(_spent(a, b, k) for k in (
+                                 "stage_round_trip_s", "stage_handled_s", "stage_queued_s", "stage_forward_s")))}
         else:
             busy_s = a["busy_s"] - b["busy_s"]
             step_s = a["step_s"] - b["step_s"]
@@ -91,3 +102,21 @@ def _split(pending_s: float, computable_s: float, loading_only_s: float) -> dict
         return {"computable_share": None, "loading_only_share": None, "pages_only_share": None}
     return {"computable_share": computable_s / pending_s, "loading_only_share": loading_only_s / pending_s,
             "pages_only_share": max(0.0, pending_s - computable_s - loading_only_s) / pending_s}
+
+
+def _spent(after: dict, before: dict, key: str) -> float:
+    """The seconds a per-stage account grew between two readings, summed over the stages."""
+    return sum(after[key]) - sum(before[key])
+
+
+def _stage_calls(round_trip_s: float, handled_s: float, queued_s: float, forward_s: float) -> dict:
+    """Where a prefill engine's compute calls spent their round trips, all stages together: the
+    layers (``forward``), waiting behind a stage's earlier step (``queued``), the stage's own work
+    around the layers (``stage_other``: the input's copy, the output's preparation) and the hop
+    (``hop``: encoding, the messages through the engine, the output's copy off the device)."""
+    if round_trip_s <= 0:
+        return {"round_trip_s": round_trip_s}
+    return {"round_trip_s": round_trip_s, "forward_share": forward_s / round_trip_s,
+            "queued_share": queued_s / round_trip_s,
+            "stage_other_share": max(0.0, handled_s - queued_s - forward_s) / round_trip_s,
+            "hop_share": max(0.0, round_trip_s - handled_s) / round_trip_s}

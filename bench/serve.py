@@ -21,7 +21,9 @@ One run, in order:
               ``busy_s``), and a prefill engine's ``mean_steps_in_flight`` says how full its
               pipeline was over ``pending_s`` (``pp`` when every stage holds a step) and its
               ``computable_share``, ``loading_only_share`` and ``pages_only_share`` what it could
-              do in that time (compute; only load from the pool; only wait for pages). The
+              do in that time (compute; only load from the pool; only wait for pages), and
+              ``stage_calls`` where its compute calls' round trips went (the layers, waiting at a
+              stage, the stage's other work, the hops between the processes). The
               bottleneck is the engine busy the largest share of the window, and
               ``stack_cost`` = 1 - its ``forward_share``: the time HTTP, routing, scheduling, the
               connector, the hand-off and the messages between processes keep the bottleneck from
@@ -85,6 +87,19 @@ def replay(scenario: str, url: str, traces: str, sessions: int, duration_s: floa
     (jsonl,) = sorted(out.glob(f"replay-*-sessions-{sessions}-*.jsonl"))
     records = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
     return doc["results"][0], records
+
+
+def log_prefill_accounts(name: str, e: dict) -> None:
+    """A prefill engine's time accounts of one load (``engine_accounts.stack_cost``), in two lines."""
+    if e.get("computable_share") is not None:
+        log(f"  {name} busy {percent(e['busy_share_of_window'])} of the window: computable "
+            f"{percent(e['computable_share'])}, loading only {percent(e['loading_only_share'])}, "
+            f"waiting for pages only {percent(e['pages_only_share'])}; {e['mean_steps_in_flight']:.2f} steps in flight")
+    calls = e["stage_calls"]
+    if "hop_share" in calls:
+        log(f"  {name} compute calls' round trips: layers {percent(calls['forward_share'])}, queued at a stage "
+            f"{percent(calls['queued_share'])}, the stage's other work {percent(calls['stage_other_share'])}, "
+            f"hops {percent(calls['hop_share'])}")
 
 
 def handoff_gb_s(records: list[dict]) -> float:
@@ -261,11 +276,8 @@ def main() -> None:
                 f"{summary['share_gpu']:.2f}/{summary['share_pool']:.2f}/{summary['share_computed']:.2f}, "
                 f"bottleneck {summary['stack']['bottleneck']} (stack cost {percent(summary['stack']['stack_cost'])})")
             for name, e in summary["stack"]["engines"].items():
-                if e.get("computable_share") is not None:
-                    log(f"  {name} busy {percent(e['busy_share_of_window'])} of the window: computable "
-                        f"{percent(e['computable_share'])}, loading only {percent(e['loading_only_share'])}, "
-                        f"waiting for pages only {percent(e['pages_only_share'])}; "
-                        f"{e['mean_steps_in_flight']:.2f} steps in flight")
+                if "stage_calls" in e:
+                    log_prefill_accounts(name, e)
     finally:
         status = served.stop()
     check = []

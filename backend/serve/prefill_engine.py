@@ -150,6 +150,15 @@ class EngineMetrics:
                         ["stage"], registry=r)
         for stage in range(sched.pp):
             forward.labels(str(stage)).set_function(lambda stage=stage: sched.stage_forward_s[stage])
+        for name, doc, series in (
+                ("queued", "Seconds each stage's compute steps waited behind its earlier ones", sched.stage_queued_s),
+                ("handled", "Seconds from each compute command's arrival at the stage to its answer being ready",
+                 sched.stage_handled_s),
+                ("round_trip", "Seconds from each compute command's send to its answer's arrival at the engine",
+                 sched.stage_round_trip_s)):
+            gauge = Gauge(f"kvpool:prefill_stage_{name}_seconds", doc, ["stage"], registry=r)
+            for stage in range(sched.pp):
+                gauge.labels(str(stage)).set_function(lambda stage=stage, series=series: series[stage])
         Gauge("kvpool:prefill_pending_seconds", "Seconds the engine held prompt tokens not yet computed",
               registry=r).set_function(lambda: sched.pending_s)
         Gauge("kvpool:prefill_computable_seconds",

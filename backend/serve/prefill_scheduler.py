@@ -30,7 +30,10 @@ Per request (in this order):
 
 Time accounts (read by the engine's metrics, any thread): ``stage_forward_s[s]`` sums the
 ``forward_s`` stage ``s`` answers with each compute step (its layers' forward pass, to a device
-synchronization); ``pending_s`` is the wall time the engine held prompt tokens it had not yet
+synchronization), ``stage_queued_s[s]`` and ``stage_handled_s[s]`` its ``queued_s`` (waiting
+behind the stage's earlier steps) and ``handled_s`` (the command's arrival to its answer being
+ready), ``stage_round_trip_s[s]`` each call's send to its answer's arrival here (the round trip
+less ``handled_s`` is the hop: encoding, the messages and the output's copy off the device); ``pending_s`` is the wall time the engine held prompt tokens it had not yet
 computed (a request queued for pages, loading or computing), and ``steps_in_flight_s`` the time
 integral of the steps in the pipeline over the same time (over ``pending_s``: how many steps the
 pipeline held on average; ``pp`` when every stage has one). ``pending_s`` splits by what the
@@ -141,6 +144,7 @@ class _Step:
     items: list[tuple[_Req, int, int, bool]]   # (request, start, end, last)
     stage: int = 0
     t0: float = 0.0
+    sent_s: float = 0.0   # when it was sent to its current stage
 
 
 @dataclass
@@ -256,6 +260,9 @@ class PrefillScheduler:
         self.steps_done = 0
         self.step_tokens_done = 0
         self.stage_forward_s = [0.0] * self.pp
+        self.stage_queued_s = [0.0] * self.pp
+        self.stage_handled_s = [0.0] * self.pp
+        self.stage_round_trip_s = [0.0] * self.pp
         self.pending_s = 0.0
         self.computable_s = 0.0
         self.loading_only_s = 0.0
@@ -461,15 +468,14 @@ class PrefillScheduler:
         body = {"items": [{"rid": r.rid, "start": a, "end": b, "blocks": r.alloc.block_ids, "last": last,
                            **({"tokens": list(r.tokens[a:b])} if s == 0 else {})}
                           for r, a, b, last in step.items]}
+        step.sent_s = time.monotonic()   # the round trip counts this send's encoding
         cid = self.client.send(s, "compute", body, tensors)
         self.calls[cid] = _Call("compute", s, time.monotonic() + COMPUTE_WAIT_S, COMPUTE_WAIT_S, step=step)
 
     def _on_compute(self, step: _Step, stage: int, header: dict, tensors) -> None:
         if not header.get("ok"):
             raise StageBroken(f"prefill stage {self.names[stage]} failed a compute step: {header.get('error')}")
-        forward_s = header.get("forward_s")
-        if isinstance(forward_s, (int, float)) and forward_s >= 0:
-            self.stage_forward_s[stage] += forward_s
+        self._account_stage_call(stage, header, time.monotonic() - step.sent_s)
         if stage < self.pp - 1:
             if len(tensors) != 1:
                 raise StageBroken(f"prefill stage {self.names[stage]} answered a step without hidden states")
@@ -490,6 +496,19 @@ class PrefillScheduler:
                 req.first_token = tok
                 req.t_end = time.monotonic()
                 self._after_compute(req)
+
+    def _account_stage_call(self, stage: int, header: dict, round_trip_s: float) -> None:
+        """Add one compute call's times to stage ``stage``'s accounts: its round trip from here and
+        what the stage reported (``forward_s``, ``queued_s``, ``handled_s``; a missing or negative
+        one counts 0)."""
+        def reported(key: str) -> float:
+            v = header.get(key)
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else 0.0
+
+        self.stage_forward_s[stage] += reported("forward_s")
+        self.stage_queued_s[stage] += reported("queued_s")
+        self.stage_handled_s[stage] += reported("handled_s")
+        self.stage_round_trip_s[stage] += round_trip_s
 
     # -- save and hand-off -------------------------------------------------------------------
     def _after_compute(self, req: _Req) -> None:

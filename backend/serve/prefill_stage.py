@@ -27,7 +27,7 @@ the ready file is ``{"pid", "endpoint"}``). Every reply has ``"ok"``; failures c
     ``exists {keys}``                 -> ``{"present": [bool] | null}`` (null: the pool gave no answer)
     ``load {plan, blocks}``           -> ``{"report": StageReport}`` (connector load thread)
     ``save {plan, blocks}``           -> ``{"report": StageSaveReport}`` (connector save thread)
-    ``compute {items}`` + hidden      -> ``{"forward_s", "first_tokens": {rid: token}}`` + hidden
+    ``compute {items}`` + hidden      -> ``{"forward_s", "queued_s", "handled_s", "first_tokens": {rid: token}}`` + hidden
         ``items``: ``[{"rid", "start", "end", "blocks", "tokens"?, "last"?}]`` in order: tokens
         ``[start, end)`` of each request through its block table. Stage 0 embeds ``tokens`` (the
         ids of ``[start, end)``); later stages take one float32 tensor ``[sum(end - start), d_model]``
@@ -36,7 +36,9 @@ the ready file is ``{"pid", "endpoint"}``). Every reply has ``"ok"``; failures c
         greedy first token (argmax of the logits of the item's last token). Hidden states go
         through the engine (stage -> engine -> next stage). ``forward_s`` is the step's time in
         this stage's layers: from its input on the device to a device synchronization after the
-        last item (the input's copy and the output's return are not in it).
+        last item (the input's copy and the output's return are not in it); ``queued_s`` the time
+        from the command's arrival to the step's start (behind the steps before it here);
+        ``handled_s`` from the arrival to the answer being ready, before it is encoded and sent.
     ``handoff {rid, decode, blocks, plan, timeout_s}`` -> ``{"report": handoff StageReport}``
         this stage's KV of the request's tokens to every rank of decode instance ``decode``:
         ``plan`` is the latents' plan (``handoff_plan.stage_plan``); the indexer records follow
@@ -321,9 +323,11 @@ class StageServer:
         if self.stage > 0:
             if len(tensors) != 1 or tuple(tensors[0].shape) != (total, self.config.d_model) or tensors[0].dtype != torch.float32:
                 raise link.LinkError(f"compute: expected one float32 tensor [{total}, {self.config.d_model}]")
-        self._in_thread(self.compute_exec, ident, header, lambda: self._compute(parsed, tensors))
+        received = time.perf_counter()
+        self._in_thread(self.compute_exec, ident, header, lambda: self._compute(parsed, tensors, received))
 
-    def _compute(self, items, tensors):
+    def _compute(self, items, tensors, received: float):
+        started = time.perf_counter()
         x_in = tensors[0].to(self.device) if self.stage > 0 else None
         outs, first = [], {}
         off = 0
@@ -341,9 +345,11 @@ class StageServer:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         forward_s = time.perf_counter() - t0
+        times = {"forward_s": forward_s, "queued_s": started - received}
         if self.last:
-            return {"first_tokens": first, "forward_s": forward_s}, ()
-        return {"forward_s": forward_s}, (torch.cat(outs).float(),)
+            return {"first_tokens": first, **times, "handled_s": time.perf_counter() - received}, ()
+        out = torch.cat(outs).float()
+        return {**times, "handled_s": time.perf_counter() - received}, (out,)
 
     def cmd_handoff(self, ident, header, tensors) -> None:
         rid = link._need(header, "rid", str)

@@ -150,11 +150,15 @@ def time_accounts(dep) -> tuple[dict[int, float], dict[str, float]]:
     """The engine's per-stage forward seconds and its other time accounts (pending, computable,
     loading only, steps in flight), from ``GET /metrics``."""
     _, text = dep.get("/metrics")
-    forward_s = {int(m.group(1)): float(m.group(2)) for m in
-                 re.finditer(r'^kvpool:prefill_stage_forward_seconds\{stage="(\d+)"\} (\S+)$', text, re.M)}
     accounts = {name: float(re.search(rf"^kvpool:prefill_{name}_seconds (\S+)$", text, re.M).group(1))
                 for name in ("pending", "computable", "loading_only", "steps_in_flight")}
-    return forward_s, accounts
+    return stage_accounts(text, "forward"), accounts
+
+
+def stage_accounts(text: str, name: str) -> dict[int, float]:
+    """``kvpool:prefill_stage_NAME_seconds`` by stage, from the metrics ``text``."""
+    return {int(m.group(1)): float(m.group(2)) for m in
+            re.finditer(rf'^kvpool:prefill_stage_{name}_seconds\{{stage="(\d+)"\}} (\S+)$', text, re.M)}
 
 
 def test_each_stage_forward_pass_lies_inside_the_time_the_engine_held_work(served):
@@ -174,3 +178,16 @@ def test_each_stage_forward_pass_lies_inside_the_time_the_engine_held_work(serve
     # a fresh prompt admitted at once neither loads nor waits for pages: computable all along
     assert spent["loading_only"] == 0
     assert spent["computable"] == pytest.approx(spent["pending"], rel=1e-9)
+
+
+def test_each_compute_call_splits_into_the_layers_the_waits_and_the_hop(served):
+    dep, decode, _ = served
+    names = ("forward", "queued", "handled", "round_trip")
+    before = {n: stage_accounts(dep.get("/metrics")[1], n) for n in names}
+    prefill(dep, decode, "timed-2", prompt(300, 41))   # three 128-token steps through two stages
+    text = dep.get("/metrics")[1]
+    spent = {n: {s: v - before[n][s] for s, v in stage_accounts(text, n).items()} for n in names}
+    for stage in (0, 1):
+        forward, queued, handled, trip = (spent[n][stage] for n in names)
+        # the layers and the wait lie inside the stage's handling, which lies inside the round trip
+        assert forward > 0 and queued >= 0 and forward + queued <= handled < trip, (stage, spent)
