@@ -60,30 +60,18 @@ def prefill_forward_s(urls: dict[str, str]) -> list[float]:
     return [x for name in sorted(accounts) for x in accounts[name].get("stage_forward_s", [])]
 
 
-async def timed_prompts(c, urls: dict[str, str], tokens: int, count: int, label: str) -> list[dict]:
-    """``count`` fresh prompts of ``tokens`` tokens, one after another: each one's window and the
-    stages' forward seconds it added."""
+async def timed_prompts(c, urls: dict[str, str], tokens: int, count: int, label: str,
+                        together: int = 1) -> list[dict]:
+    """``count`` times, ``together`` fresh prompts of ``tokens`` tokens sent at once (one after
+    another when 1; with whole-step prompts, the second's step follows the first's through the
+    stages, so each stage but the first computes beside the stage before it): each time the longest
+    window, the tokens and the stages' forward seconds they added."""
     out = []
     for _ in range(count):
         before = prefill_forward_s(urls)
-        answer = await c.complete(c.fresh(tokens), 1, label)
+        answers = await asyncio.gather(*(c.complete(c.fresh(tokens), 1, label) for _ in range(together)))
         after = prefill_forward_s(urls)
-        out.append({"window_s": window_s(answer), "tokens": tokens,
-                    "stage_forward_s": [b - a for a, b in zip(before, after)]})
-    return out
-
-
-async def timed_pairs(c, urls: dict[str, str], tokens: int, count: int, label: str) -> list[dict]:
-    """``count`` pairs of fresh prompts of ``tokens`` tokens (a whole step each), the two of a pair
-    sent together: the second's step follows the first's through the stages, so each stage but the
-    first computes beside the stage before it. Per pair the longer window and the stages' forward
-    seconds the two added."""
-    out = []
-    for _ in range(count):
-        before = prefill_forward_s(urls)
-        answers = await asyncio.gather(*(c.complete(c.fresh(tokens), 1, label) for _ in range(2)))
-        after = prefill_forward_s(urls)
-        out.append({"window_s": max(window_s(a) for a in answers), "tokens": 2 * tokens,
+        out.append({"window_s": max(window_s(a) for a in answers), "tokens": together * tokens,
                     "stage_forward_s": [b - a for a, b in zip(before, after)]})
     return out
 
@@ -126,7 +114,7 @@ async def probe(url: str, urls: dict[str, str], s, a) -> dict[str, list[dict]]:
         step = s.prefill.max_batched_tokens
         log(f"beside decode done; prompts of a whole step ({step} tokens) alone, then in pairs")
         got["full_step_alone"] = await timed_prompts(c, urls, step, a.pairs, "full step alone")
-        got["full_steps_pipelined"] = await timed_pairs(c, urls, step, a.pairs, "full steps pipelined")
+        got["full_steps_pipelined"] = await timed_prompts(c, urls, step, a.pairs, "full steps pipelined", together=2)
     return got
 
 

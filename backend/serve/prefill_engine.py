@@ -146,11 +146,8 @@ class EngineMetrics:
         Gauge("kvpool:prefill_running_requests", "Requests admitted", registry=r).set_function(lambda: sched.running)
         Gauge("kvpool:prefill_steps_done", "Chunked-prefill steps done", registry=r).set_function(lambda: sched.steps_done)
         Gauge("kvpool:prefill_step_tokens_done", "Tokens computed in steps", registry=r).set_function(lambda: sched.step_tokens_done)
-        forward = Gauge("kvpool:prefill_stage_forward_seconds", "Seconds each stage spent in its layers' forward pass",
-                        ["stage"], registry=r)
-        for stage in range(sched.pp):
-            forward.labels(str(stage)).set_function(lambda stage=stage: sched.stage_forward_s[stage])
         for name, doc, series in (
+                ("forward", "Seconds each stage spent in its layers' forward pass", sched.stage_forward_s),
                 ("queued", "Seconds each stage's compute steps waited behind its earlier ones", sched.stage_queued_s),
                 ("handled", "Seconds from each compute command's arrival at the stage to its answer being ready",
                  sched.stage_handled_s),
