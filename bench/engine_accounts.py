@@ -112,8 +112,8 @@ def _spent(after: dict, before: dict, key: str) -> float:
 def _stage_calls(round_trip_s: float, handled_s: float, queued_s: float, forward_s: float) -> dict:
     """Where a prefill engine's compute calls spent their round trips, all stages together: the
     layers (``forward``), waiting behind a stage's earlier step (``queued``), the stage's own work
-    around the layers (``stage_other``: the input's copy, the output's preparation) and the hop
-    (``hop``: encoding, the messages through the engine, the output's copy off the device)."""
+    around the layers (``stage_other``: the input's copy on, the output's copy off the device)
+    and the hop (``hop``: the messages from the stage through the engine)."""
     if round_trip_s <= 0:
         return {"round_trip_s": round_trip_s}
     return {"round_trip_s": round_trip_s, "forward_share": forward_s / round_trip_s,

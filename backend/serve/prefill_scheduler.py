@@ -33,7 +33,7 @@ Time accounts (read by the engine's metrics, any thread): ``stage_forward_s[s]``
 synchronization), ``stage_queued_s[s]`` and ``stage_handled_s[s]`` its ``queued_s`` (waiting
 behind the stage's earlier steps) and ``handled_s`` (the command's arrival to its answer being
 ready), ``stage_round_trip_s[s]`` each call's send to its answer's arrival here (the round trip
-less ``handled_s`` is the hop: encoding, the messages and the output's copy off the device);
+less ``handled_s`` is the hop: the messages through the engine);
 ``pending_s`` is the wall time the engine held prompt tokens it had not yet computed (a request
 queued for pages, loading or computing), and ``steps_in_flight_s`` the time integral of the steps
 in the pipeline over the same time (over ``pending_s``: how many steps the pipeline held on

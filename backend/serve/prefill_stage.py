@@ -34,11 +34,13 @@ the ready file is ``{"pid", "endpoint"}``). Every reply has ``"ok"``; failures c
         (the previous stage's output, items back to back). A stage other than the last answers its
         output the same way; the last stage answers, for each item with ``"last": true``, the
         greedy first token (argmax of the logits of the item's last token). Hidden states go
-        through the engine (stage -> engine -> next stage). ``forward_s`` is the step's time in
-        this stage's layers: from its input on the device to a device synchronization after the
-        last item (the input's copy and the output's return are not in it); ``queued_s`` the time
-        from the command's arrival to the step's start (behind the steps before it here);
-        ``handled_s`` from the arrival to the answer being ready, before it is encoded and sent.
+        through the engine (stage -> engine -> next stage) as raw frames that no process copies
+        (``stage_link``); the output leaves a GPU through page-locked memory. ``forward_s`` is the
+        step's time in this stage's layers: from its input on the device to a device
+        synchronization after the last item (the input's copy and the output's copy off the device
+        are not in it); ``queued_s`` the time from the command's arrival to the step's start
+        (behind the steps before it here); ``handled_s`` from the arrival to the answer being
+        ready (its output on the CPU), before it is sent.
     ``handoff {rid, decode, blocks, plan, timeout_s}`` -> ``{"report": handoff StageReport}``
         this stage's KV of the request's tokens to every rank of decode instance ``decode``:
         ``plan`` is the latents' plan (``handoff_plan.stage_plan``); the indexer records follow
@@ -137,6 +139,16 @@ def handoff_staging_bytes(scenario, layers: int, record_bytes: int) -> int:
     return max(1, tokens * layers * record_bytes)
 
 
+def _off_device(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the CPU; from a GPU through page-locked memory (the fast copy; torch's host
+    allocator keeps the buffers for the next steps)."""
+    if x.device.type == "cpu":
+        return x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x)
+    return host
+
+
 class StageServer:
     """One stage's state and its threads (see the module docstring)."""
 
@@ -227,7 +239,7 @@ class StageServer:
 
     def _dispatch(self, ident: bytes, frames) -> None:
         try:
-            header, tensors = link.decode([f.bytes for f in frames])
+            header, tensors = link.decode(frames)
         except link.LinkError as e:
             return self.reply(ident, {"id": -1, "cmd": "?"}, {"ok": False, "error": str(e)})
         handler = getattr(self, f"cmd_{header['cmd']}", None)
@@ -348,7 +360,7 @@ class StageServer:
         times = {"forward_s": forward_s, "queued_s": started - received}
         if self.last:
             return {"first_tokens": first, **times, "handled_s": time.perf_counter() - received}, ()
-        out = torch.cat(outs).float()
+        out = _off_device(torch.cat(outs).float())
         return {**times, "handled_s": time.perf_counter() - received}, (out,)
 
     def cmd_handoff(self, ident, header, tensors) -> None:

@@ -55,19 +55,25 @@ class LinkError(ValueError):
 
 # -- frames ------------------------------------------------------------------------------------
 def encode(header: dict, tensors: Sequence[torch.Tensor] = ()) -> list[bytes | memoryview]:
-    """Header JSON plus one raw-bytes frame per tensor (moved to the CPU, made contiguous)."""
+    """Header JSON plus one raw-bytes frame per tensor (moved to the CPU, made contiguous).
+
+    A tensor's frame is a view of its CPU bytes, not a copy: sent with ``copy=False``, a tensor
+    already on the CPU must not change until ZMQ has sent it (the engine relays received tensors;
+    a stage sends a fresh copy off its device)."""
     metas, frames = [], []
     for t in tensors:
         if t.dtype not in _DTYPE_NAMES:
             raise LinkError(f"dtype {t.dtype} cannot cross the stage link")
         c = t.detach().to("cpu").contiguous()
         metas.append({"dtype": _DTYPE_NAMES[t.dtype], "shape": list(c.shape)})
-        frames.append(c.view(torch.uint8).reshape(-1).numpy().tobytes() if c.numel() else b"")
+        frames.append(memoryview(c.view(torch.uint8).reshape(-1).numpy()) if c.numel() else b"")
     return [json.dumps({**header, "tensors": metas}).encode(), *frames]
 
 
 def decode(frames: Sequence[bytes | zmq.Frame]) -> tuple[dict, list[torch.Tensor]]:
-    """Inverse of ``encode``; ``LinkError`` for anything malformed."""
+    """Inverse of ``encode``; ``LinkError`` for anything malformed. A tensor decoded from a
+    ``zmq.Frame`` (received with ``copy=False``) shares the frame's memory; one from ``bytes`` is a
+    copy (``bytes`` are read-only)."""
     if not frames:
         raise LinkError("empty message")
     try:
@@ -87,13 +93,13 @@ def decode(frames: Sequence[bytes | zmq.Frame]) -> tuple[dict, list[torch.Tensor
         if dtype is None or not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(
                 _is_int(d) and d >= 0 for d in shape):
             raise LinkError(f"tensor {i}: expected dtype in {sorted(DTYPES)} and a shape of <= {MAX_DIMS} sizes")
-        raw = bytes(frame)
+        raw = frame.buffer if isinstance(frame, zmq.Frame) else bytearray(frame)
         n = 1
         for d in shape:
             n *= d
         if len(raw) != n * torch.empty((), dtype=dtype).element_size():
             raise LinkError(f"tensor {i}: {len(raw)} bytes do not match shape {shape} of {meta['dtype']}")
-        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        flat = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
         tensors.append(flat.view(dtype).reshape(shape))
     return header, tensors
 
@@ -250,7 +256,7 @@ class StageClient:
         for stage, s in enumerate(self.sockets):
             while True:
                 try:
-                    frames = s.recv_multipart(zmq.NOBLOCK)
+                    frames = s.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 try:

@@ -48,3 +48,33 @@ def test_plans_round_trip_and_a_mistyped_field_is_refused():
         link.load_plan_from_json({**wire["l"], "first_chunk": "1"})
     with pytest.raises(link.LinkError, match="handoff plan"):
         link.handoff_plan_from_json({**wire["h"], "ranks": 0})
+
+
+def test_a_received_tensor_shares_the_frame_and_a_sent_one_is_not_copied():
+    """The hidden states cross stage -> engine -> stage as frames that no process copies: the
+    tensor decoded from a received frame is a view of it, and an encoded CPU tensor's frame is a
+    view of the tensor."""
+    import zmq
+
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    frames = link.encode({"id": 1, "cmd": "compute"}, [x])
+    assert isinstance(frames[1], memoryview)
+    x[0, 0] = 7.0
+    assert torch.frombuffer(bytearray(frames[1]), dtype=torch.float32)[0] == 7.0
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        port = a.bind_to_random_port("tcp://127.0.0.1")
+        b.connect(f"tcp://127.0.0.1:{port}")
+        a.send_multipart(frames, copy=False)
+        assert b.poll(5000)
+        received = b.recv_multipart(copy=False)
+        _, (got,) = link.decode(received)
+        assert torch.equal(got, x)
+        received[1].buffer[:4] = torch.tensor([1.5], dtype=torch.float32).view(torch.uint8).numpy().tobytes()
+        assert got[0, 0] == 1.5
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
