@@ -6,16 +6,20 @@
     stack_cost(before, after, s)   what the engines did between two readings ``s`` seconds apart:
                                    per engine its busy time and the model's share of it
                                    (``forward_share``), the bottleneck (the engine busy the largest
-                                   share of the window) and ``stack_cost`` = 1 - its
-                                   ``forward_share``; a prefill engine also its
-                                   ``mean_steps_in_flight`` (``prefill.pp`` when every stage holds a
-                                   step) and how its busy time splits: ``computable_share`` (a step
-                                   in flight or tokens a step could take), ``loading_only_share``
-                                   (nothing computable, a request loading from the pool) and
-                                   ``pages_only_share`` (requests waiting for pages only), and
-                                   where its compute calls' round trips went (``stage_calls``:
-                                   the layers, waiting at a stage, the stage's other work, the
-                                   hop between processes).
+                                   share of the window) and ``stack_cost``: for a decode engine
+                                   1 - its ``forward_share``, for a prefill engine its
+                                   ``stack_share`` (of its steps' time in flight, the share outside
+                                   the stages' layers and their queues: the stages' other work, the
+                                   hops, the engine's relaying; the pipeline's fill,
+                                   ``mean_steps_in_flight`` of ``prefill.pp``, is the plan's: the
+                                   simulator forms the same steps and passes them through the same
+                                   pipeline); a prefill engine also how its busy time splits:
+                                   ``computable_share`` (a step in flight or tokens a step could
+                                   take), ``loading_only_share`` (nothing computable, a request
+                                   loading from the pool) and ``pages_only_share`` (requests
+                                   waiting for pages only), and where its compute calls' round
+                                   trips went (``stage_calls``: the layers, waiting at a stage,
+                                   the stage's other work, the hop between processes).
                                    ``docs/serve.md`` ("What the serving stack costs") says what
                                    each account counts.
 """
@@ -78,9 +82,12 @@ def stack_cost(before: dict[str, dict], after: dict[str, dict], window_s: float)
             in_flight_s = a["steps_in_flight_s"] - b["steps_in_flight_s"]
             computable_s = a["computable_s"] - b["computable_s"]
             loading_only_s = a["loading_only_s"] - b["loading_only_s"]
+            queued_s = _spent(a, b, "stage_queued_s")
             engines[name] = {"pending_s": busy_s, "stage_forward_s": forward_s,
                              "forward_share": max(forward_s) / busy_s if busy_s > 0 else None,
                              "mean_steps_in_flight": in_flight_s / busy_s if busy_s > 0 else None,
+                             "steps_in_flight_s": in_flight_s,
+                             "stack_share": _stack_share(in_flight_s, sum(forward_s), queued_s),
                              **_split(busy_s, computable_s, loading_only_s),
                              "stage_calls": _stage_calls(*(_spent(a, b, k) for k in (
                                  "stage_round_trip_s", "stage_handled_s", "stage_queued_s", "stage_forward_s")))}
@@ -91,9 +98,21 @@ def stack_cost(before: dict[str, dict], after: dict[str, dict], window_s: float)
                              "forward_share": step_s / busy_s if busy_s > 0 else None}
         engines[name]["busy_share_of_window"] = busy_s / window_s
     bottleneck = max(engines, key=lambda n: engines[n]["busy_share_of_window"])
-    share = engines[bottleneck]["forward_share"]
-    return {"window_s": window_s, "engines": engines, "bottleneck": bottleneck,
-            "stack_cost": None if share is None else 1.0 - share}
+    e = engines[bottleneck]
+    if "stack_share" in e:
+        cost = e["stack_share"]
+    else:
+        cost = None if e["forward_share"] is None else 1.0 - e["forward_share"]
+    return {"window_s": window_s, "engines": engines, "bottleneck": bottleneck, "stack_cost": cost}
+
+
+def _stack_share(in_flight_s: float, forward_s: float, queued_s: float) -> float | None:
+    """Of the time a prefill engine's steps were in flight (summed over the steps), the share spent
+    neither in a stage's layers nor waiting behind a stage's earlier step: the stages' other work,
+    the hops and the engine's relaying between them, which the pipeline itself does not need."""
+    if in_flight_s <= 0:
+        return None
+    return max(0.0, in_flight_s - forward_s - queued_s) / in_flight_s
 
 
 def _split(pending_s: float, computable_s: float, loading_only_s: float) -> dict:

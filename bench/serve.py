@@ -24,11 +24,15 @@ One run, in order:
               do in that time (compute; only load from the pool; only wait for pages), and
               ``stage_calls`` where its compute calls' round trips went (the layers, waiting at a
               stage, the stage's other work, the hops between the processes). The
-              bottleneck is the engine busy the largest share of the window, and
-              ``stack_cost`` = 1 - its ``forward_share``: the time HTTP, routing, scheduling, the
-              connector, the hand-off and the messages between processes keep the bottleneck from
-              computing. The forward seconds are measured inside the workers as they share the
-              device, so the workers' slowing of one another is not counted as the stack's.
+              bottleneck is the engine busy the largest share of the window, and ``stack_cost``
+              the time HTTP, routing, scheduling, the connector, the hand-off and the messages
+              between processes keep it from computing: for a decode engine 1 - its
+              ``forward_share``; for a prefill engine its ``stack_share``, the part of its steps'
+              time in flight spent neither in a stage's layers nor waiting behind a stage's earlier
+              step (the pipeline's fill, ``mean_steps_in_flight`` of ``prefill.pp``, follows from
+              the steps the policy forms, which the simulator forms and pipelines alike). The
+              forward seconds are measured inside the workers as they share the device, so the
+              workers' slowing of one another is not counted as the stack's.
     limits    measured in the same run after the server stopped: pinned host -> device copy and a
               device copy (GB/s, 256 MiB); when the prefill stages and the decode ranks are on
               different GPUs, the GPU-to-GPU copy of every stage-to-decode pair (the hand-off's
@@ -94,7 +98,8 @@ def log_prefill_accounts(name: str, e: dict) -> None:
     if e.get("computable_share") is not None:
         log(f"  {name} busy {percent(e['busy_share_of_window'])} of the window: computable "
             f"{percent(e['computable_share'])}, loading only {percent(e['loading_only_share'])}, "
-            f"waiting for pages only {percent(e['pages_only_share'])}; {e['mean_steps_in_flight']:.2f} steps in flight")
+            f"waiting for pages only {percent(e['pages_only_share'])}; {e['mean_steps_in_flight']:.2f} steps in flight, "
+            f"stack share of their time {percent(e['stack_share'])}")
     calls = e["stage_calls"]
     if "hop_share" in calls:
         log(f"  {name} compute calls' round trips: layers {percent(calls['forward_share'])}, queued at a stage "
