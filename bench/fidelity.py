@@ -19,7 +19,10 @@ One run, in order:
                on average); the real run's engine time accounts (``stack_real``:
                ``engine_accounts.stack_cost``; null for a kept replay whose summary has none);
                a prefill stage's time per computed token (``prefill_stage_us_per_token``: the
-               real stages' forward seconds, the simulated stages' calibrated steps);
+               real stages' forward seconds, the simulated stages' calibrated steps); the
+               prefill pipeline's steps in flight on average over the run
+               (``prefill_steps_in_flight``: the real engines' accounts over the replay's window,
+               the simulated pipelines' over the simulated time);
                a table on stdout, the document in ``--out``, and
                an overlay plot in ``--plot`` (TTFT CDF real vs simulated and token shares, per load)
 
@@ -109,7 +112,7 @@ def real_load(a, work: Path, load: int) -> tuple[dict, list[dict], dict | None]:
     return kept["summary"], records, kept.get("stack")
 
 
-def simulated(a, cal: Path, loads: list[int]) -> list[tuple[dict, list[dict], list[str], float | None]]:
+def simulated(a, cal: Path, loads: list[int]) -> list[tuple[dict, list[dict], list[str], float | None, float | None]]:
     from kvpool.scenario.load import load_scenario
     from kvpool.sim.engine import Simulation
     from kvpool.sim.run import make_replay, run_point, workload_for
@@ -121,8 +124,25 @@ def simulated(a, cal: Path, loads: list[int]) -> list[tuple[dict, list[dict], li
         row = run_point(s, load, a.traces)
         sim = Simulation(s, make_replay(s, workload_for(s, a.traces), load))
         recs = [r.as_dict() for r in sim.run()]
-        out.append((row, recs, row.get("cost_notes", []), simulated_stage_us_per_token(sim)))
+        out.append((row, recs, row.get("cost_notes", []), simulated_stage_us_per_token(sim),
+                    simulated_steps_in_flight(sim)))
     return out
+
+
+def simulated_steps_in_flight(sim) -> float | None:
+    """The simulated prefill pipelines' steps in flight, on average over the run (summed over the
+    instances): the time integral of the steps that left stage 0's start and not the last stage."""
+    return sum(p.steps_in_flight_s for p in sim.prefills) / sim.env.now if sim.env.now > 0 else None
+
+
+def real_steps_in_flight(stack: dict | None) -> float | None:
+    """The real prefill engines' steps in flight, on average over the replay's window (summed over
+    the engines): ``kvpool:prefill_steps_in_flight_seconds`` over the window."""
+    engines = [e for e in (stack or {}).get("engines", {}).values() if "mean_steps_in_flight" in e]
+    if not engines or not stack.get("window_s"):
+        return None
+    in_flight_s = sum(e.get("steps_in_flight_s", (e["mean_steps_in_flight"] or 0.0) * e["pending_s"]) for e in engines)
+    return in_flight_s / stack["window_s"]
 
 
 def simulated_stage_us_per_token(sim) -> float | None:
@@ -252,10 +272,11 @@ def main() -> None:
     reals = [real_load(a, work, n) for n in loads]
     sims = simulated(a, cal, loads)
     rows = []
-    for n, (real, rrecs, stack), (srow, srecs, notes, sim_stage_us) in zip(loads, reals, sims):
+    for n, (real, rrecs, stack), (srow, srecs, notes, sim_stage_us, sim_in_flight) in zip(loads, reals, sims):
         rows.append({"sessions": n, "compare": compare(real, srow), "cost_notes": notes,
                      "phases": {"real": phases(rrecs), "sim": phases(srecs)}, "stack_real": stack,
                      "prefill_stage_us_per_token": {"real": real_stage_us_per_token(stack, rrecs), "sim": sim_stage_us},
+                     "prefill_steps_in_flight": {"real": real_steps_in_flight(stack), "sim": sim_in_flight},
                      "ttft_real": ttfts(rrecs), "ttft_sim": ttfts(srecs)})
     print_table(rows)
     for r in rows:
@@ -263,6 +284,10 @@ def main() -> None:
         if stage["real"] is not None and stage["sim"] is not None:
             print(f"sessions {r['sessions']}: a prefill stage per computed token: real {stage['real']:.1f} us "
                   f"(its forward alone), simulated {stage['sim']:.1f} us (calibrated cells, hops included)")
+        fill = r["prefill_steps_in_flight"]
+        if fill["real"] is not None and fill["sim"] is not None:
+            print(f"sessions {r['sessions']}: prefill steps in flight on average: real {fill['real']:.2f}, "
+                  f"simulated {fill['sim']:.2f}")
     for r in rows:
         for line in r["cost_notes"]:
             print(f"note: sessions {r['sessions']}: {line}")

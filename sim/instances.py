@@ -123,6 +123,10 @@ class PrefillInstance:
         self._stage_queue: list[deque[_Flight]] = [deque() for _ in range(pp)]  # ordered: steps waiting for stage j >= 1
         self._stage_computing = [False] * pp  # ordered: whether stage j >= 1 computes a step now
         self._flying = 0  # ordered: steps that have started at stage 0 and not yet left the last stage
+        #: ordered: the time integral of the steps in flight (step-seconds), up to ``_flying_mark_s``
+        #: (the engine's ``kvpool:prefill_steps_in_flight_seconds``)
+        self.steps_in_flight_s = 0.0
+        self._flying_mark_s = 0.0
         self._room_wanted = False  # ordered: the next step waits for a step in flight to leave
         #: serve mode with workers sharing devices (``sim.devices``): each stage's placement, else None
         self.placements: list[Placement] | None = None
@@ -194,7 +198,7 @@ class PrefillInstance:
         alone = self.cost.prefill_step_s([(take, c.context) for c, take in batch])
         step = alone
         if self.ordered:
-            self._flying += 1
+            self._count_flying(+1)
             step = alone * self._stage_starts(0)
         self.step_s = step
         call_later(self.env, step, self._step_done, (batch, step, alone))
@@ -238,12 +242,19 @@ class PrefillInstance:
             if not self._stage_computing[after]:
                 self._next_on_stage(after)
             return
-        self._flying -= 1
+        self._count_flying(-1)
         for c in flight.finished:
             call_later(self.env, 0.0, lambda _e, d=c.done, t=c.start_s: fire(d, t))
         if self._room_wanted:
             self._room_wanted = False
             self._step()
+
+    def _count_flying(self, delta: int) -> None:
+        """Add the steps in flight since the last change to ``steps_in_flight_s``, then change them by ``delta``."""
+        now = self.env.now
+        self.steps_in_flight_s += self._flying * (now - self._flying_mark_s)
+        self._flying_mark_s = now
+        self._flying += delta
 
     def _next_on_stage(self, stage: int) -> None:
         flight = self._stage_queue[stage].popleft()

@@ -189,8 +189,10 @@ def test_spread_requests_fill_the_pipeline_behind_the_first_step(spread):
     env.run()
     if spread:   # stage 1 takes step A at 0.2, B at 0.4; C waits for A to leave (two in flight)
         assert [done[k] for k in range(4)] == pytest.approx([0.4, 0.4, 0.5, 0.6])
+        assert p.steps_in_flight_s == pytest.approx(0.4 + 0.3 + 0.2)  # A 0-0.4, B 0.2-0.5, C 0.4-0.6
     else:
         assert [done[k] for k in range(4)] == pytest.approx([0.8] * 4)
+        assert p.steps_in_flight_s == pytest.approx(0.8)
 
 
 @pytest.mark.parametrize("faults", [[], ["faults.hang_prob_other=0.2", "faults.hang_s=5", "faults.request_timeout_s=6",
