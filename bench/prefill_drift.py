@@ -7,7 +7,7 @@ the prompts ``kvpool calibrate`` timed alone at its end took 1.47x the window it
 measured for the same prompt, and a replay's prefills 1.02-1.49x their cells (``docs/fidelity.md``,
 "Where the H100 figures miss"). This bench sends the same kind of prompt
 (``--prompt-tokens`` fresh tokens, ``--prompts`` of them one after another) to one ``kvpool serve
-SCENARIO`` (started here, stopped at the end) in four conditions, in this order:
+SCENARIO`` (started here, stopped at the end) in five conditions, in this order:
 
     fresh         after the calibration's warm-up requests only
     cache_full    after fresh prompts have filled ``serve.prefill_kv_tokens`` plus one step
@@ -15,6 +15,9 @@ SCENARIO`` (started here, stopped at the end) in four conditions, in this order:
     after_decode  after ``--batch`` sequences of ``--context``-token prompts have decoded
                   ``--decode-tokens`` tokens together and finished
     beside_decode while such a batch decodes (each prompt sent once the batch streams)
+    beside_handoff the prompts sent one ``fresh`` median window apart, so that each one's compute
+                  follows the one before while that one's hand-off and save run on the stages
+                  (the stages' forward seconds of the whole group, shared evenly by its prompts)
 
 then, with prompts of a whole step (``prefill.max_batched_tokens`` tokens), ``--pairs`` times each:
 
@@ -26,7 +29,7 @@ then, with prompts of a whole step (``prefill.max_batched_tokens`` tokens), ``--
 Per condition: every prompt's (or pair's: the longer) prefill window (its record's
 ``prefill_end_s - prefill_start_s``) and the model's time per computed token, all stages together
 (the prefill engine's ``kvpool:prefill_stage_forward_seconds`` before and after), the medians, and
-each median over its reference's (``REFERENCE``: ``fresh`` for the first four,
+each median over its reference's (``REFERENCE``: ``fresh`` for the first five,
 ``full_step_alone`` for the last two). JSON on stdout (and in ``--out``).
 
     python bench/prefill_drift.py --scenario cpu-tiny --prompt-tokens 256 --out /tmp/drift.json
@@ -47,7 +50,8 @@ from engine_accounts import engine_urls, time_accounts
 
 #: each condition and the one its medians are divided by (the same prompt size, an earlier state)
 REFERENCE = {"fresh": "fresh", "cache_full": "fresh", "after_decode": "fresh", "beside_decode": "fresh",
-             "full_step_alone": "full_step_alone", "full_steps_pipelined": "full_step_alone"}
+             "beside_handoff": "fresh", "full_step_alone": "full_step_alone",
+             "full_steps_pipelined": "full_step_alone"}
 
 
 def log(msg: str) -> None:
@@ -74,6 +78,19 @@ async def timed_prompts(c, urls: dict[str, str], tokens: int, count: int, label:
         out.append({"window_s": max(window_s(a) for a in answers), "tokens": together * tokens,
                     "stage_forward_s": [b - a for a, b in zip(before, after)]})
     return out
+
+
+async def staggered_prompts(c, urls: dict[str, str], tokens: int, count: int, gap_s: float, label: str) -> list[dict]:
+    """``count`` fresh prompts of ``tokens`` tokens, the k-th sent ``k * gap_s`` after the first:
+    each one's window, and the stages' forward seconds of all of them shared evenly."""
+    async def send(k: int) -> dict:
+        await asyncio.sleep(k * gap_s)
+        return await c.complete(c.fresh(tokens), 1, label)
+
+    before = prefill_forward_s(urls)
+    answers = await asyncio.gather(*(send(k) for k in range(count)))
+    share = [(b - a) / count for a, b in zip(before, prefill_forward_s(urls))]
+    return [{"window_s": window_s(a), "tokens": tokens, "stage_forward_s": share} for a in answers]
 
 
 def window_s(answer: dict) -> float:
@@ -111,8 +128,11 @@ async def probe(url: str, urls: dict[str, str], s, a) -> dict[str, list[dict]]:
             await ev.wait()
         got["beside_decode"] = await timed_prompts(c, urls, a.prompt_tokens, a.prompts, "beside decode")
         await answers
+        gap_s = statistics.median(r["window_s"] for r in got["fresh"])
+        log(f"beside decode done; prompts {gap_s * 1e3:.0f} ms apart, beside the hand-off and save before")
+        got["beside_handoff"] = await staggered_prompts(c, urls, a.prompt_tokens, a.prompts, gap_s, "beside hand-off")
         step = s.prefill.max_batched_tokens
-        log(f"beside decode done; prompts of a whole step ({step} tokens) alone, then in pairs")
+        log(f"beside hand-off done; prompts of a whole step ({step} tokens) alone, then in pairs")
         got["full_step_alone"] = await timed_prompts(c, urls, step, a.pairs, "full step alone")
         got["full_steps_pipelined"] = await timed_prompts(c, urls, step, a.pairs, "full steps pipelined", together=2)
     return got

@@ -124,10 +124,26 @@ _default_unraisablehook = sys.unraisablehook
 
 def _ctrl_c_in_a_destructor(unraisable) -> None:
     """A Ctrl-C that lands in a destructor or a weakref callback cannot stop the command there (Python
-    would print it as "Exception ignored" and go on): deliver it to the main thread again instead."""
-    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-        import _thread
+    would print it as "Exception ignored" and go on): deliver it to the main thread again instead.
+    It goes again a moment later, from a timer's thread: sent from inside this hook, it could land
+    in the hook itself, where Python ignores it as well."""
+    try:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            _ctrl_c_again_soon()
+            return
+        _default_unraisablehook(unraisable)
+    except KeyboardInterrupt:  # a further Ctrl-C that lands in this hook
+        _ctrl_c_again_soon()
 
-        _thread.interrupt_main()
-        return
-    _default_unraisablehook(unraisable)
+
+#: how long after a Ctrl-C in a destructor the main thread gets it again (this hook has returned by then)
+CTRL_C_AGAIN_AFTER_S = 0.01
+
+
+def _ctrl_c_again_soon() -> None:
+    import _thread
+    import threading
+
+    timer = threading.Timer(CTRL_C_AGAIN_AFTER_S, _thread.interrupt_main)
+    timer.daemon = True
+    timer.start()
