@@ -86,11 +86,10 @@ def stack_cost(before: dict[str, dict], after: dict[str, dict], window_s: float)
             engines[name] = {"pending_s": busy_s, "stage_forward_s": forward_s,
                              "forward_share": max(forward_s) / busy_s if busy_s > 0 else None,
                              "mean_steps_in_flight": in_flight_s / busy_s if busy_s > 0 else None,
-                             "steps_in_flight_s": in_flight_s,
                              "stack_share": _stack_share(in_flight_s, sum(forward_s), queued_s),
                              **_split(busy_s, computable_s, loading_only_s),
-                             "stage_calls": _stage_calls(*(_spent(a, b, k) for k in (
-                                 "stage_round_trip_s", "stage_handled_s", "stage_queued_s", "stage_forward_s")))}
+                             "stage_calls": _stage_calls(_spent(a, b, "stage_round_trip_s"),
+                                                         _spent(a, b, "stage_handled_s"), queued_s, sum(forward_s))}
         else:
             busy_s = a["busy_s"] - b["busy_s"]
             step_s = a["step_s"] - b["step_s"]

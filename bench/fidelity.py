@@ -141,7 +141,7 @@ def real_steps_in_flight(stack: dict | None) -> float | None:
     engines = [e for e in (stack or {}).get("engines", {}).values() if "mean_steps_in_flight" in e]
     if not engines or not stack.get("window_s"):
         return None
-    in_flight_s = sum(e.get("steps_in_flight_s", (e["mean_steps_in_flight"] or 0.0) * e["pending_s"]) for e in engines)
+    in_flight_s = sum((e["mean_steps_in_flight"] or 0.0) * e["pending_s"] for e in engines)
     return in_flight_s / stack["window_s"]
 
 
