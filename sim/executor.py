@@ -21,6 +21,10 @@ Contract:
       than a progress bar is worth. Without ``on_progress``, ``fn(task)`` everywhere.
     * ``local``: ``workers <= 1`` or a single task runs in-process; otherwise a process pool of
       ``min(workers, len(tasks))`` per ``map`` call.
+    * Ctrl-C (or any error) during a ``map`` in worker processes leaves no process behind and does
+      not wait for the remaining tasks: the workers are stopped, the queue's server is shut down,
+      and the ``KeyboardInterrupt`` (or the error) reaches the caller. A Ctrl-C that comes while
+      those processes start is held back until their cleanup is in place, then delivered.
     * ``ray`` with ``address`` (``host:port`` of the head's GCS, ``ray://host:port`` for Ray Client, or
       ``auto``): connects to that cluster, after checking within ``connect_timeout_s`` that something
       listens there (Ray itself would retry for minutes); the nodes need kvpool installed; an
@@ -151,9 +155,11 @@ def _map_in_processes(fn: Callable[..., Any], tasks: Sequence[Any], workers: int
     from multiprocessing import Manager
 
     with ExitStack() as stack:
-        queue = stack.enter_context(Manager()).Queue() if on_progress else None
-        pool = stack.enter_context(ProcessPoolExecutor(max_workers=workers, initializer=_stop_quietly_on_ctrl_c))
-        futs = {pool.submit(fn, t, *([_QueueReport(queue, i)] if queue else [])): i for i, t in enumerate(tasks)}
+        with _ctrl_c_held_back():  # the processes start (the pool's on its first submit), their cleanup registered
+            queue = stack.enter_context(Manager()).Queue() if on_progress else None
+            pool = stack.enter_context(_stopped_on_error(
+                ProcessPoolExecutor(max_workers=workers, initializer=_stop_quietly_on_ctrl_c)))
+            futs = {pool.submit(fn, t, *([_QueueReport(queue, i)] if queue else [])): i for i, t in enumerate(tasks)}
         pending = set(futs)
         while pending:
             finished, pending = wait(pending, timeout=PROGRESS_POLL_S if queue else None, return_when=FIRST_COMPLETED)
@@ -161,6 +167,49 @@ def _map_in_processes(fn: Callable[..., Any], tasks: Sequence[Any], workers: int
                 _drain(queue, on_progress)
             for f in sorted(finished, key=futs.__getitem__):
                 done(futs[f], f.result())
+
+
+@contextmanager
+def _ctrl_c_held_back() -> Iterator[None]:
+    """A Ctrl-C during the block is delivered when it ends (to the SIGINT handler in place before).
+
+    Processes start inside it: a Ctrl-C that lands inside ``Manager()`` after its server process has
+    started but before its shutdown is registered would leave that process (which ignores Ctrl-C)
+    running, and this process would wait for it at exit forever; a pool's worker forked after the
+    terminal's SIGINT never gets it. Outside the main thread, where no SIGINT handler runs, the
+    block runs as is."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)
+
+
+@contextmanager
+def _stopped_on_error(pool) -> Iterator[Any]:
+    """``pool`` (a ``ProcessPoolExecutor``) for the block. On leaving it normally the pool shuts down
+    as usual; on an error or a Ctrl-C its queued tasks are cancelled and its workers terminated at
+    once (a plain shutdown would run every queued task first, and a worker forked after the
+    terminal's SIGINT never got it)."""
+    try:
+        yield pool
+    except BaseException:
+        workers = list((pool._processes or {}).values())  # the executor offers no public handle on them
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in workers:
+            process.terminate()
+        pool.shutdown(wait=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 class _QueueReport:
