@@ -54,7 +54,8 @@ def test_ctrl_c_as_the_processes_start_stops_them_all(tmp_path, started):
     (tmp_path / "sweep.py").write_text(SWEEP)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     p = subprocess.Popen([sys.executable, "-m", "sweep", started], cwd=tmp_path, env=env, start_new_session=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal starts it
     try:
         out, err = p.communicate(timeout=25)  # the tasks alone would take 30 s
     finally:
