@@ -203,11 +203,9 @@ def _stopped_on_error(pool) -> Iterator[Any]:
     try:
         yield pool
     except BaseException:
-        workers = list((pool._processes or {}).values())  # the executor offers no public handle on them
-        pool.shutdown(wait=False, cancel_futures=True)
-        for process in workers:
+        for process in list((pool._processes or {}).values()):  # the executor offers no public handle on them
             process.terminate()
-        pool.shutdown(wait=True)
+        pool.shutdown(wait=True, cancel_futures=True)  # its manager thread finds them gone and reaps them
         raise
     pool.shutdown(wait=True)
 

@@ -1,6 +1,7 @@
 """A Ctrl-C while a sweep's worker processes start (``sim.executor``): the caller gets the
 ``KeyboardInterrupt`` at once and no process is left behind, whichever process had just started
-when the terminal's SIGINT came: the progress queue's server or a pool worker."""
+when the terminal's SIGINT came: the progress queue's server or a pool worker. A task's error
+ends the map the same way, without waiting for the other tasks."""
 
 from __future__ import annotations
 
@@ -67,3 +68,24 @@ def test_ctrl_c_as_the_processes_start_stops_them_all(tmp_path, started):
     while not group_is_gone(p.pid) and time.monotonic() < end:
         time.sleep(0.05)
     assert group_is_gone(p.pid), "a process of the sweep outlived it"
+
+
+def fail_at_once_or_nap(seconds: float) -> float:
+    if seconds == 0:
+        raise ValueError("this task fails")
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_failing_task_stops_the_others_and_reaches_the_caller():
+    """The error of one task ends the map at once: the other task's 30 s nap is not waited for, and
+    no worker process is left."""
+    import multiprocessing
+
+    from kvpool.sim.executor import Runner
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="this task fails"):
+        Runner("local", 2).map(fail_at_once_or_nap, [30.0, 0.0])
+    assert time.monotonic() - started < 25
+    assert multiprocessing.active_children() == []
