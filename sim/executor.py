@@ -176,12 +176,12 @@ def _ctrl_c_held_back() -> Iterator[None]:
     Processes start inside it: a Ctrl-C that lands inside ``Manager()`` after its server process has
     started but before its shutdown is registered would leave that process (which ignores Ctrl-C)
     running, and this process would wait for it at exit forever; a pool's worker forked after the
-    terminal's SIGINT never gets it. Outside the main thread, where no SIGINT handler runs, the
-    block runs as is."""
+    terminal's SIGINT never gets it. Outside the main thread (where no handler can be set) and
+    where SIGINT's handler was not set from Python, the block runs as is."""
     import signal
     import threading
 
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield
         return
     held: list[int] = []
