@@ -84,8 +84,9 @@ def test_a_failing_task_stops_the_others_and_reaches_the_caller():
 
     from kvpool.sim.executor import Runner
 
+    before = set(multiprocessing.active_children())  # another test's, if any
     started = time.monotonic()
     with pytest.raises(ValueError, match="this task fails"):
         Runner("local", 2).map(fail_at_once_or_nap, [30.0, 0.0])
     assert time.monotonic() - started < 25
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= before
