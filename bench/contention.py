@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import aiohttp
+from json_out import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,10 +84,7 @@ def main() -> None:
         served.stop()
     doc = {"scenario": a.scenario, "sets": a.sets, "devices": list(s.serve.devices), "context_tokens": a.context,
            "decode_tokens": a.decode_tokens, "prompts_per_length": a.prompts, "rows": rows}
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(doc, a.out)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from pathlib import Path
 
 import aiohttp
 from engine_accounts import engine_urls, time_accounts
+from json_out import emit
 
 #: each condition and the one its medians are divided by (the same prompt size, an earlier state)
 REFERENCE = {"fresh": "fresh", "cache_full": "fresh", "after_decode": "fresh", "beside_decode": "fresh",
@@ -191,10 +191,7 @@ def main() -> None:
             doc["device"] = torch.cuda.get_device_name(0)
     except ImportError:
         pass
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(doc, a.out)
 
 
 if __name__ == "__main__":

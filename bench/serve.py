@@ -68,6 +68,7 @@ from pathlib import Path
 import torch
 from device_timing import sync, times_s
 from engine_accounts import engine_urls, stack_cost, time_accounts
+from json_out import emit
 
 ROOT = Path(__file__).resolve().parents[1]
 KVPOOL = [sys.executable, "-m", "kvpool.cli"]
@@ -305,10 +306,8 @@ def main() -> None:
            "sets": a.sets, "results": results, "gpu_correctness": {"all_equal": all(c["equal"] for c in check),
                                                                    "turns": check},
            "limits": limits, "bare_forward": bare, "serve_exit_status": status}
-    text = json.dumps(doc, indent=1)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(text + "\n")
-    print(text)
+    emit(doc, a.out)
 
 
 if __name__ == "__main__":

@@ -21,15 +21,14 @@ counts the payload once. ``ratio`` = link / plain_zmq. JSON on stdout (and in ``
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import zmq
+from json_out import emit
 
 from kvpool.backend.serve import stage_link as link
 
@@ -91,10 +90,7 @@ def main() -> None:
         print(f"[stage-hop] {name}: {rows[name]['leg_ms']} ms a leg, {rows[name]['gb_s']} GB/s", file=sys.stderr)
     doc = {"bench": "stage_hop", "tokens": a.tokens, "d_model": a.d_model, "bytes": nbytes, "reps": a.reps,
            **rows, "ratio": round(rows["plain_zmq"]["leg_ms"] / rows["link"]["leg_ms"], 3)}
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
+    emit(doc, a.out)
 
 
 if __name__ == "__main__":
