@@ -5,8 +5,8 @@ Contract:
       ``fingerprint(sim, records)`` is its digest.
     * A digest covers the simulator's fields of every request record (``RECORD_FIELDS``, floats by
       ``repr``, exact), the pool's
-      counters (used bytes, evicted groups, per-table state sizes), the GPU caches' counters
-      (blocks held, evicted), the key space's counters, the links' byte counts and the run's time
+      counters (used bytes, evicted groups, per-table state sizes), the prefill pages' counters
+      (cached, held, evicted), the key space's counters, the links' byte counts and the run's time
       series. Equal digests mean equal results; speed work must leave every digest unchanged.
     * ``combined(digests)`` is the one hash over the configurations, in ``CONFIGS`` order.
     * The expected digests live in ``tests/sim/golden/fingerprint.json``, which
@@ -71,7 +71,8 @@ def fingerprint(sim: Simulation, records: list[RequestRecord]) -> str:
         for t in pool.ssd or []:
             _feed(h, "ssd", t.used_bytes, t.evicted_groups, t.evicted_bytes, t.evict_passes, t.objects)
     for p in sim.prefills:
-        _feed(h, "prefill", p.index, p.cache.blocks, p.cache.evicted_blocks, p.computed_tokens, p.busy_s)
+        c = p.pages.cache
+        _feed(h, "prefill", p.index, c.cached_pages, c.held_pages, c.evictions, p.computed_tokens, p.busy_s)
     for d in sim.decodes:
         _feed(h, "decode", d.index, d.reserved_tokens)
     _feed(h, "keys", sim.keys.groups, sim.keys.hashed_chunks)

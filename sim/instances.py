@@ -1,11 +1,16 @@
 """Prefill and decode instances as SimPy actors.
 
-Prefill (``PrefillInstance``): chunked prefill in steps of at most ``max_batched_tokens`` tokens,
-FIFO over the requests whose KV is ready (``policy.prefill_steps.pack_step``, the engine's rule);
-with PP the stages overlap, so a step takes the cost model's time for the whole pipeline's work
-per stage share, and a request's last chunk completes ``pp - 1`` step times after its step (the
-pipeline fill). Per stage, pool loads run on ``load_workers_per_stage`` load workers (ATOM's
-default is one), each stage starting its load after the forwards queued ahead of it.
+Prefill (``PrefillInstance``): the prefill engine's pipeline. Chunked prefill in steps of at most
+``max_batched_tokens`` tokens, FIFO over the requests whose KV is ready
+(``policy.prefill_steps``, the engine's rule: a chunk that does not reach the end of its range is
+cut to whole pages; with ``prefill.spread_requests`` a step takes at most the computes' share over
+the stages). A step takes the cost model's time for one stage's share of its work at stage 0,
+then passes every later stage in order, each stage taking its steps in the order they came, once
+it has ended the steps before; its requests' last chunks complete when it leaves the last stage,
+and a new step starts at stage 0 only while fewer than ``pp`` steps are in flight. ``pages`` is
+the instance's paged KV and GPU prefix cache (``sim.steps.pages``). Per stage, pool loads run on
+``load_workers_per_stage`` load workers (ATOM's default is one), each stage starting its load
+after the forwards queued ahead of it.
 
 Decode (``DecodeInstance``): continuous batching as a fluid model. Between joins and leaves the
 step time is constant (cost model of the running batch), every sequence advances
@@ -13,12 +18,9 @@ step time is constant (cost model of the running batch), every sequence advances
 joins when its KV fits (``in + out`` tokens reserved of the instance's KV capacity) and the batch
 has room (``max_seqs``); its first token comes one step after it joins.
 
-Serve mode: the prefill keeps the engine's pipeline (``ordered_pipeline``: each stage takes its
-steps in order, at most ``pp`` in flight; with ``prefill.spread_requests`` a step takes at most the
-computes' share over the stages), and where the workers share devices (``sim.devices``)
-a stage's step takes its time alone x the placement's factor when the stage starts it, and the
-decode's step its time alone x its factor, repriced whenever another worker on its devices starts
-or stops.
+Where the workers share devices (``sim.devices``) a stage's step takes its time alone x the
+placement's factor when the stage starts it, and the decode's step its time alone x its factor,
+repriced whenever another worker on its devices starts or stops.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import simpy
 from kvpool.policy.prefill_steps import pack_step, step_requests
 from kvpool.sim.cost import CostModel
 from kvpool.sim.events import call_later, fire
-from kvpool.sim.gpucache import GPUPrefixCache
 
 if TYPE_CHECKING:
     from kvpool.sim.devices import Placement
@@ -75,7 +76,7 @@ class Workers:
 
 @dataclass
 class _Flight:
-    """A step on its way through the stages after stage 0 (ordered pipeline)."""
+    """A step on its way through the stages after stage 0."""
 
     alone_s: float  # one stage's time for it, computed alone
     finished: list[_Compute]  # the computes whose last chunk it holds
@@ -92,7 +93,8 @@ class _Compute:
 
 class PrefillInstance:
     def __init__(self, env: simpy.Environment, index: int, server: int, gpus: list[int], *, pp: int, tp: int,
-                 max_batched_tokens: int, cost: CostModel, cache: GPUPrefixCache, load_workers: int) -> None:
+                 max_batched_tokens: int, cost: CostModel, pages: PrefillPages | None, page_tokens: int,
+                 spread_requests: bool, load_workers: int) -> None:
         self.env = env
         self.index = index
         self.server = server
@@ -101,9 +103,9 @@ class PrefillInstance:
         self.tp = tp
         self.max_batched_tokens = max_batched_tokens
         self.cost = cost
-        self.cache = cache
-        #: serve mode's paged KV (``sim.steps.pages``; then ``cache`` is unused), else None
-        self.pages: PrefillPages | None = None
+        #: the paged KV and GPU prefix cache (``sim.steps.pages``; ``None`` only where a test
+        #: drives the pipeline alone)
+        self.pages = pages
         self.loaders = [Workers(load_workers) for _ in range(pp * tp)]
         self.outstanding_tokens = 0
         self.step_s = 0.0
@@ -111,24 +113,20 @@ class PrefillInstance:
         self.computed_tokens = 0
         self._computes: deque[_Compute] = deque()
         self._idle = True  # no step under way or about to start
-        #: a step's chunks end on multiples of this many tokens (``policy.prefill_steps``): 1 in the
-        #: fluid default model, the page size in serve mode
-        self.step_page_tokens = 1
-        #: serve mode with ``prefill.spread_requests``: a step takes at most the computes' share over
-        #: the stages (``policy.prefill_steps.step_requests``)
-        self.spread_requests = False
-        #: serve mode (``ordered_pipeline``): every stage computes its steps in the order they came
-        #: and at most ``pp`` steps are in flight, as the prefill engine schedules them
-        self.ordered = False
-        self._stage_queue: list[deque[_Flight]] = [deque() for _ in range(pp)]  # ordered: steps waiting for stage j >= 1
-        self._stage_computing = [False] * pp  # ordered: whether stage j >= 1 computes a step now
-        self._flying = 0  # ordered: steps that have started at stage 0 and not yet left the last stage
-        #: ordered: the time integral of the steps in flight (step-seconds), up to ``_flying_mark_s``
-        #: (the engine's ``kvpool:prefill_steps_in_flight_seconds``)
+        #: a step's chunks end on multiples of this many tokens (``policy.prefill_steps``): the page
+        self.step_page_tokens = page_tokens
+        #: ``prefill.spread_requests``: a step takes at most the computes' share over the stages
+        #: (``policy.prefill_steps.step_requests``)
+        self.spread_requests = spread_requests
+        self._stage_queue: list[deque[_Flight]] = [deque() for _ in range(pp)]  # steps waiting for stage j >= 1
+        self._stage_computing = [False] * pp  # whether stage j >= 1 computes a step now
+        self._flying = 0  # steps that have started at stage 0 and not yet left the last stage
+        #: the time integral of the steps in flight (step-seconds), up to ``_flying_mark_s`` (the
+        #: engine's ``kvpool:prefill_steps_in_flight_seconds``)
         self.steps_in_flight_s = 0.0
         self._flying_mark_s = 0.0
-        self._room_wanted = False  # ordered: the next step waits for a step in flight to leave
-        #: serve mode with workers sharing devices (``sim.devices``): each stage's placement, else None
+        self._room_wanted = False  # the next step waits for a step in flight to leave
+        #: with workers sharing devices (``sim.devices``): each stage's placement, else None
         self.placements: list[Placement] | None = None
 
     @property
@@ -164,19 +162,6 @@ class PrefillInstance:
                 return True
         return False
 
-    def ordered_pipeline(self, page_tokens: int, spread_requests: bool = False) -> None:
-        """Keep the prefill engine's pipeline (serve mode): a step leaves stage 0 after its step
-        time, then passes every later stage in order, each taking the step time once the stage
-        has ended the steps before it; its requests' last chunks complete when it leaves the last
-        stage. A new step starts at stage 0 only while fewer than ``pp`` steps are in flight. (The
-        default model lets every step complete ``pp - 1`` of its own step times after it left
-        stage 0, which lets a short step overtake a long one.) A step's chunks are cut to whole
-        pages of ``page_tokens``, and with ``spread_requests`` a step takes at most the computes'
-        share over the stages, as the engine's steps do."""
-        self.ordered = True
-        self.step_page_tokens = page_tokens
-        self.spread_requests = spread_requests
-
     def _step(self, ev=None) -> None:
         """Start a step over the queue's head (written as callbacks: a step is one scheduled
         call, which takes the next step or goes idle when it ends)."""
@@ -184,7 +169,7 @@ class PrefillInstance:
             self.step_s = 0.0
             self._idle = True
             return
-        if self.ordered and self._flying >= self.pp:  # wait for a step in flight to leave (_leave_stage)
+        if self._flying >= self.pp:  # wait for a step in flight to leave (_leave_stage)
             self._room_wanted = True
             return
         now = self.env.now
@@ -196,16 +181,13 @@ class PrefillInstance:
             if c.start_s < 0:
                 c.start_s = now
         alone = self.cost.prefill_step_s([(take, c.context) for c, take in batch])
-        step = alone
-        if self.ordered:
-            self._count_flying(+1)
-            step = alone * self._stage_starts(0)
+        self._count_flying(+1)
+        step = alone * self._stage_starts(0)
         self.step_s = step
         call_later(self.env, step, self._step_done, (batch, step, alone))
 
     def _step_done(self, ev) -> None:
         batch, step, alone = ev.value
-        env = self.env
         self.busy_s += step
         finished = []
         for c, take in batch:
@@ -215,23 +197,15 @@ class PrefillInstance:
             if c.remaining == 0 and not c.cancelled:
                 self._computes.remove(c)
                 finished.append(c)
-        if self.ordered:
-            self._stage_ends(0)
-            self._leave_stage(0, _Flight(alone, finished))
-        else:
-            exit_in = (self.pp - 1) * step  # the later stages' fill, as if each took the same step
-            for c in finished:
-                if exit_in > 0:
-                    call_later(env, exit_in, lambda _e, d=c.done, t=c.start_s: fire(d, t))
-                else:
-                    c.done.succeed(c.start_s)
+        self._stage_ends(0)
+        self._leave_stage(0, _Flight(alone, finished))
         if self._computes:
             self._step()
         else:
             self.step_s = 0.0
             self._idle = True
 
-    # ordered pipeline: a step passes stage 1, 2, ... in turn; each stage takes its steps in order
+    # a step passes stage 1, 2, ... in turn; each stage takes its steps in order
 
     def _leave_stage(self, stage: int, flight: _Flight) -> None:
         """``flight`` has left ``stage``: on to the next stage, or out of the pipeline after the last

@@ -120,6 +120,13 @@ class KeySpace:
     def groups(self) -> int:
         return self._groups
 
+    def fresh(self, n: int) -> np.ndarray:
+        """``n`` group ids no chunk has, nor will have (names of something no other prompt shares)."""
+        ids = np.arange(self._groups, self._groups + n, dtype=np.int64)
+        self._groups += n
+        self._grow(self._groups)
+        return ids
+
     def block_offset(self, scope: str, max_id: int) -> int:
         """Where ``scope``'s block ids start among ids unique across every scope (``IdRanges``)."""
         return self._blocks.offset(scope, max_id)

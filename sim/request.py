@@ -2,10 +2,9 @@
 
 Contract: a ``Request`` is made when the request arrives and filled in as it goes: ``rec`` (its
 ``RequestRecord``, which the run returns) from the start; ``prefill``/``decode`` once routed;
-``prompt`` (its ``sim.prompt.Prompt``) and the lookup's results (``hits``, ``gpu_use``,
-``in_dram``) once looked up; ``pages`` (serve mode, ``sim.steps.pages``: its pages on its prefill, held
-from its admission there until its hand-off and save end, ``holds`` counting those two) once admitted
-there; ``stage`` (``QUEUED``: its compute is queued on the prefill, as
+``prompt`` (its ``sim.prompt.Prompt``) and the lookup's results (``hits``, ``in_dram``) once
+looked up; ``pages`` (``sim.steps.pages``: its pages on its prefill, held from its admission there
+until its hand-off and save end, ``holds`` counting those two) once admitted there; ``stage`` (``QUEUED``: its compute is queued on the prefill, as
 ``compute_ev``; ``COMPUTED``: its hand-off is under way; ``DECODING``: it waits for or runs on its
 decode instance, whose first-token event is ``first_ev``), which is what a failure has to give back
 (``sim.lifecycle``). ``finished(d)`` is the driver's, called once when the request is done,
@@ -20,7 +19,6 @@ import numpy as np
 
 from kvpool.policy.hits import HitResult
 from kvpool.policy.pagecache import PageAllocation
-from kvpool.sim.gpucache import Use
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.prompt import Prompt
 from kvpool.workload.records import RequestRecord
@@ -33,7 +31,7 @@ ROUTING, QUEUED, COMPUTED, DECODING = 0, 1, 2, 3
 class Request:
     """See the module docstring."""
 
-    __slots__ = ("d", "rec", "finished", "prefill", "decode", "prompt", "hits", "gpu_use", "in_dram", "stage",
+    __slots__ = ("d", "rec", "finished", "prefill", "decode", "prompt", "hits", "in_dram", "stage",
                  "compute_ev", "first_ev", "pages", "holds")
 
     def __init__(self, d, rec: RequestRecord, finished: Callable[[object], None]) -> None:
@@ -44,10 +42,9 @@ class Request:
         self.decode: DecodeInstance | None = None
         self.prompt: Prompt | None = None
         self.hits: HitResult | None = None
-        self.gpu_use: Use | None = None  # the prompt's use of its prefill's GPU cache
         self.in_dram: np.ndarray | None = None  # with an SSD tier: per chunk, held by every rank in DRAM
         self.stage = ROUTING
         self.compute_ev = None  # its compute's done event while queued on the prefill
         self.first_ev = None  # its first token's event once it went to decode
-        self.pages: PageAllocation | None = None  # in serve mode: its pages on its prefill, once admitted there
-        self.holds = 0  # in serve mode: its hand-off and save still under way (its pages go when none is)
+        self.pages: PageAllocation | None = None  # its pages on its prefill, once admitted there
+        self.holds = 0  # its hand-off and save still under way (its pages go when none is)

@@ -4,9 +4,8 @@ Contract: ``Compute(world)(r, then)`` queues ``r``'s computed tokens (after its 
 context) on its prefill instance (chunked prefill, ``PrefillInstance.compute``), stamping the
 record's ``compute_queued_s`` and keeping the queued compute as ``r.compute_ev``. When they are
 done: the record's ``compute_start_s`` (its first step) and ``prefill_end_s``, the instance's
-outstanding tokens drop, the prompt's full blocks are held by the GPU cache, used now
-(``sim.steps.gpu.insert``; in serve mode its full pages are committed, ``sim.steps.pages``), and
-``then()``. A request that failed meanwhile (``rec.error``) stops
+outstanding tokens drop, its full pages are committed to the GPU prefix cache
+(``sim.steps.pages``), and ``then()``. A request that failed meanwhile (``rec.error``) stops
 there: the failure gave back what it held.
 """
 
@@ -15,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvpool.sim.request import QUEUED, Request
-from kvpool.sim.steps import gpu
 from kvpool.sim.world import World
 
 
@@ -38,9 +36,5 @@ class Compute:
         rec.compute_start_s = rec.compute_queued_s if start_s is None else start_s
         rec.prefill_end_s = now
         r.prefill.outstanding_tokens -= rec.in_tokens
-        pages = r.prefill.pages
-        if pages is None:
-            gpu.insert(r, now)
-        else:
-            pages.commit(r)
+        r.prefill.pages.commit(r)
         then()

@@ -1,9 +1,8 @@
 """The lookup step: where a prompt's tokens come from (GPU prefix cache, pool, computed).
 
-Contract: ``Lookup(world)(r)`` takes a routed request (``r.prefill`` set) and its ``r.prompt``;
-it counts the prompt's leading blocks held by the prefill's GPU cache as used now
-(``sim.steps.gpu.use``; in serve mode the GPU hit is the pages its admission reused,
-``sim.steps.pages``), checks every rank x chunk group of ``r.prompt.groups`` in the pool in one batched call
+Contract: ``Lookup(world)(r)`` takes a routed request admitted to its prefill's pages
+(``r.prefill``, ``r.prompt``, ``r.pages`` set); its GPU hit is the pages its admission reused
+(``sim.steps.pages``); it checks every rank x chunk group of ``r.prompt.groups`` in the pool in one batched call
 (``SimPool.lookup_runs``; with an SSD tier the presence rows, a chunk on the SSD counting for
 every stage) and decides with ``policy.hits.compute_hits``. It fills ``r.hits`` and
 ``r.in_dram`` and the record's token sources and ``prefill_start_s``.
@@ -15,7 +14,6 @@ import numpy as np
 
 from kvpool.policy.hits import compute_hits
 from kvpool.sim.request import Request
-from kvpool.sim.steps import gpu
 from kvpool.sim.world import World
 
 
@@ -31,9 +29,7 @@ class Lookup:
     def __call__(self, r: Request) -> None:
         now = self.env.now
         p, prompt, rec = r.prefill, r.prompt, r.rec
-        bt = r.d.session.block_tokens
-        pages = p.pages
-        gpu_tokens = gpu.use(r, now) * bt if pages is None else pages.gpu_tokens(r)
+        gpu_tokens = p.pages.gpu_tokens(r)
         groups = prompt.groups
         pool = self.pool
         present = runs = None

@@ -1,12 +1,15 @@
-"""The prefill's paged KV in serve mode: a request holds pages for its whole prompt while in flight.
+"""A prefill instance's paged KV: a request holds pages for its whole prompt while in flight.
 
-With ``cost.kv_capacity = "serve"`` (and a bounded world) every prefill instance's GPU prefix
-cache follows ``kvpool serve``'s page discipline, decided by the same ``policy.pagecache.PageCache``
-as the prefill engine's block manager (``backend.serve.blocks``):
+Every prefill instance's GPU prefix cache follows ``kvpool serve``'s page discipline, decided by
+the same ``policy.pagecache.PageCache`` as the prefill engine's block manager
+(``backend.serve.blocks``); only its size is data (``kvpool.scenario.derive
+.prefill_kv_capacity_tokens``: derived from HBM, or ``serve.prefill_kv_tokens`` with
+``cost.kv_capacity = "serve"``; unbounded for the trace-ceiling check).
 
 Contract:
-    * ``PrefillPages(num_pages, page_tokens)`` per prefill instance: ``serve.prefill_kv_tokens //
-      page_tokens`` pages of ``model.page_tokens`` tokens.
+    * ``PrefillPages(num_pages, page_tokens, page_keys)`` per prefill instance: ``num_pages``
+      pages of ``model.page_tokens`` tokens; ``page_keys`` (the world's page key space,
+      ``sim.keys.KeySpace``) names the pages no other request shares.
     * ``admit(r, then)``: ``r`` joins the instance's admission queue (first come, first served);
       when it reaches the head and its pages can be found (``PageCache.allocate`` of its page
       keys, ``pages_for(in_tokens)`` pages, at most ``(in_tokens - 1) // page_tokens`` leading
@@ -18,53 +21,46 @@ Contract:
     * ``release(r)``: after its hand-off and its save have ended (or when it fails), its pages are
       given back (unreferenced cached pages become evictable) and the queue's head is tried again.
     * ``cancel(r)``: a failed request leaves the queue; ``False`` when it was not waiting.
-    * Page keys: a page is named by the chained digest (``policy.chunks.digests_from_blocks``
-      with ``chunk_tokens = page_tokens``) of the prompt's full blocks in its prefill's cache
-      names (``r.prompt.cache``): equal keys exactly when the prompts' tokens up to the page's end
-      are equal, as the engine's digests of token ids. A full page past the prompt's full blocks
-      (tokens the trace does not name, private to the request) gets a key of its own, which no
-      other request has.
+    * Page keys: ``r.prompt.pages`` (``sim.prompt``: equal keys exactly when the prompts' tokens
+      up to the page's end are equal, as the engine's digests of token ids). A full page past the
+      prompt's full blocks (tokens the trace does not name, private to the request) gets a key of
+      its own, which no other request has.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
-from kvpool.policy.chunks import digests_from_blocks
-from kvpool.policy.pagecache import PageCache
+import numpy as np
+
+from kvpool.policy.pagecache import DenseKeys, PageCache
+from kvpool.sim.keys import KeySpace
 from kvpool.sim.request import Request
-
-_SEED = bytes(16)  # the chain's seed: one cache's names are its own, so one seed serves every cache
 
 
 class PrefillPages:
     """One prefill instance's pages and admission queue (see the module docstring)."""
 
-    def __init__(self, num_pages: int, page_tokens: int) -> None:
-        self.cache = PageCache(num_pages)
+    def __init__(self, num_pages: int, page_tokens: int, page_keys: KeySpace) -> None:
+        self.cache = PageCache(num_pages, DenseKeys())
         self.page_tokens = page_tokens
+        self.page_keys = page_keys
         #: (request, its page keys, then, failed), first come first
-        self._waiting: deque[tuple[Request, list[Hashable] | None, Callable[[], None], Callable[[Request], None]]] = deque()
-        self._private = 0  # keys of pages no other request shares
+        self._waiting: deque[tuple[Request, np.ndarray | None, Callable[[], None], Callable[[Request], None]]] = deque()
         self._admitting = False
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def keys(self, r: Request) -> list[Hashable]:
+    def keys(self, r: Request) -> np.ndarray:
         """The keys of ``r``'s full pages (see the module docstring)."""
-        P = self.page_tokens
-        blocks = r.prompt.cache
-        bt = r.d.session.block_tokens
-        full = r.rec.in_tokens // P
-        ids = blocks.ids
-        keys: list[Hashable] = list(digests_from_blocks(ids, bt, int(ids.size) * bt, P, _SEED)[:full]) if ids.size else []
-        while len(keys) < full:
-            self._private += 1
-            keys.append(self._private)
-        return keys
+        full = r.rec.in_tokens // self.page_tokens
+        named = r.prompt.pages[:full]
+        if named.size == full:
+            return named
+        return np.concatenate([named, self.page_keys.fresh(full - named.size)])
 
     def admit(self, r: Request, then: Callable[[], None], failed: Callable[[Request], None]) -> None:
         fits = -(-r.rec.in_tokens // self.page_tokens) <= self.cache.num_pages
