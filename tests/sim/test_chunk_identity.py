@@ -64,9 +64,9 @@ def replay(s, w: Workload, load: float) -> tuple[Simulation, list[Served]]:
     prompts = sim.lifecycle.prompts
     build, chunk_gids = prompts.build, sim.keys.chunk_gids
 
-    def recording_build(d, prefill):
+    def recording_build(d):
         current[:] = [d]
-        return build(d, prefill)
+        return build(d)
 
     def recording_chunk_gids(scope, chain, block_ids, block_tokens, n_tokens, *, chain_scope=None):
         gids = chunk_gids(scope, chain, block_ids, block_tokens, n_tokens, chain_scope=chain_scope)

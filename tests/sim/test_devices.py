@@ -12,7 +12,6 @@ import simpy
 from kvpool.scenario.load import load_scenario
 from kvpool.sim.devices import Device, Placement, shared_devices
 from kvpool.sim.engine import Simulation
-from kvpool.sim.gpucache import GPUPrefixCache
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 
 FILE = Path(__file__).resolve().parents[1] / "data" / "calibration" / "cpu-tiny.json"
@@ -61,8 +60,7 @@ def test_serve_devices_wrap_so_every_worker_of_a_one_device_scenario_shares_it()
 def _pipeline(env, sharing: tuple[float, float] | None):
     s = load_scenario("h200-tiny")
     p = PrefillInstance(env, 0, 0, [0], pp=s.prefill.pp, tp=1, max_batched_tokens=8192, cost=FixedCost(),
-                        cache=GPUPrefixCache(None), load_workers=1)
-    p.ordered_pipeline(page_tokens=1)
+                        pages=None, page_tokens=1, spread_requests=False, load_workers=1)
     d = DecodeInstance(env, 0, 0, [1], capacity_tokens=1 << 20, max_seqs=8, tokens_per_step=1.0, cost=FixedCost())
     if sharing is not None:
         stages, decodes = shared_devices(s, *sharing)

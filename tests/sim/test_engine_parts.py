@@ -58,46 +58,36 @@ def test_block_ids_from_reports_the_known_prefix_it_copied():
 
 
 def test_play_prompts_extend_in_place_and_keep_earlier_views():
-    """PlayPrompts.ids: every request's block ids and GPU cache ids (one id per block in each
-    cache's names, requests alternating between two caches now and then) are right, most extend
-    their thread's last list in its buffer (a view of the same memory), and no list handed out
-    earlier changes afterwards (earlier prompts, the GPU cache log and the key space keep them)."""
+    """PlayPrompts.ids: every request's block ids are right, most extend their thread's last list
+    in its buffer (a view of the same memory), and no list handed out earlier changes afterwards
+    (earlier prompts and the key space keep them)."""
     import numpy as np
 
     from kvpool.scenario import load_scenario
-    from kvpool.sim.gpuids import CacheIds
     from kvpool.sim.prompt import PlayPrompts
     from kvpool.sim.run import workload_for
 
     w = workload_for(load_scenario("mi355x-1p1d"))
-    caches = [CacheIds(), CacheIds()]
     in_place = 0
-    for k, s in enumerate(w.sessions[:6]):
+    for s in w.sessions[:6]:
         store = s.blocks
         lists = store.lists()
-        max_block = int(store.tail.max())
         play = PlayPrompts()
-        handed: list[tuple[np.ndarray, np.ndarray, np.ndarray, dict]] = []
-        named: list[dict[int, int]] = [{}, {}]  # per cache: block id -> its cache id
+        handed: list[tuple[np.ndarray, np.ndarray]] = []
         for req in s.requests[:120]:
-            c = int(req.index % 7 == 3)  # now and then on the other cache
             prev = play.threads[req.thread].blocks if req.thread in play.threads else None
-            blocks, gblocks, r, n = play.ids(store, req.index, req.thread, caches[c], f"s{k}", max_block, lists)
+            blocks, r, n = play.ids(store, req.index, req.thread, lists)
             want = store.block_ids(req.index)
             assert blocks.dtype == want.dtype and np.array_equal(blocks, want)
-            assert gblocks.dtype == np.int64
-            for b, g in zip(want.tolist(), gblocks.tolist()):
-                assert named[c].setdefault(b, g) == g
-            assert len(set(named[c].values())) == len(named[c])  # distinct blocks, distinct ids
             if n:
                 assert r != req.index and np.array_equal(blocks[:n], store.block_ids(r)[:n])
             else:
                 assert r == -1
             if prev is not None and prev.size and np.shares_memory(prev, blocks):
                 in_place += 1
-            handed.append((blocks, gblocks, want.copy(), gblocks.copy()))
-            for b, g, ref, gref in handed:  # earlier views unchanged
-                assert np.array_equal(b, ref) and np.array_equal(g, gref)
+            handed.append((blocks, want.copy()))
+            for b, ref in handed:  # earlier views unchanged
+                assert np.array_equal(b, ref)
     assert in_place  # the buffers are extended, not copied
 
 
@@ -106,7 +96,6 @@ def test_play_prompts_do_not_write_over_a_list_another_thread_extended():
     prompt, then the parent going on): the second may not write where the first's ids lie."""
     import numpy as np
 
-    from kvpool.sim.gpuids import CacheIds
     from kvpool.sim.prompt import PlayPrompts
     from kvpool.workload.model import BlockStoreBuilder
 
@@ -116,14 +105,10 @@ def test_play_prompts_do_not_write_over_a_list_another_thread_extended():
     b.add(0, 3, np.array([4, 5]), 5)  # request 2, thread 0: request 0's ids, then others
     b.add(1, 5, np.array([9]), 6)  # request 3, thread 1: extends request 1
     store = b.build()
-    play, names = PlayPrompts(), CacheIds()
-    got = []
-    for i, thread in enumerate([0, 1, 0, 1]):
-        blocks, gblocks, *_ = play.ids(store, i, thread, names, "s", 9, store.lists())
-        got.append((blocks, gblocks))
+    play = PlayPrompts()
+    got = [play.ids(store, i, thread, store.lists())[0] for i, thread in enumerate([0, 1, 0, 1])]
     want = [[1, 2, 3], [1, 2, 3, 7, 8], [1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9]]
-    for (blocks, gblocks), ids in zip(got, want):  # one page, met first: cache ids 0..63
-        assert blocks.tolist() == ids and gblocks.tolist() == ids
+    assert [blocks.tolist() for blocks in got] == want
 
 
 def test_dispatch_and_wake_are_frozen_dataclasses():
@@ -229,35 +214,38 @@ def test_admit_step_resumes_where_a_waiting_process_would():
 
 def _check_prompts(sim, shared_prefix_tokens: int) -> list[bool]:
     """Run ``sim``, checking every Prompt it builds against its request's ids; per request,
-    whether its ids were copied from a kept list."""
+    whether its ids were copied from a kept list. Page keys: one key per page digest
+    (``policy.chunks.digests_from_blocks`` of the named ids at the page size) over the whole run,
+    and one digest per key."""
     import numpy as np
 
-    from kvpool.sim.gpuids import PAGE_IDS
+    from kvpool.policy.chunks import chain_seed, digests_from_blocks
     from kvpool.sim.keys import SHARED_PREFIX_SCOPE
 
     prompts, keys = sim.lifecycle.prompts, sim.keys
+    page_tokens = sim.world.s.model.page_tokens
     build, seen = prompts.build, []
+    key_of: dict[bytes, int] = {}  # page digest -> its key
+    digest_of: dict[int, bytes] = {}  # page key -> its digest
 
-    names: dict[tuple[int, str, int], int] = {}  # (prefill, scope, block id) -> its GPU cache id
-    blocks_of: dict[tuple[int, int], tuple[str, int]] = {}  # (prefill, GPU cache id) -> its block
-    touched: dict[int, set[tuple[str, int]]] = {}  # prefill -> (scope, block id // PAGE_IDS) of its prompts
-
-    def checked_build(d, prefill):
-        p = build(d, prefill)
+    def checked_build(d):
+        p = build(d)
         store, bt = d.session.blocks, d.session.block_tokens
         want = store.block_ids(d.request.index)
         assert np.array_equal(p.blocks, want) and (p.thread, p.request) == (d.request.thread, d.request.index)
-        full = min(want.size, d.request.in_tokens // bt)
-        named = [(d.scope, int(b)) for b in want[:full]]
-        touched.setdefault(prefill, set()).update((d.scope, int(b) // PAGE_IDS) for b in want)
-        if shared_prefix_tokens and p.thread == 0:
-            k = min(shared_prefix_tokens // bt, full)
-            named[:k] = [(SHARED_PREFIX_SCOPE, j) for j in range(k)]
-        gpu_ids = p.cache.ids
-        assert gpu_ids.size == full and (not full or 0 <= gpu_ids.min() and gpu_ids.max() <= p.cache.max_id)
-        for block, gpu_id in zip(named, gpu_ids.tolist()):  # one id per block in each prefill's cache
-            assert names.setdefault((prefill, *block), gpu_id) == gpu_id
-            assert blocks_of.setdefault((prefill, gpu_id), block) == block
+        n_tokens = min(d.request.in_tokens, want.size * bt)
+        named, scope = [int(b) for b in want], d.scope
+        if shared_prefix_tokens:  # keys chain ids unique across scopes, under one chain
+            named = (want.astype(np.int64) + keys.block_offset(d.scope, 0)).tolist()
+            if p.thread == 0:
+                k = min(shared_prefix_tokens // bt, want.size)
+                named[:k] = (keys.block_offset(SHARED_PREFIX_SCOPE, shared_prefix_tokens) + np.arange(k)).tolist()
+            scope = ""
+        digests = digests_from_blocks(named, bt, n_tokens, page_tokens, chain_seed("pages", scope))
+        assert p.pages.size == len(digests) == min(n_tokens // page_tokens, n_tokens // bt * bt // page_tokens)
+        for digest, key in zip(digests, p.pages.tolist()):
+            assert key_of.setdefault(bytes(digest), key) == key
+            assert digest_of.setdefault(key, bytes(digest)) == bytes(digest)
         if shared_prefix_tokens:  # chunk keys chain ids unique across scopes
             key_ids = want.astype(np.int64) + keys.block_offset(d.scope, 0)
             if p.thread == 0:
@@ -273,18 +261,15 @@ def _check_prompts(sim, shared_prefix_tokens: int) -> list[bool]:
 
     prompts.build = checked_build
     assert len(sim.run()) == len(seen)
-    shared_pages = -(-shared_prefix_tokens // PAGE_IDS)  # named whole when the cache is made
-    for prefill, pages in touched.items():  # a cache names the pages of its prompts' blocks, no more
-        assert prompts._gpu[prefill][0].size == (len(pages) + shared_pages) * PAGE_IDS
     return seen
 
 
 @pytest.mark.parametrize("shared_prefix_tokens", [0, 150 * 64 + 17])
 def test_every_prompt_names_its_request_ids(shared_prefix_tokens):
     """Over a replay (subagents, replayed plays; with and without a shared prefix), every
-    request's Prompt holds its block ids, their GPU cache ids (one id per block in each prefill's
-    cache, a main-thread prompt's shared blocks on the shared prefix's own ids), its full blocks
-    only, within its bounds, and ids copied from the play's request it names."""
+    request's Prompt holds its block ids, page keys that name its pages' chained digests (a
+    main-thread prompt's shared blocks on the shared prefix's own ids), chunk group ids within
+    their bounds, and ids copied from the play's request it names."""
     from kvpool.scenario import load_scenario
     from kvpool.sim.engine import Simulation
     from kvpool.sim.run import make_replay, workload_for
@@ -295,8 +280,7 @@ def test_every_prompt_names_its_request_ids(shared_prefix_tokens):
 
 
 def test_every_prompt_names_its_request_ids_on_several_prefills():
-    """The same on four servers' six prefills, where a thread's requests meet several of them:
-    each cache names only the blocks it served."""
+    """The same on four servers' six prefills, where a thread's requests meet several of them."""
     from kvpool.scenario import load_scenario
     from kvpool.sim.engine import Simulation
     from kvpool.sim.run import make_replay, workload_for

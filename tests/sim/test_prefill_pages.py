@@ -1,7 +1,7 @@
-"""Serve mode's prefill pages (``sim.steps.pages``, ``cost.kv_capacity = "serve"``): a request holds
-pages for its whole prompt from its admission until its hand-off and save end, pages in flight are
-never evicted, a request that cannot get its pages waits, and the shares of a small case are the
-hand-computed ones. Also the prefill pipeline's step order in serve mode."""
+"""The prefill's pages (``sim.steps.pages``): a request holds pages for its whole prompt from its
+admission until its hand-off and save end, pages in flight are never evicted, a request that
+cannot get its pages waits, and the shares of a small case are the hand-computed ones. Also the
+prefill pipeline's step order."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from trace_builders import req, trace
 
 from kvpool.scenario import load_scenario
 from kvpool.sim.engine import Simulation
-from kvpool.sim.gpucache import Blocks
 from kvpool.sim.instances import PrefillInstance
+from kvpool.sim.keys import KeyChain, KeySpace
 from kvpool.sim.steps.pages import PrefillPages
 from kvpool.workload.model import Workload
 from kvpool.workload.replay import AgentXReplay
@@ -24,31 +24,33 @@ from kvpool.workload.weka import session_from_weka
 P = 16  # cpu-tiny's page
 
 
+PAGE_KEYS = KeySpace("test", P)  # the simulator's page key space (``sim.prompt``), one per world
+
+
 def request(ids: list[int], in_tokens: int, block_tokens: int = P) -> SimpleNamespace:
-    """What ``PrefillPages`` reads of a request: its prompt's full blocks (cache names), its block
-    size and length; ``pages`` is set when it is admitted."""
-    full = np.asarray(ids[: in_tokens // block_tokens], dtype=np.int64)
-    return SimpleNamespace(prompt=SimpleNamespace(cache=Blocks(full, int(full.max(initial=0)))),
-                           d=SimpleNamespace(session=SimpleNamespace(block_tokens=block_tokens)),
-                           rec=SimpleNamespace(in_tokens=in_tokens), pages=None)
+    """What ``PrefillPages`` reads of a request: its prompt's page keys (named as ``sim.prompt``
+    names them, from its block ids) and its length; ``pages`` is set when it is admitted."""
+    blocks = np.asarray(ids, dtype=np.int64)
+    keys = PAGE_KEYS.chunk_gids("s", KeyChain(), blocks, block_tokens, in_tokens)
+    return SimpleNamespace(prompt=SimpleNamespace(pages=keys), rec=SimpleNamespace(in_tokens=in_tokens), pages=None)
 
 
 def test_page_keys_are_equal_exactly_as_far_as_the_prompts_blocks_are():
-    pages = PrefillPages(64, P)
-    a = pages.keys(request(list(range(8)), 128))
-    b = pages.keys(request([0, 1, 2, 3, 4, 9, 9, 9], 128))
+    pages = PrefillPages(64, P, PAGE_KEYS)
+    a = pages.keys(request(list(range(8)), 128)).tolist()
+    b = pages.keys(request([0, 1, 2, 3, 4, 9, 9, 9], 128)).tolist()
     assert len(a) == 8 and a[:5] == b[:5] and not set(a[5:]) & set(b)
     # blocks of 64 tokens: 4 pages per block, equal while the blocks are
-    c = pages.keys(request([5, 6], 128, block_tokens=64))
-    d = pages.keys(request([5, 7], 128, block_tokens=64))
+    c = pages.keys(request([5, 6], 128, block_tokens=64)).tolist()
+    d = pages.keys(request([5, 7], 128, block_tokens=64)).tolist()
     assert len(set(c)) == 8 and c[:4] == d[:4] and not set(c[4:]) & set(d)
     # a full page past the prompt's full blocks is the request's own (tokens the trace does not name)
-    e, f = pages.keys(request([1], 40)), pages.keys(request([1], 40))
+    e, f = pages.keys(request([1], 40)).tolist(), pages.keys(request([1], 40)).tolist()
     assert len(e) == 2 and e[0] == f[0] and e[1] != f[1]
 
 
 def test_pages_held_in_flight_are_never_evicted_and_a_request_that_cannot_get_pages_waits_first_come_first():
-    pages = PrefillPages(16, P)
+    pages = PrefillPages(16, P, PAGE_KEYS)
     order: list[str] = []
     failed: list[str] = []
 
@@ -78,7 +80,7 @@ def test_pages_held_in_flight_are_never_evicted_and_a_request_that_cannot_get_pa
 
 
 def test_a_waiting_request_leaves_the_queue_when_cancelled_and_the_next_one_goes():
-    pages = PrefillPages(4, P)
+    pages = PrefillPages(4, P, PAGE_KEYS)
     order: list[str] = []
     a = request([1, 2, 3, 4], 64)
     pages.admit(a, lambda: order.append("a"), lambda _r: None)
@@ -123,7 +125,7 @@ def test_shares_of_a_small_case_are_the_hand_computed_ones():
     assert b0.prefill_start_s == pytest.approx(a0.prefill_end_s + a0.handoff_s) and b0.prefill_start_s > a0.prefill_start_s
     gpu = sum(r.gpu_tokens for r in recs.values())
     assert gpu / sum(r.in_tokens for r in recs.values()) == pytest.approx(176 / 672)
-    # the default cache (the capacity derived from HBM, eviction at insert) keeps everything here
+    # the capacity derived from HBM keeps everything here
     default = {(r.session, r.in_tokens): r for r in run([])}
     assert [default[k].gpu_tokens for k in (("a", 208), ("b", 144))] == [192, 128]
 
@@ -137,7 +139,7 @@ def test_a_prompt_larger_than_the_prefill_kv_fails_and_its_session_goes_on():
     assert [(r.in_tokens, r.error) for r in recs] == [(300, "prefill_kv"), (64, "")]
 
 
-# -- the prefill pipeline in serve mode ----------------------------------------------------------
+# -- the prefill pipeline --------------------------------------------------------------------------
 
 class PerToken:
     """A step costs 1 ms per token, whatever the context."""
@@ -146,13 +148,10 @@ class PerToken:
         return sum(take for take, _ in batch) * 1e-3
 
 
-@pytest.mark.parametrize("ordered", [False, True])
-def test_the_serve_pipeline_keeps_step_order_and_at_most_pp_steps_in_flight(ordered):
+def test_the_pipeline_keeps_step_order_and_at_most_pp_steps_in_flight():
     env = simpy.Environment()
-    p = PrefillInstance(env, 0, 0, [0, 1], pp=2, tp=1, max_batched_tokens=1000, cost=PerToken(), cache=None,
-                        load_workers=1)
-    if ordered:
-        p.ordered_pipeline(page_tokens=1)
+    p = PrefillInstance(env, 0, 0, [0, 1], pp=2, tp=1, max_batched_tokens=1000, cost=PerToken(), pages=None,
+                        page_tokens=1, spread_requests=False, load_workers=1)
     done: dict[str, tuple[float, float]] = {}
 
     def compute(name: str, tokens: int, at_s: float):
@@ -164,14 +163,11 @@ def test_the_serve_pipeline_keeps_step_order_and_at_most_pp_steps_in_flight(orde
     env.process(compute("short", 10, 0.0))    # the next step, 10 ms
     env.process(compute("late", 10, 1.005))   # comes during the short step
     env.run()
-    if ordered:  # stage 1 takes the short step after the long one; the late step waits for the long one to leave
-        assert done["long"] == pytest.approx((0.0, 2.0))
-        assert done["short"] == pytest.approx((1.0, 2.01))
-        assert done["late"] == pytest.approx((2.0, 2.02))
-    else:  # each step completes one of its own step times after leaving stage 0: the short one overtakes
-        assert done["long"] == pytest.approx((0.0, 2.0))
-        assert done["short"] == pytest.approx((1.0, 1.02))
-        assert done["late"] == pytest.approx((1.01, 1.03))
+    # stage 1 takes the short step after the long one (it cannot overtake); the late step waits for
+    # the long one to leave
+    assert done["long"] == pytest.approx((0.0, 2.0))
+    assert done["short"] == pytest.approx((1.0, 2.01))
+    assert done["late"] == pytest.approx((2.0, 2.02))
 
 
 @pytest.mark.parametrize("spread", [False, True])
@@ -180,9 +176,8 @@ def test_spread_requests_fill_the_pipeline_behind_the_first_step(spread):
     (``prefill.spread_requests``) steps of the runnable requests' share over the stages: two, then
     one, then one, each stage taking the next step as soon as it is free."""
     env = simpy.Environment()
-    p = PrefillInstance(env, 0, 0, [0, 1], pp=2, tp=1, max_batched_tokens=1000, cost=PerToken(), cache=None,
-                        load_workers=1)
-    p.ordered_pipeline(page_tokens=16, spread_requests=spread)
+    p = PrefillInstance(env, 0, 0, [0, 1], pp=2, tp=1, max_batched_tokens=1000, cost=PerToken(), pages=None,
+                        page_tokens=16, spread_requests=spread, load_workers=1)
     done: dict[int, float] = {}
     for k in range(4):
         p.compute(100, 0).callbacks.append(lambda e, k=k: done.__setitem__(k, env.now))
