@@ -12,9 +12,8 @@ even share over the stages (``step_requests``), so that the steps after it fill 
 it. A lone request's steps stay as they are (the calibration's prefill cells measure such steps).
 
 Both worlds call these: the prefill engine's scheduler (``backend.serve.prefill_scheduler``, with
-the model's page size) and the simulator's prefill instance (``sim.instances``: with the page size
-in serve mode, which keeps the engine's pipeline; with one-token pages in the default fluid model,
-whose steps may end anywhere and whose stages overlap by assumption).
+the model's page size) and the simulator's prefill instance (``sim.instances``, with the same page
+size, in the engine's pipeline order).
 """
 
 from __future__ import annotations

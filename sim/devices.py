@@ -11,8 +11,7 @@ Contract:
     * ``shared_devices(s, decode_slowdown, prefill_slowdown) -> (prefill, decode)``: per prefill
       instance one ``Placement`` per stage, per decode instance one ``Placement`` over its ranks'
       devices, on the devices ``kvpool serve`` gives them (``kvpool.scenario.derive.serve_devices``).
-      ``sim.world`` places the instances so in serve mode (``cost.kv_capacity = "serve"``) when
-      the calibration measured ``sharing``.
+      ``sim.world`` places the instances so when the calibration measured ``sharing``.
 
 The model: the calibration measured one decode step beside one prefill stage and one prefill
 stage beside the decode (``backend.serve.calibrate``); each other worker computing on a device

@@ -300,7 +300,7 @@ class DecodeInstance:
         self._new: list[_Seq] = []  # joined since the last reschedule (first token pending)
         self._wake_cb = self._wake  # bound once: a wake-up is scheduled per join and finish
         self._alone_step = 0.0  # the running batch's step, computed alone
-        #: serve mode with workers sharing devices (``sim.devices``): this instance's placement, else None
+        #: with workers sharing devices (``sim.devices``): this instance's placement, else None
         self.placement: Placement | None = None
 
     def share_devices(self, placement: Placement) -> None:

@@ -6,7 +6,7 @@ Contract:
       every pipeline stage).
     * A full page is named by a chained digest (``policy.chunks.digests_from_tokens`` with
       ``chunk_tokens = page_tokens`` under the engine's seed), so equal digests mean equal prefixes.
-    * The page discipline is ``policy.pagecache.PageCache``'s (the simulator's serve mode decides
+    * The page discipline is ``policy.pagecache.PageCache``'s (the simulator's prefill instances decide
       through the same class): ``allocate(token_ids)`` reuses the longest run of leading full
       pages the cache holds (at most ``(n - 1) // page_tokens`` pages, so the last token is always
       computed), takes the other pages from the free list, then by evicting the least recently

@@ -131,7 +131,7 @@ class PrefillConfig(_Section):
     gpu_mem_utilization: Float = Field(default=0.85, gt=0, le=1, description="fraction of HBM the engine takes")
     reserved_gb_per_gpu: Float = Field(default=0.0, ge=0, le=10_000, description="activations/workspace per GPU, GB")
     max_batched_tokens: Int = Field(default=8192, gt=0, le=MAX_TOKENS, description="chunked-prefill tokens per step")
-    spread_requests: Bool = Field(default=False, description="a step takes at most the runnable requests' even share over the pipeline stages, so that the next steps fill the stages behind it (kvpool serve, and the simulator in serve mode)")
+    spread_requests: Bool = Field(default=False, description="a step takes at most the runnable requests' even share over the pipeline stages, so that the next steps fill the stages behind it (kvpool serve and the simulator)")
 
     @property
     def gpus(self) -> int:
@@ -202,8 +202,10 @@ class GateConfigModel(_Section):
 
 
 class RoutingConfig(_Section):
-    """How requests are routed to prefill instances (decode is always the instance with the most free KV,
-    ``policy.routing.choose_decode``)."""
+    """How requests are routed, alike in the simulator and in kvpool serve (``policy.routing``): decode is
+    the instance with the most free KV (``policy.routing.choose_decode``; the gate's budget when
+    enabled), prefill an instance of that decode instance's group (prefill instance i serves decode
+    group i mod decode.instances), picked by the group's router, seeded from ``seed``."""
 
     prefill: Literal["power_of_two", "session_affinity"] = Field(default="power_of_two", description="prefill router")
 
@@ -301,17 +303,16 @@ class CostConfig(_Section):
     )
     kv_capacity: Literal["hbm", "serve"] = Field(
         default="hbm",
-        description="where the simulator's GPU KV capacities come from: hbm: derived from HBM, weights and "
-                    "reserves (kvpool scenario show), the prefill's prefix cache evicting at insert; serve: "
-                    "serve.prefill_kv_tokens per prefill instance and serve.decode_kv_tokens per decode "
-                    "instance, what kvpool serve allocates, with its prefill's page discipline (a request holds "
-                    "pages for its whole prompt from admission until its hand-off and save end, and waits "
-                    "for them; docs/fidelity.md)",
+        description="where the simulator's GPU KV capacities come from (data only: the mechanisms are the "
+                    "same, kvpool serve's page discipline and pipeline; docs/fidelity.md): hbm: derived from "
+                    "HBM, weights and reserves (kvpool scenario show); serve: serve.prefill_kv_tokens per "
+                    "prefill instance and serve.decode_kv_tokens per decode instance, what kvpool serve "
+                    "allocates",
     )
     calibration: Annotated[str, Strict(), Field(min_length=1, max_length=4096)] | None = Field(
         default=None,
         description="a calibration file (kvpool calibrate): measured prefill, decode, restore and hand-off "
-                    "curves and overheads replace the analytic model inside their grids, and in serve mode its "
+                    "curves and overheads replace the analytic model inside their grids, and its "
                     "sharing section slows the workers that share a device (a relative path is "
                     "taken from the working directory, as workload.traces is); none: analytic only",
     )

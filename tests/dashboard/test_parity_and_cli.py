@@ -122,21 +122,21 @@ def _same_rows(got: dict, want: dict) -> dict:
 
 
 def test_a_dashboard_plan_and_the_cli_give_identical_results(app, tmp_path):
-    """The small, fast search of tests/sim (one real trace, no GPU prefix cache): the printed command
+    """The small, fast search of tests/sim (one real trace, a GPU prefix cache of 75K tokens): the printed command
     run with the scenario the Scenario page downloads prints the same object the page shows."""
     from kvpool.scenario import load_scenario, to_toml
 
-    overrides = ["workload.warmup_requests=1", "prefill.gpu_mem_utilization=0.4"]
+    overrides = ["workload.warmup_requests=1", "prefill.gpu_mem_utilization=0.472"]
     by_label(app.text_input, "Trace file or directory").set_value(TRACE).run()
     by_label(app.text_area, "More overrides").set_value("\n".join(overrides)).run()
     assert not app.exception and not [e.value for e in app.error]
     app.switch_page("pages/plan.py").run()
-    set_plan(app, "reuse>=0.5", "pool.gib_per_service", 0.0, 768.0, load=3, duration=300, workers=2, max_runs=8)
+    set_plan(app, "reuse>=0.9", "pool.gib_per_service", 0.0, 768.0, load=3, duration=300, workers=2, max_runs=8)
     press(app, "Run search")
     assert not app.exception and not [e.value for e in app.error], [e.value for e in app.error]
     shown = json.loads(next(c.value for c in app.code if c.language == "json"))
     command = next(c.value for c in app.code if c.value.startswith("kvpool sim plan"))
-    assert command == ("kvpool sim plan mi355x-1p1d.toml --target 'reuse>=0.5' --vary pool.gib_per_service=0..768 "
+    assert command == ("kvpool sim plan mi355x-1p1d.toml --target 'reuse>=0.9' --vary pool.gib_per_service=0..768 "
                        f"--load 3 --duration 300 --set workload.synthetic_sessions={SMALL_SYNTHETIC} --workers 2 --max-runs 8 --json")
 
     edited = load_scenario("mi355x-1p1d", [f"workload.traces={json.dumps(TRACE)}", *overrides])

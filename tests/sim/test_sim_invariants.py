@@ -82,7 +82,7 @@ def test_unbounded_caches_reach_the_trace_ceiling_exactly():
 
 def test_token_sources_add_up_and_bytes_follow_the_kv_size():
     w = small_workload()
-    s = load_scenario(SCENARIO, ["prefill.gpu_mem_utilization=0.36"])  # tiny GPU cache: the pool must work
+    s = load_scenario(SCENARIO, ["prefill.gpu_mem_utilization=0.47"])  # tiny GPU cache: the pool must work
     sim = Simulation(s, every_request(w, lanes=len(w)))
     recs = sim.run()
     bpt = s.kvspec().bytes_per_token
@@ -104,7 +104,7 @@ def test_token_sources_add_up_and_bytes_follow_the_kv_size():
 
 def test_no_pool_means_no_pool_share():
     w = small_workload()
-    s = load_scenario(SCENARIO, ["pool.gib_per_service=0", "prefill.gpu_mem_utilization=0.36"])
+    s = load_scenario(SCENARIO, ["pool.gib_per_service=0", "prefill.gpu_mem_utilization=0.47"])
     recs = Simulation(s, every_request(w, lanes=len(w))).run()
     m = summarize(recs, gpus=8)
     assert m["share_pool"] == 0.0 and m["reuse"] == m["share_gpu"]
@@ -133,7 +133,7 @@ def test_run_leaves_the_cyclic_collector_as_it_found_it():
 
 def test_pool_recovers_what_the_small_gpu_cache_loses():
     w = small_workload()
-    small_gpu = ["prefill.gpu_mem_utilization=0.36"]
+    small_gpu = ["prefill.gpu_mem_utilization=0.47"]
     with_pool = summarize(Simulation(load_scenario(SCENARIO, small_gpu), every_request(w, len(w))).run(), gpus=8)
     without = summarize(Simulation(load_scenario(SCENARIO, small_gpu + ["pool.gib_per_service=0"]),
                                    every_request(w, len(w))).run(), gpus=8)
@@ -154,7 +154,7 @@ def test_same_seed_same_results_in_any_process():
 def test_real_traces_run_and_use_the_pool_under_pressure():
     files = sorted(KV_TRACES.glob("*.json.gz"))[:12]
     w = Workload(tuple(s for f in files for s in load_workload(f)))
-    s = load_scenario(SCENARIO, ["prefill.gpu_mem_utilization=0.4", "workload.duration_s=600"])
+    s = load_scenario(SCENARIO, ["prefill.gpu_mem_utilization=0.5", "workload.duration_s=600"])
     rp = AgentXReplay(w, lanes=12, seed=s.seed, duration_s=600.0, warmup_requests=2)
     sim = Simulation(s, rp)
     m = summarize(sim.run(), gpus=sim.gpus, occupancy=(sim.timeline.decode_t, sim.timeline.decode_occ))
@@ -175,7 +175,7 @@ def test_weighted_median_of_a_step_function():
 
 def test_ssd_tier_catches_what_dram_evicts():
     w = small_workload(n=8)
-    small = ["prefill.gpu_mem_utilization=0.36", "pool.gib_per_service=0.4"]
+    small = ["prefill.gpu_mem_utilization=0.47", "pool.gib_per_service=0.4"]
     ssd = small + ["pool.ssd.enabled=true", "pool.ssd.gib_per_server=64"]
     dram_only = summarize(Simulation(load_scenario(SCENARIO, small), every_request(w, len(w))).run(), gpus=8)
     recs = Simulation(load_scenario(SCENARIO, ssd), every_request(w, len(w))).run()
@@ -280,7 +280,7 @@ def test_gate_admits_waiters_first_fit_in_arrival_order_at_the_release():
 
 def test_split_pool_serves_each_prefill_from_its_own_server():
     w = small_workload()
-    recs = Simulation(load_scenario("mi350x-6p2d-split", ["prefill.gpu_mem_utilization=0.38"]),
+    recs = Simulation(load_scenario("mi350x-6p2d-split", ["prefill.gpu_mem_utilization=0.47"]),
                       every_request(w, lanes=len(w))).run()
     assert all(r.gpu_tokens + r.pool_tokens + r.computed_tokens == r.in_tokens for r in recs)
     assert len({r.prefill for r in recs}) > 1  # routing spreads the turns over prefill instances

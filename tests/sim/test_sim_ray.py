@@ -126,9 +126,9 @@ def test_ray_sweep_equals_in_process(cluster, in_process):
 
 def test_plan_search_on_ray_equals_in_process(cluster):
     base = load_scenario("mi355x-1p1d", ["workload.duration_s=300", "workload.warmup_requests=1",
-                                         "prefill.gpu_mem_utilization=0.4"])
+                                         "prefill.gpu_mem_utilization=0.472"])
     variable = pl.parse_vary("pool.gib_per_service=0..768", base)
-    targets = [pl.parse_target("reuse>=0.5")]
+    targets = [pl.parse_target("reuse>=0.9")]
     runs = {}
     for executor in ("local", "ray"):
         seen = []
@@ -164,8 +164,8 @@ def test_cli_compare_and_plan_on_an_existing_cluster(tmp_path, cluster, in_proce
     assert [{**x, "scenario": "no-pool"} for x in reference] == arms["no-pool"]
     assert arms["no-pool"][0]["share_pool"] == 0.0
 
-    r = cli("sim", "plan", "mi355x-1p1d", "--target", "reuse>=0.5", "--vary", "pool.gib_per_service=0..768",
-            "--load", "3", *SMALL, "--set", "prefill.gpu_mem_utilization=0.4", "--workers", "2", "--max-runs", "4",
+    r = cli("sim", "plan", "mi355x-1p1d", "--target", "reuse>=0.9", "--vary", "pool.gib_per_service=0..768",
+            "--load", "3", *SMALL, "--set", "prefill.gpu_mem_utilization=0.472", "--workers", "2", "--max-runs", "4",
             "--executor", "ray", "--address", cluster, "--json", "--out", str(tmp_path))
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
@@ -185,7 +185,7 @@ def test_bad_executor_address_and_missing_ray_are_one_line(tmp_path):
         assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
         assert time.perf_counter() - t0 < 30, args  # no Ray retry loop
-    for cmd in (["sim", "compare", "mi355x-1p1d", "h200-1p1d"], ["sim", "plan", "mi355x-1p1d", "--target", "reuse>=0.5",
+    for cmd in (["sim", "compare", "mi355x-1p1d", "h200-1p1d"], ["sim", "plan", "mi355x-1p1d", "--target", "reuse>=0.9",
                                                                  "--vary", "pool.gib_per_service=0..768"]):
         r = cli(*cmd, "--executor", "ray", "--address", "127.0.0.1:1", "--out", str(tmp_path))
         assert r.returncode == 2 and "cannot reach a Ray cluster at 127.0.0.1:1" in r.stderr, (cmd, r.stderr)
