@@ -6,7 +6,10 @@ Contract (the seed's four-server deployment):
       ``release`` when it finishes.
     * Requests with more input than ``max_input_tokens`` (917,504), more output than
       ``max_output_tokens`` (131,072), or more tokens than one instance's budget are rejected at
-      once with a reason (``check``).
+      once with a reason (``check``, which is ``refusal`` over the gate's own budget).
+    * ``refusal(config, input_tokens, output_tokens, budget_tokens)``: the one check of the caps and
+      of the one-instance budget; the gate calls it, and so does a front end without a gate, with
+      the KV of one decode instance as the budget.
     * ``arrive``: a request that fits is admitted at once on the decode instance with the most free
       tokens (``policy.routing.choose_decode``; ties: the lower index), whether or not others are
       waiting. One that fits nowhere waits, with one deadline: ``now_s + max_wait_s`` (30 s for
@@ -88,6 +91,18 @@ class GateConfig:
         return int(self.tokens_per_decode * self.budget_fraction)
 
 
+def refusal(config: GateConfig, input_tokens: int, output_tokens: int, budget_tokens: int) -> Verdict | None:
+    """Why a request can never be admitted (more input than ``config.max_input_tokens``, more output
+    than ``config.max_output_tokens``, more tokens than ``budget_tokens``), or ``None``."""
+    if input_tokens > config.max_input_tokens:
+        return Verdict.REJECT_INPUT
+    if output_tokens > config.max_output_tokens:
+        return Verdict.REJECT_OUTPUT
+    if input_tokens + output_tokens > budget_tokens:
+        return Verdict.REJECT_BUDGET
+    return None
+
+
 class AdmissionGate:
     """Token budgets of the decode instances behind one gate, and its queue of waiting requests."""
 
@@ -109,14 +124,7 @@ class AdmissionGate:
 
     def check(self, input_tokens: int, output_tokens: int) -> Verdict | None:
         """A reason to reject outright, or ``None`` when the request could ever be admitted."""
-        c = self.config
-        if input_tokens > c.max_input_tokens:
-            return Verdict.REJECT_INPUT
-        if output_tokens > c.max_output_tokens:
-            return Verdict.REJECT_OUTPUT
-        if input_tokens + output_tokens > c.budget_tokens:
-            return Verdict.REJECT_BUDGET
-        return None
+        return refusal(self.config, input_tokens, output_tokens, self.config.budget_tokens)
 
     def arrive(self, request_id: Hashable, input_tokens: int, output_tokens: int, now_s: float) -> Admission:
         """Admit a new request now, queue it with a deadline, or reject it (see the module contract)."""

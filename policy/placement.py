@@ -5,7 +5,8 @@ Contract:
       (``gpus_per_server / numa_per_server`` GPUs each, a whole number). Decode instance ``g`` goes to server
       ``g mod servers``; prefill instances fill the remaining NUMA nodes server by server, assigned
       round-robin to the decode groups and, where the cluster allows, never on their own group's
-      decode server (the seed's placement).
+      decode server (the seed's placement). ``prefill_group(i, decode_instances)`` is prefill
+      instance ``i``'s group; ``policy.routing`` reads the groups from it in both worlds.
     * ``place(...)`` returns the ``Layout``; ``PlacementError`` (a ``ValueError``) when there are
       more NUMA nodes than GPUs per server, when they do not divide the GPUs of a server evenly, or
       when the instances do not fit. The scenario model calls it
@@ -33,6 +34,11 @@ class Placement:
 class Layout:
     prefill: list[Placement] = field(default_factory=list)
     decode: list[Placement] = field(default_factory=list)
+
+
+def prefill_group(instance: int, decode_instances: int) -> int:
+    """The decode group prefill instance ``instance`` serves: round-robin over the decode instances."""
+    return instance % max(1, decode_instances)
 
 
 def place(servers: int, gpus_per_server: int, numa_per_server: int,
@@ -73,9 +79,8 @@ def place(servers: int, gpus_per_server: int, numa_per_server: int,
         pl = take("decode", decode_gpus, [x for x in free if x[0] == srv] + free)
         pl.group = g
         lay.decode.append(pl)
-    groups = max(1, decode_instances)
     for i in range(prefill_instances):
-        g = i % groups
+        g = prefill_group(i, decode_instances)
         dec_server = lay.decode[g].server if lay.decode else -1
         prefer = [x for x in free if x[0] != dec_server] + [x for x in free if x[0] == dec_server]
         pl = take("prefill", prefill_gpus, prefer)

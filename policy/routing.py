@@ -1,6 +1,19 @@
-"""Routing: which prefill instance computes a request and which decode instance generates it.
+"""Routing: which decode instance generates a request and which prefill instance computes it.
 
 Contract:
+    * ``routing_for(router, seed, prefill_instances, decode_instances) -> Routing`` is how both
+      worlds build their routing (the simulator's ``sim.world`` and production's
+      ``backend.serve.router``), from the scenario's ``routing.prefill``, ``seed`` and instance
+      counts. Prefill instance ``i`` serves decode group ``policy.placement.prefill_group(i, D)``.
+    * ``Routing.choose_decode(free_kv_tokens)``: the decode instance when the admission gate is off
+      (the gate makes the same choice over its own budgets, ``policy.admission``).
+    * ``Routing.choose_prefill(decode, session, outstanding_tokens)``: a prefill instance of
+      ``decode``'s group (every instance when the group has none), picked by that group's router
+      over those instances' outstanding prompt tokens; ``outstanding_tokens`` covers every prefill
+      instance and the answer is an index into it.
+    * One router per decode group, each with its own ``random.Random`` seeded from
+      ``random.Random(seed).random()`` in group order, so the same scenario makes the same choices
+      in both worlds for the same sequence of calls.
     * ``power_of_two``: sample two distinct prefill instances uniformly with the caller's seeded
       RNG and pick the one with fewer outstanding tokens (ties: the lower index). With one
       instance, that one.
@@ -16,6 +29,8 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from typing import Protocol
+
+from kvpool.policy.placement import prefill_group
 
 
 class PrefillRouter(Protocol):
@@ -89,3 +104,42 @@ def choose_decode(free_kv_tokens: Sequence[int]) -> int:
         if f > free_kv_tokens[best]:
             best = i
     return best
+
+
+class Routing:
+    """Every routing decision of one deployment: the decode groups' prefill instances and their
+    routers (see the module contract)."""
+
+    def __init__(self, router: str, seed: int, prefill_groups: Sequence[int], decode_instances: int) -> None:
+        if decode_instances <= 0:
+            raise ValueError(f"decode_instances must be > 0, got {decode_instances}")
+        if not prefill_groups:
+            raise ValueError("no prefill instance to route to")
+        self.prefill_instances = n = len(prefill_groups)
+        #: per decode group: its prefill instances (every instance when the group has none)
+        self.group_prefills = [[i for i, g in enumerate(prefill_groups) if g == d] or list(range(n))
+                               for d in range(decode_instances)]
+        rng = random.Random(seed)
+        self.routers = [make_router(router, random.Random(rng.random())) for _ in range(decode_instances)]
+
+    def choose_decode(self, free_kv_tokens: Sequence[int]) -> int:
+        """The decode instance with the most free KV tokens (``choose_decode``)."""
+        if len(free_kv_tokens) != len(self.routers):
+            raise ValueError(f"free_kv_tokens: one per decode instance ({len(self.routers)}), got {len(free_kv_tokens)}")
+        return choose_decode(free_kv_tokens)
+
+    def choose_prefill(self, decode: int, session: str, outstanding_tokens: Sequence[int]) -> int:
+        """The prefill instance (an index into ``outstanding_tokens``, one entry per instance) for a
+        request of ``session`` generated on ``decode``: its group's router over the group's instances."""
+        if len(outstanding_tokens) != self.prefill_instances:
+            raise ValueError(f"outstanding_tokens: one per prefill instance ({self.prefill_instances}), "
+                             f"got {len(outstanding_tokens)}")
+        group = self.group_prefills[decode]
+        return group[self.routers[decode].choose(session, [outstanding_tokens[i] for i in group])]
+
+
+def routing_for(router: str, seed: int, prefill_instances: int, decode_instances: int) -> Routing:
+    """The routing of a deployment of ``prefill_instances`` and ``decode_instances`` with prefill
+    router ``router`` (a ``ROUTERS`` name) and ``seed``: what the simulator and production build."""
+    groups = [prefill_group(i, decode_instances) for i in range(prefill_instances)]
+    return Routing(router, seed, groups, decode_instances)

@@ -5,8 +5,8 @@
     1. admit     the front end's overhead (``cost.frontend_overhead_s``), then the admission
                  gate when enabled (``sim.steps.admit``; a rejected request finishes here); then
                  the control plane's fixed time (``cost.control_plane_s``)
-    2. route     decode instance (given by the gate, else ``policy.routing.choose_decode``), then
-                 a prefill instance of its group (the group's router, ``policy.routing``)
+    2. route     decode instance (given by the gate, else ``Routing.choose_decode``), then a
+                 prefill instance of its group (``Routing.choose_prefill``, ``policy.routing``)
     3. lookup    the request's ``Prompt`` (``sim.prompt``), then GPU prefix cache, pool and
                  ``policy.hits`` (``sim.steps.lookup``); in serve mode (``cost.kv_capacity =
                  "serve"``) it first waits, first come first served, for pages for its whole
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool.policy.routing import choose_decode
 from kvpool.sim.events import call_later
 from kvpool.sim.faults import Faults
 from kvpool.sim.prompt import Prompts
@@ -124,11 +123,10 @@ class Lifecycle:
         if rec.error:
             return
         if decode is None:
-            decode = choose_decode([dd.free_tokens for dd in w.decodes])
+            decode = w.routing.choose_decode([dd.free_tokens for dd in w.decodes])
         rec.decode = decode
-        group = w.group_prefills[decode]
-        load = [w.prefills[i].outstanding_tokens for i in group]
-        p = r.prefill = w.prefills[group[w.routers[decode].choose(d.scope or d.session.id, load)]]
+        load = [pp.outstanding_tokens for pp in w.prefills]
+        p = r.prefill = w.prefills[w.routing.choose_prefill(decode, d.scope or d.session.id, load)]
         rec.prefill = p.index
         p.outstanding_tokens += rec.in_tokens
         r.decode = w.decodes[decode]

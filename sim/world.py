@@ -7,8 +7,9 @@ Contract:
       its paged KV, ``sim.steps.pages``, instead, and with a calibration that measured ``sharing``
       the workers placed on ``kvpool serve``'s devices, ``sim.devices``), the pool (``None`` without one),
       the network (``sim.cluster.Network``), the SSD links, in a shared multi-server pool one link
-      per rail for the other servers' NICs (``pool_rails``, ``sim.steps.nics``), one router per decode group and
-      the admission gate (``None`` when disabled). It holds no request state and decides nothing.
+      per rail for the other servers' NICs (``pool_rails``, ``sim.steps.nics``), the routing
+      (``policy.routing.routing_for``: one router per decode group) and the admission gate
+      (``None`` when disabled). It holds no request state and decides nothing.
     * ``unbounded``: infinite GPU caches and pool (the trace-ceiling check).
     * Ranks: prefill rank ``r = stage * tp + t`` holds stage ``r // tp``'s layers (the MLA latent
       is replicated over TP); ``rank_bytes[r]`` is the size of one chunk object of rank ``r``.
@@ -18,14 +19,13 @@ Contract:
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, field
 
 import simpy
 
 from kvpool.policy.admission import AdmissionGate, GateConfig
 from kvpool.policy.chunks import namespace_for
-from kvpool.policy.routing import make_router
+from kvpool.policy.routing import routing_for
 from kvpool.scenario.derive import decode_kv_capacity_tokens, prefill_kv_capacity_tokens
 from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
@@ -91,11 +91,8 @@ class World:
                 p.ordered_pipeline(page, s.prefill.spread_requests)
             self._share_devices()
         self._decode_capacity_tokens = sum(d.capacity_tokens for d in self.decodes)
-        #: per decode group: its prefill instances (every instance when a group has none)
-        self.group_prefills = [[p.index for p, pl in zip(self.prefills, self.layout.prefill) if pl.group == g]
-                               or list(range(len(self.prefills))) for g in range(len(self.decodes))]
-        rng = random.Random(s.seed)
-        self.routers = [make_router(s.routing.prefill, random.Random(rng.random())) for _ in self.decodes]
+        #: the decode groups' prefill instances and routers, built as production builds them
+        self.routing = routing_for(s.routing.prefill, s.seed, len(self.prefills), len(self.decodes))
         self.gate = (AdmissionGate(GateConfig(s.gate.tokens_per_decode, s.gate.budget_fraction, s.gate.max_input_tokens,
                                               s.gate.max_output_tokens, s.gate.max_wait_s), len(self.decodes))
                      if s.gate.enabled else None)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.policy.admission import DEADLINE_SLACK_S, Admission, AdmissionGate, GateConfig, Verdict
+from kvpool.policy.admission import DEADLINE_SLACK_S, Admission, AdmissionGate, GateConfig, Verdict, refusal
 
 
 def gate(decodes=2, **kw):
@@ -26,6 +26,22 @@ def test_caps_reject_with_reason():
     assert g.try_admit("a", 917_505, 1, 0) is Verdict.REJECT_INPUT
     assert g.try_admit("b", 1000, 131_073, 0) is Verdict.REJECT_OUTPUT
     assert g.try_admit("c", 917_504, 131_072, 0) is Verdict.ADMITTED
+
+
+def test_refusal_checks_the_caps_then_the_budget_it_is_given():
+    c = GateConfig(tokens_per_decode=1000, budget_fraction=1.0, max_input_tokens=500, max_output_tokens=100)
+    assert refusal(c, 501, 1, 10_000) is Verdict.REJECT_INPUT
+    assert refusal(c, 10, 101, 10_000) is Verdict.REJECT_OUTPUT
+    assert refusal(c, 450, 100, 500) is Verdict.REJECT_BUDGET
+    assert refusal(c, 400, 100, 500) is None
+
+
+def test_the_gates_check_is_refusal_over_its_own_budget():
+    c = GateConfig(tokens_per_decode=1000, budget_fraction=0.5, max_input_tokens=800, max_output_tokens=100)
+    g = AdmissionGate(c, 1)
+    cases = [(801, 1), (10, 101), (450, 100), (400, 100)]
+    assert [g.check(i, o) for i, o in cases] == [refusal(c, i, o, 500) for i, o in cases]
+    assert [g.check(i, o) for i, o in cases] == [Verdict.REJECT_INPUT, Verdict.REJECT_OUTPUT, Verdict.REJECT_BUDGET, None]
 
 
 def test_wait_then_admit_after_release():
