@@ -25,8 +25,10 @@ A request (``protocol`` holds every message):
 
     client -> router            POST /v1/completions (text or token ids, max_tokens, stream)
     router                      gate: reserve prompt + output tokens on a decode instance
-                                (or wait, or reject); route: pick a prefill instance
-    router -> decode engine     POST /expect      pages allocated, every rank asks for its part
+                                (or wait, or reject); route: pick a prefill instance of
+                                the decode instance's group
+    router -> decode engine     POST /expect      pages allocated, every rank asks the chosen
+                                                  prefill instance's stages for its part
     router -> prefill engine    POST /prefill     lookup, restore, compute, save, hand-off; answers
                                                   the first token and a transfer descriptor
     router -> decode engine     POST /generate    the descriptor and the first token in; tokens

@@ -13,10 +13,11 @@ Contract:
       with the DSA indexer, whose records cross as parts of their own; ``serve.landing_slots``
       slots of ``handoff_plan.write_cap_bytes``), all scattering into the same caches
       (``DcpCaches.handoff_caches``: latents, then indexer caches); ``rank_endpoints[i]``
-      lists instance ``i``'s in rank order. A request is expected on every instance's ranks (the
-      expect does not say which prefill instance computes it); the first instance whose ranks are
-      all ready is its hand-off, the others are forgotten (their stages are told FAIL).
-    * ``expect``: pages for ``prompt_tokens + max_tokens`` tokens on every rank, or ``NoRoom``.
+      lists instance ``i``'s in rank order. A request is expected on the ranks of the prefill
+      instance its expect names (``ExpectRequest.prefill_instance``) only: those ranks alone set
+      landing space aside for it, and its hand-off is complete when they are all ready.
+    * ``expect``: pages for ``prompt_tokens + max_tokens`` tokens on every rank, or ``NoRoom``; a
+      ``prefill_instance`` the deployment does not have is a ``ProtocolError``.
     * ``generate``: a request joins the waiting list; it runs once its hand-off is complete and the
       batch has fewer than ``decode.max_seqs`` sequences (first come, first served). The stream
       carries the tokens after ``first_token`` (at most ``max_tokens - 1``): one ``TokenEvent`` per
@@ -52,7 +53,7 @@ from kvpool.backend.serve import handoff_plan as hp
 from kvpool.backend.serve.decode_metrics import DecodeMetrics
 from kvpool.backend.serve.decode_model import DcpCaches, DecodeModel, DecodeSeq, rank_pages
 from kvpool.backend.serve.model_config import EOS_TOKEN, ref_config
-from kvpool.backend.serve.protocol import ExpectRequest, GenerateRequest, TokenEvent
+from kvpool.backend.serve.protocol import ExpectRequest, GenerateRequest, ProtocolError, TokenEvent
 from kvpool.scenario.model import Scenario
 
 HANDOFF_WAIT_CAP_S = 30.0
@@ -89,7 +90,7 @@ class _Req:
     tokens: int = 0                          # generated so far, first_token included
     last: int = 0
     t_last: float = 0.0
-    live_sets: list[int] = field(default_factory=list)   # prefill instances whose ranks still have it
+    live_sets: list[int] = field(default_factory=list)   # its prefill instance, while that one's ranks have it
 
 
 class DecodeCore:
@@ -156,6 +157,10 @@ class DecodeCore:
     def expect(self, req: ExpectRequest) -> dict:
         if req.request_id in self.reqs:
             raise RequestConflict(f"request {req.request_id!r} is already expected on decode instance {self.instance}")
+        source = req.prefill_instance
+        if source >= len(self.ranks):
+            raise ProtocolError(f"prefill_instance: expected an integer in [0, {len(self.ranks) - 1}] (the "
+                                f"deployment's prefill instances), got {source}")
         total = req.prompt_tokens + req.max_tokens
         need = [rank_pages(total, r, self.dcp, self.page) for r in range(self.dcp)]
         short = [r for r in range(self.dcp) if need[r] > len(self.free[r])]
@@ -169,14 +174,13 @@ class DecodeCore:
         parts = {sender: StagePart(plan, start) for s in range(self.pp)
                  for sender, (plan, start) in hp.stage_parts(self.scenario, s, req.prompt_tokens).items()}
         try:
-            for ranks in self.ranks:
-                for r, dr in enumerate(ranks):
-                    dr.expect(req.request_id, tables[r], parts)
+            for r, dr in enumerate(self.ranks[source]):
+                dr.expect(req.request_id, tables[r], parts)
         except ValueError:
-            self._forget_ranks(rq, range(len(self.ranks)))
+            self._forget_ranks(rq, [source])
             self._free(rq)
             raise
-        rq.live_sets = list(range(len(self.ranks)))
+        rq.live_sets = [source]
         self.reqs[req.request_id] = rq
         self._gauges()
         return {"request_id": req.request_id, "pages": [len(p) for p in pages]}

@@ -6,9 +6,11 @@ the paged KV, the model and the continuous batch; this module is its HTTP face (
 
 Routes (JSON bodies checked by ``protocol``'s ``from_json``; every non-2xx answer is
 ``{"error": reason}``):
-    POST /expect    ``ExpectRequest`` -> 200 ``{"request_id", "pages": [per rank]}``; 503 when the
-                    instance has no room for ``prompt_tokens + max_tokens`` tokens; 409 for a
-                    request id already expected; 400 for a bad body.
+    POST /expect    ``ExpectRequest`` -> 200 ``{"request_id", "pages": [per rank]}``; only the ranks
+                    of its ``prefill_instance`` wait for the hand-off (and take landing slots for
+                    it). 503 when the instance has no room for ``prompt_tokens + max_tokens``
+                    tokens; 409 for a request id already expected; 400 for a bad body (or a
+                    ``prefill_instance`` the deployment does not have).
     POST /generate  ``GenerateRequest`` -> 200, ``application/x-ndjson``: one ``TokenEvent`` per
                     line (the tokens after ``first_token``, one line per decode step; the last line
                     ``done`` with ``finish_reason`` ``length``/``stop`` or ``error``). 404 for a

@@ -6,7 +6,8 @@ Every message is a frozen dataclass with ``to_json() -> dict`` and ``from_json(d
 
 Router -> decode engine:
     ``ExpectRequest``    POST /expect: allocate pages for ``prompt_tokens + max_tokens`` tokens
-                         and ask every rank's part from every prefill stage.
+                         and ask every rank's part from the stages of ``prefill_instance`` (the
+                         prefill instance the router chose), whose landing slots alone it takes.
     ``GenerateRequest``  POST /generate: the descriptor and the first token; the answer is a
                          stream of NDJSON lines, each a ``TokenEvent`` (``done`` on the last).
     ``AbortRequest``     POST /abort: forget the request (its pages freed, its hand-off dropped).
@@ -26,6 +27,8 @@ from typing import Any
 
 #: Largest prompt or output the protocol carries, tokens (the gate's own caps are lower).
 MAX_TOKENS = 1 << 24
+#: Largest instance index a message carries (an engine checks it against its deployment).
+MAX_INSTANCE = 1 << 16
 
 
 class ProtocolError(ValueError):
@@ -80,14 +83,18 @@ class _Message:
 
 @dataclass(frozen=True)
 class ExpectRequest(_Message):
+    """``prefill_instance``: the prefill instance that computes the request and hands its KV over."""
+
     request_id: str
     prompt_tokens: int
     max_tokens: int
+    prefill_instance: int
 
     @classmethod
     def from_json(cls, body: Any) -> ExpectRequest:
         b = _only(body, cls)
-        return cls(_str(b, "request_id"), _int(b, "prompt_tokens", 1, MAX_TOKENS), _int(b, "max_tokens", 1, MAX_TOKENS))
+        return cls(_str(b, "request_id"), _int(b, "prompt_tokens", 1, MAX_TOKENS), _int(b, "max_tokens", 1, MAX_TOKENS),
+                   _int(b, "prefill_instance", 0, MAX_INSTANCE))
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,8 @@ class PrefillRequest(_Message):
         session = b.get("session", "")
         if not isinstance(session, str) or len(session) > 256:
             raise ProtocolError("session: expected a string of at most 256 characters")
-        return cls(_str(b, "request_id"), _token_ids(b, "token_ids", vocab), _int(b, "decode_instance", 0, 1 << 16), session)
+        return cls(_str(b, "request_id"), _token_ids(b, "token_ids", vocab), _int(b, "decode_instance", 0, MAX_INSTANCE),
+                   session)
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -4,8 +4,9 @@ Routes (aiohttp; the supervisor binds it on 127.0.0.1 only):
     POST /v1/completions   ``model``, ``prompt`` (text or a list of token ids), ``max_tokens``
                            (required, 1 .. ``gate.max_output_tokens``), ``ignore_eos`` (false),
                            ``stream`` (false), ``stream_options``, ``user`` / ``kvpool_session``
-                           (the session, for session-affinity routing); ``stop`` is not supported
-                           (400) and so is any other field (400).
+                           (the session, for session-affinity routing; without either, the
+                           ``x-kvpool-session`` header names it); ``stop`` is not supported (400)
+                           and so is any other field (400).
     GET /v1/models         the one model served (``model.name`` of the scenario).
     GET /health            200 when every engine answers its ``/health`` with ``ok`` (and the
                            supervisor's children run), else 503 naming the ones that do not;
@@ -16,14 +17,19 @@ Routes (aiohttp; the supervisor binds it on 127.0.0.1 only):
                            each asked within ``POOL_SCRAPE_TIMEOUT_S``.
 
 A completion (``protocol`` holds the engine messages):
-    1. parse and check the body (400 naming the field), ``gate.check`` (400 naming the verdict);
-    2. gate: ``AdmissionGate.arrive``: admitted on a decode instance, or wait on an asyncio future
-       until a ``release`` admits it or ``expire`` at its deadline rejects it (429
-       ``reject_admission_timeout``). Without a gate (``gate.enabled = false``) the decode instance
-       is ``policy.routing.choose_decode`` over the decode KV the router has not handed out;
-    3. route: the scenario's prefill router (``policy.routing``, seeded ``random.Random(seed)``)
-       over the prompt tokens each prefill instance has outstanding;
-    4. POST decode /expect, POST prefill /prefill (the first token), POST decode /generate (an NDJSON
+    1. parse and check the body (400 naming the field);
+    2. gate: ``AdmissionGate.arrive``: rejected at once (400 naming the verdict:
+       ``policy.admission.refusal``, the caps and the gate's budget), admitted on a decode instance,
+       or wait on an asyncio future until a ``release`` admits it or ``expire`` at its deadline
+       rejects it (429 ``reject_admission_timeout``). Without a gate (``gate.enabled = false``) the
+       same ``refusal`` with one decode instance's KV (``serve.decode_kv_tokens``) as the budget,
+       then the decode instance is ``Routing.choose_decode`` over the decode KV the router has not
+       handed out;
+    3. route: ``Routing.choose_prefill`` (``policy.routing.routing_for``, built as the simulator
+       builds it): a prefill instance of the decode instance's group, picked by the group's router
+       over the prompt tokens each of them has outstanding;
+    4. POST decode /expect (naming the prefill instance, whose ranks alone take the hand-off),
+       POST prefill /prefill (the first token), POST decode /generate (an NDJSON
        stream of ``TokenEvent``); every engine call ends by the request's deadline,
        ``serve.request_timeout_s`` after admission (504 when it passes);
     5. the gate's reservation goes back however the request ends. On a failure after /expect the
@@ -43,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -66,8 +71,8 @@ from kvpool.backend.serve.protocol import (
     ProtocolError,
     TokenEvent,
 )
-from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict
-from kvpool.policy.routing import choose_decode, make_router
+from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict, refusal
+from kvpool.policy.routing import routing_for
 from kvpool.scenario.model import Scenario
 from kvpool.workload.records import RequestRecord
 
@@ -87,6 +92,8 @@ RUNNER_OPTIONS = {"handler_cancellation": True}
 #: Fields a completion request may carry.
 FIELDS = frozenset({"model", "prompt", "max_tokens", "ignore_eos", "stream", "stream_options", "user",
                     "kvpool_session", "stop"})
+#: The header that names a request's session when its body does not (``kvpool replay`` sends it).
+SESSION_HEADER = "x-kvpool-session"
 #: Record fields the router owns; an engine's record never overrides them.
 ROUTER_FIELDS = frozenset({"key", "session", "thread", "measured", "arrival_s", "in_tokens", "out_tokens", "prefill",
                            "decode", "first_token_s", "end_s", "rejected"})
@@ -185,8 +192,19 @@ def _opt_bool(body: dict, name: str) -> bool:
     return v
 
 
-def parse_completion(body: object, *, model: str, vocab: int) -> Completion:
-    """The checked request, or ``ApiError`` (400; 404 for another model) naming the field."""
+def _session_header(v: str | None) -> str:
+    if v is None:
+        return ""
+    if len(v) > 256:
+        raise _bad(SESSION_HEADER, f"expected at most 256 characters, got {len(v)}")
+    return v
+
+
+def parse_completion(body: object, *, model: str, vocab: int, session_header: str | None = None) -> Completion:
+    """The checked request, or ``ApiError`` (400; 404 for another model) naming the field.
+
+    The session: the body's ``kvpool_session``, else its ``user``, else ``session_header`` (the
+    ``SESSION_HEADER`` of the request), else none."""
     if not isinstance(body, dict):
         raise ApiError(400, "expected a JSON object")
     unknown = sorted(set(body) - FIELDS)
@@ -229,11 +247,13 @@ def parse_completion(body: object, *, model: str, vocab: int) -> Completion:
     if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage", "continuous_usage_stats"}
                            or any(not isinstance(v, bool) for v in so.values())):
         raise _bad("stream_options", "expected {\"include_usage\": true|false}")
-    session = _opt_str(body, "kvpool_session") or _opt_str(body, "user")
+    header = _session_header(session_header)
+    session = _opt_str(body, "kvpool_session") or _opt_str(body, "user") or header
     return Completion(ids, mt, _opt_bool(body, "ignore_eos"), _opt_bool(body, "stream"), session)
 
 
-def _verdict_error(verdict: Verdict, c: Completion, gate: GateConfig) -> ApiError:
+def _verdict_error(verdict: Verdict, c: Completion, gate: GateConfig, budget_tokens: int, budget: str) -> ApiError:
+    """The answer to a refused request; ``budget`` names where ``budget_tokens`` comes from."""
     n_in, n_out = len(c.prompt_ids), c.max_tokens
     if verdict is Verdict.REJECT_INPUT:
         return ApiError(400, f"{verdict.value}: the prompt has {n_in} tokens; gate.max_input_tokens is "
@@ -243,7 +263,7 @@ def _verdict_error(verdict: Verdict, c: Completion, gate: GateConfig) -> ApiErro
                              f"{gate.max_output_tokens}", verdict.value, "max_tokens", "rejected")
     if verdict is Verdict.REJECT_BUDGET:
         return ApiError(400, f"{verdict.value}: prompt + max_tokens = {n_in + n_out} tokens; one decode instance "
-                             f"admits {gate.budget_tokens}", verdict.value, None, "rejected")
+                             f"admits {budget_tokens} ({budget})", verdict.value, None, "rejected")
     return ApiError(429, f"{verdict.value}: no decode instance had room for {n_in + n_out} tokens within "
                          f"gate.max_wait_s = {gate.max_wait_s:g} s", verdict.value, None, "rejected")
 
@@ -266,7 +286,9 @@ class Router:
         self.gate_config = GateConfig(g.tokens_per_decode, g.budget_fraction, g.max_input_tokens, g.max_output_tokens,
                                       g.max_wait_s)
         self.gate = AdmissionGate(self.gate_config, scenario.decode.instances) if g.enabled else None
-        self.prefill_router = make_router(scenario.routing.prefill, random.Random(scenario.seed))
+        #: the decode groups' prefill instances and routers, built as the simulator builds them
+        self.routing = routing_for(scenario.routing.prefill, scenario.seed, scenario.prefill.instances,
+                                   scenario.decode.instances)
         self.prefill_outstanding = [0] * scenario.prefill.instances
         #: without a gate: tokens handed to each decode instance and not yet given back
         self.decode_outstanding = [0] * scenario.decode.instances
@@ -379,7 +401,8 @@ class Router:
                 resp.force_close()  # what is left of the body is not read as a next request
             return resp
         try:
-            c = parse_completion(body, model=self.model, vocab=self.vocab)
+            c = parse_completion(body, model=self.model, vocab=self.vocab,
+                                 session_header=request.headers.get(SESSION_HEADER))
         except ApiError as e:
             return self._fail(e)
         self._ids += 1
@@ -430,11 +453,11 @@ class Router:
         n_in, n_out = len(c.prompt_ids), c.max_tokens
         need = n_in + n_out
         if self.gate is None:
-            bad = self._caps(n_in, n_out)
-            if bad is not None:
-                raise _verdict_error(bad, c, self.gate_config)
             cap = self.scenario.serve.decode_kv_tokens
-            decode = choose_decode([cap - t for t in self.decode_outstanding])
+            bad = refusal(self.gate_config, n_in, n_out, cap)
+            if bad is not None:
+                raise _verdict_error(bad, c, self.gate_config, cap, "serve.decode_kv_tokens")
+            decode = self.routing.choose_decode([cap - t for t in self.decode_outstanding])
             self.decode_outstanding[decode] += need
             self._held[rid] = (decode, need)
             return decode
@@ -444,7 +467,8 @@ class Router:
             self.metrics.gate_admitted.inc()
             return adm.decode
         if adm.verdict is not Verdict.WAIT:
-            raise _verdict_error(adm.verdict, c, self.gate_config)
+            raise _verdict_error(adm.verdict, c, self.gate_config, self.gate_config.budget_tokens,
+                                 "gate.tokens_per_decode x gate.budget_fraction")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._waiters[rid] = fut
@@ -459,14 +483,6 @@ class Router:
             self.metrics.gate_waiting.set(self.gate.waiting)
         self.metrics.gate_admitted.inc()
         return decode
-
-    def _caps(self, n_in: int, n_out: int) -> Verdict | None:
-        g = self.gate_config
-        if n_in > g.max_input_tokens:
-            return Verdict.REJECT_INPUT
-        if n_out > g.max_output_tokens:
-            return Verdict.REJECT_OUTPUT
-        return None
 
     def _expire(self, rid: str) -> None:
         fut = self._waiters.get(rid)
@@ -497,6 +513,11 @@ class Router:
                     del self._held[wid]
                     queue.append(wid)
         self.metrics.gate_waiting.set(self.gate.waiting)
+
+    def _route(self, decode: int, c: Completion) -> int:
+        """The prefill instance for ``c`` admitted on ``decode``: ``Routing.choose_prefill`` over the
+        prompt tokens each prefill instance has outstanding (the caller counts ``c``'s in)."""
+        return self.routing.choose_prefill(decode, c.session, self.prefill_outstanding)
 
     # engines ------------------------------------------------------------------------------------
     def _session(self) -> aiohttp.ClientSession:
@@ -537,13 +558,13 @@ class Router:
         """The request's tokens as they come: ``(tokens, finish_reason)``, the reason on the last item."""
         d = rec.decode
         # route now, before anything is awaited, so concurrent requests see each other's tokens
-        p = rec.prefill = self.prefill_router.choose(c.session, self.prefill_outstanding)
+        p = rec.prefill = self._route(d, c)
         dname, durl = self.engines.decode[d]
         pname, purl = self.engines.prefill[p]
         n = len(c.prompt_ids)
         self.prefill_outstanding[p] += n
         try:
-            await self._post(dname, durl, "/expect", ExpectRequest(rid, n, c.max_tokens).to_json(), deadline)
+            await self._post(dname, durl, "/expect", ExpectRequest(rid, n, c.max_tokens, p).to_json(), deadline)
             sent_s = self.now_s()
             answer = await self._post(pname, purl, "/prefill",
                                       PrefillRequest(rid, c.prompt_ids, d, c.session).to_json(), deadline)

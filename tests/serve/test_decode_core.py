@@ -16,7 +16,7 @@ from kvpool.backend.refmodel import RefModel
 from kvpool.backend.serve import handoff_plan as hp
 from kvpool.backend.serve.decode_core import DecodeCore, NoRoom
 from kvpool.backend.serve.model_config import ref_config
-from kvpool.backend.serve.protocol import ExpectRequest, GenerateRequest
+from kvpool.backend.serve.protocol import ExpectRequest, GenerateRequest, ProtocolError
 from kvpool.backend.serve.reference import reference_generate
 from kvpool.scenario.load import load_scenario
 
@@ -31,6 +31,15 @@ MAX_TOKENS = 9
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(21)
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 33, 20, 64)]
+
+
+def _knows(rank, request_id: str) -> bool:
+    """Whether a decode rank holds ``request_id`` (pending, ready or failed)."""
+    try:
+        rank.status(request_id)
+    except KeyError:
+        return False
+    return True
 
 
 async def collect(q: asyncio.Queue, timeout_s: float = 20.0) -> list:
@@ -63,7 +72,10 @@ async def _scenario_run() -> None:
         firsts = []
         for k, prompt in enumerate(ps_):
             rid, inst = f"q{k}", k % 2          # requests alternate between the prefill instances
-            await core.submit(core.expect, ExpectRequest(rid, len(prompt), MAX_TOKENS))
+            await core.submit(core.expect, ExpectRequest(rid, len(prompt), MAX_TOKENS, inst))
+            # only the named prefill instance's ranks wait for the request (and set landing space aside)
+            known = await core.submit(lambda rid=rid: [[_knows(dr, rid) for dr in ranks] for ranks in core.ranks])
+            assert known == [[i == inst] * 2 for i in range(2)], known
             table = torch.arange(-(-len(prompt) // CFG.page_tokens))
             caches = model.new_caches(table.numel())
             firsts.append(int(model.prefill(prompt, caches, table).argmax()))
@@ -95,7 +107,10 @@ async def _scenario_run() -> None:
         assert core.kv_usage == 0.0
         # no room: 2,048 tokens over 2 ranks
         with pytest.raises(NoRoom, match="no room for 2100 tokens"):
-            await core.submit(core.expect, ExpectRequest("huge", 2000, 100))
+            await core.submit(core.expect, ExpectRequest("huge", 2000, 100, 0))
+        with pytest.raises(ProtocolError, match=r"prefill_instance: expected an integer in \[0, 1\]"):
+            await core.submit(core.expect, ExpectRequest("nowhere", 5, 5, 2))
+        assert core.kv_usage == 0.0
     finally:
         await loop.run_in_executor(None, core.stop)
         for ps in stages.values():

@@ -90,6 +90,11 @@ def stream(url: str, body: dict, timeout_s: float = 30.0, opened: threading.Even
         return [json.loads(line) for line in r if line.strip()]
 
 
+def expect_body(rid: str, prompt_tokens: int, max_tokens: int) -> dict:
+    """An ``ExpectRequest`` of the one prefill instance of cpu-tiny."""
+    return {"request_id": rid, "prompt_tokens": prompt_tokens, "max_tokens": max_tokens, "prefill_instance": 0}
+
+
 #: A stream's headers, and a generating sequence's first step, come within this (a loaded machine).
 OPEN_WAIT_S = 20.0
 
@@ -168,7 +173,7 @@ def test_streamed_tokens_equal_reference_generate(engine):
     for i, p in enumerate(ps):
         rid = f"r{i}"
         pages = [rank_pages(len(p) + max_tokens, r, 2, 16) for r in range(2)]
-        assert post(url + "/expect", {"request_id": rid, "prompt_tokens": len(p), "max_tokens": max_tokens}) \
+        assert post(url + "/expect", expect_body(rid, len(p), max_tokens)) \
             == (200, {"request_id": rid, "pages": pages})
         firsts[rid] = send_all(engine, rid, p)
     results: dict[str, list[dict]] = {}
@@ -206,7 +211,7 @@ def test_a_handoff_lands_while_the_batch_runs(engine):
     url = engine["url"]
     a, b = prompts(4)[3], prompts(4)[2]
     shared_before = shared_steps(get(url + "/metrics")[1].decode())
-    assert post(url + "/expect", {"request_id": "A", "prompt_tokens": len(a), "max_tokens": 600})[0] == 200
+    assert post(url + "/expect", expect_body("A", len(a), 600))[0] == 200
     first_a = send_all(engine, "A", a)
     out: dict = {}
     steps_before = decode_steps(get(url + "/metrics")[1].decode())
@@ -217,7 +222,7 @@ def test_a_handoff_lands_while_the_batch_runs(engine):
     while decode_steps(get(url + "/metrics")[1].decode()) == steps_before:   # A is in the batch, generating
         assert time.monotonic() < deadline, "A's decode did not start"
         time.sleep(0.01)
-    assert post(url + "/expect", {"request_id": "B", "prompt_tokens": len(b), "max_tokens": 20})[0] == 200
+    assert post(url + "/expect", expect_body("B", len(b), 20))[0] == 200
     first_b = send_all(engine, "B", b)
     out["B"] = stream(url, {"request_id": "B", "first_token": first_b, "max_tokens": 20, "descriptor": {}})
     t.join(60)
@@ -240,7 +245,7 @@ def shared_steps(metrics: str) -> float:
 
 
 def test_expect_without_room_is_a_503_with_a_json_error(engine):
-    status, body = post(engine["url"] + "/expect", {"request_id": "big", "prompt_tokens": 40000, "max_tokens": 10})
+    status, body = post(engine["url"] + "/expect", expect_body("big", 40000, 10))
     assert status == 503 and "no room" in body["error"]
     assert json.loads(get(engine["url"] + "/health")[1])["detail"]["kv_usage"] == 0.0
 
@@ -249,6 +254,9 @@ def test_expect_without_room_is_a_503_with_a_json_error(engine):
     ("/expect", b"not json", "body"),
     ("/expect", {"request_id": "x", "prompt_tokens": 0, "max_tokens": 1}, "prompt_tokens"),
     ("/expect", {"request_id": "x", "prompt_tokens": 3, "max_tokens": 1, "extra": 1}, "unknown field"),
+    ("/expect", {"request_id": "x", "prompt_tokens": 3, "max_tokens": 1}, "prefill_instance"),
+    ("/expect", {**expect_body("x", 3, 1), "prefill_instance": -1}, "prefill_instance"),
+    ("/expect", {**expect_body("x", 3, 1), "prefill_instance": 1}, "prefill_instance: expected an integer in [0, 0]"),
     ("/generate", {"request_id": "x", "first_token": "a", "max_tokens": 1, "descriptor": {}}, "first_token"),
     ("/generate", {"request_id": "x", "first_token": 1, "max_tokens": 1, "descriptor": {"decode_instance": 3}},
      "decode_instance"),
@@ -274,7 +282,7 @@ def test_malformed_http_is_a_4xx_with_a_json_error(engine, what):
 ])
 def test_a_generation_that_ends_at_its_first_token_streams_one_done_line(engine, first, max_tokens, ignore_eos, reason):
     url = engine["url"]
-    assert post(url + "/expect", {"request_id": "short", "prompt_tokens": 9, "max_tokens": 5})[0] == 200
+    assert post(url + "/expect", expect_body("short", 9, 5))[0] == 200
     lines = stream(url, {"request_id": "short", "first_token": first, "max_tokens": max_tokens,
                          "descriptor": {}, "ignore_eos": ignore_eos})
     assert len(lines) == 1 and lines[0]["done"] and lines[0]["finish_reason"] == reason and not lines[0]["tokens"]
@@ -283,8 +291,8 @@ def test_a_generation_that_ends_at_its_first_token_streams_one_done_line(engine,
 
 def test_generate_past_the_expected_tokens_is_a_409(engine):
     url = engine["url"]
-    assert post(url + "/expect", {"request_id": "greedy", "prompt_tokens": 9, "max_tokens": 5})[0] == 200
-    status, body = post(url + "/expect", {"request_id": "greedy", "prompt_tokens": 9, "max_tokens": 5})
+    assert post(url + "/expect", expect_body("greedy", 9, 5))[0] == 200
+    status, body = post(url + "/expect", expect_body("greedy", 9, 5))
     assert status == 409 and "already expected" in body["error"]
     status, body = post(url + "/generate", {"request_id": "greedy", "first_token": 1, "max_tokens": 6,
                                             "descriptor": {}})
@@ -300,7 +308,7 @@ def test_generate_of_an_unexpected_request_is_a_404(engine):
 
 def test_a_handoff_that_never_comes_ends_the_stream_with_its_cause_in_bound(engine):
     url = engine["url"]
-    assert post(url + "/expect", {"request_id": "lost", "prompt_tokens": 30, "max_tokens": 5})[0] == 200
+    assert post(url + "/expect", expect_body("lost", 30, 5))[0] == 200
     t0 = time.monotonic()
     lines = stream(url, {"request_id": "lost", "first_token": 3, "max_tokens": 5,
                          "descriptor": {"decode_instance": 0, "stages": 2}})
@@ -316,7 +324,7 @@ def test_a_handoff_that_never_comes_ends_the_stream_with_its_cause_in_bound(engi
 def test_a_failed_handoff_ends_the_stream_with_the_ranks_reason(engine):
     """The stages send a 40-token prompt where 30 were expected: the ranks refuse the writes."""
     url = engine["url"]
-    assert post(url + "/expect", {"request_id": "bad", "prompt_tokens": 30, "max_tokens": 5})[0] == 200
+    assert post(url + "/expect", expect_body("bad", 30, 5))[0] == 200
     for st in engine["stages"]:
         st.send("bad", prompts(3)[2])
     for st in engine["stages"]:
@@ -338,7 +346,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(engine):
     url = engine["url"]
     before = get(url + "/metrics")[1].decode()
     prompt = prompts(2)[1]
-    assert post(url + "/expect", {"request_id": "leaver", "prompt_tokens": len(prompt), "max_tokens": 1000})[0] == 200
+    assert post(url + "/expect", expect_body("leaver", len(prompt), 1000))[0] == 200
     first = send_all(engine, "leaver", prompt)
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=10)
@@ -359,7 +367,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request(engine):
 
 def test_abort_ends_an_open_stream_and_frees_its_pages(engine):
     url = engine["url"]
-    assert post(url + "/expect", {"request_id": "gone", "prompt_tokens": 30, "max_tokens": 5})[0] == 200
+    assert post(url + "/expect", expect_body("gone", 30, 5))[0] == 200
     out: list = []
     opened = threading.Event()
     t = threading.Thread(target=lambda: out.append(stream(url, {"request_id": "gone", "first_token": 3, "max_tokens": 5,
@@ -377,7 +385,7 @@ def test_sigterm_stops_the_engine_cleanly(engine):
     """Last in the module: SIGTERM ends an open stream with an error line and the process with
     status 0 within the bound."""
     proc, url = engine["proc"], engine["url"]
-    assert post(url + "/expect", {"request_id": "late", "prompt_tokens": 30, "max_tokens": 5})[0] == 200
+    assert post(url + "/expect", expect_body("late", 30, 5))[0] == 200
     out: list = []
     opened = threading.Event()
     t = threading.Thread(target=lambda: out.append(stream(url, {"request_id": "late", "first_token": 3,

@@ -188,6 +188,24 @@ def test_session_affinity_keeps_a_session_on_one_prefill():
     asyncio.run(body())
 
 
+def test_the_session_header_names_the_session_unless_the_body_does():
+    async def body():
+        async with routed() as s:
+            async def post(session: str, **fields) -> tuple[int, dict]:
+                r = await s.client.post("/v1/completions", headers={"x-kvpool-session": session},
+                                        json={"model": MODEL, "prompt": [5], "max_tokens": 1, **fields})
+                return r.status, await r.json()
+
+            status, r = await post("h1")
+            assert status == 200 and r["kvpool"]["record"]["session"] == "h1"
+            status, r = await post("h1", user="u1")
+            assert status == 200 and r["kvpool"]["record"]["session"] == "u1"
+            status, r = await post("h" * 257)
+            assert status == 400 and r["error"]["param"] == "x-kvpool-session"
+
+    asyncio.run(body())
+
+
 def test_power_of_two_spreads_concurrent_requests_over_prefills():
     async def body():
         async with routed(TWO_PREFILLS, prefill=Behaviour(prefill_delay_s=0.2)) as s:
