@@ -7,16 +7,20 @@ Roles (as vLLM's ``KVConnectorRole``):
                      reads and writes, ``kernels.pack`` / ``kernels.unpack``).
 
 ``StageAlignedConnector`` wires one scheduler to every stage's worker in one process (the
-reference engine, the tests and ``bench/restore.py``); in a real PP engine the plans and reports
-cross process boundaries instead, carrying the same ``connector_data`` messages.
+reference engine of the connector tests, ``tests/backend/connector_testing.py``); in the prefill
+engine (``backend.serve.prefill_scheduler``) the plans and reports cross process boundaries
+instead, carrying the same ``connector_data`` messages. It drives the scheduler's per-request
+``policy.prefill_request.PrefillRequest`` and keeps only the threads' waits: the compute ranges and
+the record's token fields are the state machine's.
 
 Per request (``StageAlignedConnector``):
     ``restore(request_id, token_ids, block_ids, gpu_hit_tokens) -> RequestRecord``
         lookup (one batched exists), plan (recheck if stale), every stage loads in parallel on
         its load thread, the scheduler aggregates (all-or-nothing).
-    ``compute_ranges(request_id) -> [(start, end), ...]``  what prefill computes: the tokens
-        between the GPU hit and the loaded chunks' first boundary, then everything after them
-        (all of ``[gpu_hit, prompt)`` when nothing was loaded).
+    ``compute_ranges(request_id) -> [(start, end), ...]``  what prefill computes
+        (``PrefillRequest.compute_ranges``: the tokens between the GPU hit and the loaded chunks'
+        first boundary, then everything after the loaded tokens; all of ``[gpu_hit, prompt)`` when
+        nothing was loaded or the load failed).
     ``save(request_id, block_ids, computed_tokens) -> SaveOutcome | None``
         after prefill: every stage packs and puts its new full chunks asynchronously (bounded);
         ``wait=True`` waits for all stages and tells the scheduler.
@@ -24,8 +28,9 @@ Per request (``StageAlignedConnector``):
 
 The record is the simulator's ``kvpool.workload.records.RequestRecord`` (``docs/metrics.md``):
 its ``key`` is the request id, ``in_tokens`` the prompt length; the connector fills the token
-sources, the restore and save fields and ``lookup_answered``, and leaves the replay's identity and
-timing fields at their defaults for the engine serving the request to fill.
+sources, ``restore_failed`` and ``lookup_answered`` (``PrefillRequest.account``), the restore's
+times and bytes and the save's bytes, and leaves the replay's identity and timing fields at their
+defaults for the engine serving the request to fill.
 """
 
 from __future__ import annotations
@@ -166,7 +171,6 @@ class StageAlignedConnector:
         self.load_wait_s = load_wait_s
         self._records: dict[str, RequestRecord] = {}
         self._digests: dict[str, list[bytes]] = {}
-        self._loaded: dict[str, tuple[int, int]] = {}  # request -> tokens [lo, hi) the pool provided
         self.last_lookup: Lookup | None = None
         self.last_load: LoadOutcome | None = None
         self.last_reports: list[StageReport] = []
@@ -193,12 +197,11 @@ class StageAlignedConnector:
         look = self.last_lookup = sched.lookup(request_id, digests, n, gpu_hit_tokens)
         rec = self.record(request_id)
         rec.in_tokens = n
-        rec.lookup_answered = look.answered
-        rec.gpu_tokens, rec.pool_tokens, rec.computed_tokens = look.hit.gpu_tokens, 0, n - look.hit.gpu_tokens
         self.last_load, self.last_reports = None, []
-        self._loaded.pop(request_id, None)
         plan = sched.plan_load(look)
+        life = sched.prefill_request(request_id)
         if plan is None:
+            life.account.write(rec)
             return rec
         futures = [
             w.submit_load(plan, block_ids, None if on_round is None else (lambda d, t, s=w.stage: on_round(s, d, t)))
@@ -208,13 +211,7 @@ class StageAlignedConnector:
         rec.restore_stage_s = list(outcome.stage_load_s)
         rec.restore_spread_s = outcome.first_to_last_s
         rec.restore_bytes += outcome.bytes_loaded
-        if outcome.ok:
-            rec.pool_tokens = outcome.pool_tokens
-            rec.computed_tokens = n - rec.gpu_tokens - rec.pool_tokens
-            chunk = sched.config.chunk_tokens
-            self._loaded[request_id] = (plan.first_chunk * chunk, plan.end_chunk * chunk)
-        else:
-            rec.restore_failed = True
+        life.account.write(rec)
         return rec
 
     def _wait_loads(self, request_id: str, futures: Sequence[Future[StageReport]]) -> LoadOutcome:
@@ -236,20 +233,9 @@ class StageAlignedConnector:
         return outcome
 
     def compute_ranges(self, request_id: str) -> list[tuple[int, int]]:
-        """Token ranges ``[start, end)`` prefill must compute, in order, after ``restore``.
-
-        Without a load: ``[gpu_hit, prompt)``. With a load of chunks ``[first, end)``: the tokens
-        between the GPU hit and the load's first chunk boundary (ATOM's "unaligned handoff"),
-        then ``[end * chunk_tokens, prompt)``. The last range always ends at the prompt's end.
-        """
-        rec = self.record(request_id)
-        n = rec.in_tokens
-        gpu = rec.gpu_tokens
-        span = self._loaded.get(request_id)
-        if span is None:
-            return [(gpu, n)]
-        lo, hi = span
-        return ([(gpu, lo)] if gpu < lo else []) + [(hi, n)]
+        """Token ranges ``[start, end)`` prefill must compute, in order, after ``restore``
+        (``PrefillRequest.compute_ranges``: the last one ends at the prompt's end)."""
+        return list(self.scheduler.prefill_request(request_id).compute_ranges)
 
     def submit_save(self, request_id: str, block_ids: torch.Tensor, computed_tokens: int) -> tuple[SavePlan, list[Future[StageSaveReport]]] | None:
         """Start saving the request's new full chunks on every stage; ``None`` if nothing to save now."""
@@ -284,7 +270,6 @@ class StageAlignedConnector:
         """Export the request's record and forget it (call after its last save completed)."""
         rec = self._records.pop(request_id, RequestRecord(request_id))
         self._digests.pop(request_id, None)
-        self._loaded.pop(request_id, None)
         self.scheduler.finish(request_id)
         if self.metrics is not None:
             self.metrics.observe(rec)

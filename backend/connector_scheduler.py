@@ -1,7 +1,11 @@
 """The store connector's scheduler side: lookup, hit decision, load/save plans, per-stage bookkeeping.
 
-Imports no torch (nor mooncake): the simulator can run this very code against any object with an
-``exists(keys) -> list[bool] | None`` method (every ``kvpool.backend.pool.Pool`` has one).
+Imports no torch (nor mooncake); it asks any object with an ``exists(keys) -> list[bool] | None``
+method (every ``kvpool.backend.pool.Pool`` has one). Each request's lifecycle -- the load to run,
+the compute ranges, the save floor and the record's token fields -- is a
+``policy.prefill_request.PrefillRequest`` (``prefill_request(request_id)``), the state machine the
+simulator's lifecycle runs too; this module feeds it the lookups, the load's all-stage outcome and
+the saves, and turns its ranges into keys and plans.
 
 Contract:
     * **Lookup.** ``lookup`` builds the key of every stage x full chunk (``policy.chunks``) and asks
@@ -21,10 +25,11 @@ Contract:
       only when **every** stage has reported; any stage failing fails the whole load
       (all-or-nothing; the request recomputes those tokens), and the outcome is emitted only after
       all stages are terminal, so no stage is still writing when the request wakes.
-    * **Save plans** cover new full chunks only, from the request's save floor: chunks the pool
-      already held at lookup are not saved again; a failed load lowers the floor so the recomputed
-      chunks are saved. At most one save per request and ``max_inflight_saves`` overall are in
-      flight; beyond that ``plan_save`` returns ``None`` and the caller tries again next step.
+    * **Save plans** cover the chunks ``PrefillRequest.start_save`` names: new full chunks from the
+      request's save floor (chunks the pool held at lookup are not saved again; after a failed load
+      the recomputed ones are). At most one save per request and ``max_inflight_saves`` overall are
+      in flight; beyond that ``plan_save`` returns ``None`` and the caller tries again next step. A
+      save is planned only for a request looked up whose load (if any) has ended.
     * Time is passed in (``now`` seconds, monotonic); the defaults read ``clock``.
 
 The plan and report types live in ``kvpool.backend.connector_data`` (re-exported here).
@@ -48,6 +53,7 @@ from kvpool.backend.connector_data import (
 from kvpool.policy.chunks import ChunkNaming, chain_seed, digests_from_tokens
 from kvpool.policy.hits import HitResult, compute_hits
 from kvpool.policy.kvspec import KVSpec
+from kvpool.policy.prefill_request import PrefillRequest
 
 
 class ExistenceOracle(Protocol):
@@ -126,7 +132,7 @@ class Lookup:
 
 @dataclass
 class _Request:
-    save_floor_chunks: int = 0
+    life: PrefillRequest
     save_in_flight: SavePlan | None = None
     load: LoadPlan | None = None
     reports: dict[int, StageReport] = field(default_factory=dict)
@@ -190,6 +196,7 @@ class ConnectorScheduler:
         chunk_digests = tuple(digests[:n])
         if now < self._paused_until_s or n == 0:
             hit = self._hits(prompt_tokens, gpu_hit_tokens, None)
+            self._looked_up(request_id, hit, n == 0)
             return Lookup(request_id, chunk_digests, prompt_tokens, gpu_hit_tokens, hit, n == 0, now)
         keys = [k for row in self.naming.stage_keys(chunk_digests) for k in row]
         present, calls, blocked_s = self._exists(keys)
@@ -198,12 +205,27 @@ class ConnectorScheduler:
             pause_s = max(self.config.no_answer_pause_s, self.config.no_answer_pause_factor * blocked_s)
             self._paused_until_s = self.clock() + pause_s
             hit = self._hits(prompt_tokens, gpu_hit_tokens, None)
+            self._looked_up(request_id, hit, False)
             return Lookup(request_id, chunk_digests, prompt_tokens, gpu_hit_tokens, hit, False, now, len(keys), calls)
         stage_present = [present[s * n : (s + 1) * n] for s in range(self.naming.stages)]
         hit = self._hits(prompt_tokens, gpu_hit_tokens, stage_present)
-        req = self._requests.setdefault(request_id, _Request())
-        req.save_floor_chunks = max(req.save_floor_chunks, hit.pool_prefix_chunks)
+        self._looked_up(request_id, hit, True)
         return Lookup(request_id, chunk_digests, prompt_tokens, gpu_hit_tokens, hit, True, now, len(keys), calls)
+
+    def _looked_up(self, request_id: str, hit: HitResult, answered: bool) -> None:
+        """Tell the request's ``PrefillRequest`` (made at its first lookup) the answer."""
+        req = self._requests.get(request_id)
+        if req is None:
+            req = self._requests[request_id] = _Request(PrefillRequest(hit.prompt_tokens, self.config.chunk_tokens))
+        req.life.looked_up(hit, answered)
+
+    def prefill_request(self, request_id: str) -> PrefillRequest:
+        """The request's lifecycle (compute ranges, record fields, save floor); from its first
+        lookup until ``finish``."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request {request_id!r} was not looked up")
+        return req.life
 
     def _hits(self, prompt_tokens: int, gpu_hit_tokens: int, stage_present) -> HitResult:
         c = self.config
@@ -233,16 +255,17 @@ class ConnectorScheduler:
         if lookup.answered and lookup.hit.pool_tokens and now - lookup.at_s > self.config.recheck_after_s:
             lookup = self.lookup(lookup.request_id, lookup.digests, lookup.prompt_tokens, lookup.gpu_hit_tokens, now)
             rechecked = True
-        hit = lookup.hit
-        if not lookup.answered or hit.pool_tokens == 0:
+        life = self.prefill_request(lookup.request_id)
+        load = life.load  # the latest lookup's
+        if load is None:
             return None
-        first, end = hit.load_first_chunk, hit.load_end_chunk
+        first, end = load
         stages = tuple(
             StageObjects(s, tuple(self.naming.object_key(d, s) for d in lookup.digests[first:end]), self._object_bytes[s])
             for s in range(self.naming.stages)
         )
-        plan = LoadPlan(lookup.request_id, first, end, stages, hit.pool_tokens, rechecked)
-        req = self._requests.setdefault(lookup.request_id, _Request())
+        plan = LoadPlan(lookup.request_id, first, end, stages, life.account.pool_tokens, rechecked)
+        req = self._requests[lookup.request_id]
         req.load = plan
         req.reports = {}
         return plan
@@ -262,22 +285,23 @@ class ConnectorScheduler:
         plan, reports = req.load, [req.reports[s] for s in range(self.naming.stages)]
         req.load, req.reports = None, {}
         outcome = aggregate_load(plan, reports)
-        if not outcome.ok:  # the recomputed chunks must be saved again
-            req.save_floor_chunks = min(req.save_floor_chunks, plan.first_chunk)
+        req.life.loaded(outcome.ok)
         return outcome
 
     # -- save ------------------------------------------------------------------------------
     def plan_save(self, request_id: str, digests: Sequence[bytes], computed_tokens: int) -> SavePlan | None:
-        """A save of the new full chunks below ``computed_tokens``, or ``None`` (nothing new / busy)."""
-        req = self._requests.setdefault(request_id, _Request())
-        if req.save_in_flight is not None or req.load is not None:
+        """A save of the new full chunks below ``computed_tokens`` (the prompt's KV computed so
+        far), or ``None`` (nothing new / busy)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ValueError(f"request {request_id!r} was not looked up")
+        req.life.computed(computed_tokens)
+        if req.save_in_flight is None and self.inflight_saves >= self.config.max_inflight_saves:
             return None
-        if sum(1 for r in self._requests.values() if r.save_in_flight) >= self.config.max_inflight_saves:
+        chunks = req.life.start_save(len(digests))
+        if chunks is None:
             return None
-        end = min(len(digests), computed_tokens // self.config.chunk_tokens)
-        first = req.save_floor_chunks
-        if end <= first:
-            return None
+        first, end = chunks
         chosen = digests[first:end]
         stages = tuple(
             StageObjects(s, tuple(self.naming.object_key(d, s) for d in chosen), self._object_bytes[s])
@@ -292,8 +316,7 @@ class ConnectorScheduler:
         req = self._requests.get(request_id)
         if req is None or req.save_in_flight is None:
             raise ValueError(f"no save in flight for request {request_id!r}")
-        if stored:
-            req.save_floor_chunks = max(req.save_floor_chunks, req.save_in_flight.end_chunk)
+        req.life.saved(stored)
         req.save_in_flight = None
 
     def finish(self, request_id: str) -> None:

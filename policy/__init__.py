@@ -10,6 +10,7 @@ Modules (stdlib + numpy only; a test forbids simpy, torch, triton, mooncake and 
     routing    power-of-two and session-affinity prefill routing, decode-aware decode choice
     pagecache  the prefill's paged KV: pages held by requests in flight, the prefix cache's LRU
     prefill_steps chunked prefill's step packing: the tokens each request computes in a step
+    prefill_request one request's prefill lifecycle: its load, compute ranges, save floor, record fields
     layout     PP -> DCP token mapping, gather and write plans for the prefill -> decode handoff
 
 Time is always passed in (``now``), randomness always comes from a passed-in seeded RNG.

@@ -156,10 +156,8 @@ class Lifecycle:
         if rec.error:
             return
         f = self.faults
-        if f is not None and f.restore_fails(rec.key):  # the transfer went, the hit did not
-            rec.restore_failed = True
-            rec.computed_tokens += rec.pool_tokens + rec.ssd_tokens
-            rec.pool_tokens = rec.ssd_tokens = 0
+        failed = f is not None and f.restore_fails(rec.key)  # the transfer went, the hit did not
+        r.prefill_request.loaded(not failed).write(rec, ssd_tokens=rec.ssd_tokens)
         self.compute(r)
 
     # 5. compute, 6. save ------------------------------------------------------------------
@@ -171,11 +169,11 @@ class Lifecycle:
         groups = r.prompt.groups
         pages = r.prefill.pages
         new = None
-        if self.world.pool is not None and groups.ids.size:
-            skip = r.hits.pool_prefix_chunks  # held by every stage already
-            new = groups.part(skip) if skip else groups
-            if not new.ids.size:
-                new = None
+        if self.world.pool is not None:  # the chunks to save: policy.prefill_request's rule
+            r.prefill_request.computed()
+            save = r.prefill_request.start_save(groups.ids.size)
+            if save is not None:
+                new = groups.part(save.first_chunk, save.end_chunk)
         if pages is None:
             if new is not None:
                 f = self.faults

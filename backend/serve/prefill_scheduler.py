@@ -13,8 +13,10 @@ Per request (in this order):
        does not answer makes the lookup unanswered (the request computes).
     3. **Load**: the load plan goes to every stage at once (block ids shared by all stages); the
        outcome is all-or-nothing (``report_stage``); a failed load recomputes those tokens.
-    4. **Compute**: the tokens the connector did not provide (``[gpu, first loaded chunk)`` then
-       ``[end of load, prompt)``), in chunks: a step packs chunks of the running requests in
+       The request's ``policy.prefill_request.PrefillRequest`` (``ConnectorScheduler.prefill_request``)
+       decides what it computes and saves and fills the record's token sources.
+    4. **Compute**: its compute ranges (``PrefillRequest.compute_ranges``: ``[gpu, first loaded
+       chunk)`` then ``[end of load, prompt)``), in chunks: a step packs chunks of the running requests in
        admission order up to ``prefill.max_batched_tokens`` tokens (``policy.prefill_steps``: a
        chunk that does not reach the end of its range is cut to whole pages; with
        ``prefill.spread_requests`` at most the running requests' share over the stages). A step goes through
@@ -119,7 +121,6 @@ class _Req:
     digests: list[bytes] = field(default_factory=list)
     ranges: list[list[int]] = field(default_factory=list)   # compute ranges not yet scheduled
     load_reports: dict[int, StageReport] = field(default_factory=dict)
-    load_range: tuple[int, int] | None = None
     inflight_chunks: int = 0
     first_token: int | None = None
     t_start: float = 0.0
@@ -398,16 +399,15 @@ class PrefillScheduler:
         if self.broken:   # a stage died during the lookup: the request was answered
             return
         rec = req.record
-        rec.in_tokens, rec.session, rec.lookup_answered = req.n, req.session, look.answered
+        rec.in_tokens, rec.session = req.n, req.session
         rec.prefill, rec.decode = self.s.instance, req.decode
-        rec.gpu_tokens, rec.pool_tokens, rec.computed_tokens = gpu, 0, req.n - gpu
         plan = self.connector.plan_load(look)
+        life = self.connector.prefill_request(req.rid)
+        life.account.write(rec)
         if plan is None:
-            req.ranges = [[gpu, req.n]]
+            req.ranges = [list(r) for r in life.compute_ranges]
             req.state = "running"
             return
-        chunk = self.sched_config.chunk_tokens
-        req.load_range = (plan.first_chunk * chunk, plan.end_chunk * chunk)
         req.state = "loading"
         body = {"plan": link.load_plan_json(plan), "blocks": alloc.block_ids}
         bound = LOAD_TIMEOUT_S + STAGE_SLACK_S
@@ -428,15 +428,9 @@ class PrefillScheduler:
         rec.restore_stage_s = list(outcome.stage_load_s)
         rec.restore_spread_s = outcome.first_to_last_s
         rec.restore_bytes += outcome.bytes_loaded
-        gpu = rec.gpu_tokens
-        if outcome.ok:
-            lo, hi = req.load_range
-            rec.pool_tokens = outcome.pool_tokens
-            rec.computed_tokens = req.n - gpu - rec.pool_tokens
-            req.ranges = ([[gpu, lo]] if gpu < lo else []) + [[hi, req.n]]
-        else:
-            rec.restore_failed = True
-            req.ranges = [[gpu, req.n]]
+        life = self.connector.prefill_request(req.rid)
+        life.account.write(rec)
+        req.ranges = [list(r) for r in life.compute_ranges]
         req.state = "running"
 
     # -- compute steps ---------------------------------------------------------------------
@@ -528,6 +522,7 @@ class PrefillScheduler:
         ranks = self._ranks_of(req.decode)
         if isinstance(ranks, str):
             req.handoff_error = ranks
+            self.connector.prefill_request(req.rid).handed_off()
             self._maybe_finish(req)
             return
         bound = self.s.handoff_timeout_s + STAGE_SLACK_S
@@ -563,6 +558,8 @@ class PrefillScheduler:
         elif not req.handoff_error:
             req.handoff_error = f"hand-off to decode instance {req.decode} failed on stage {stage}: {header.get('error')}"
             self._decode_ranks.pop(req.decode, None)
+        if not req.handoff_left and req.state != "finished":
+            self.connector.prefill_request(req.rid).handed_off()
         self._maybe_finish(req)
 
     def _on_save(self, req: _Req, stage: int, header: dict) -> None:
@@ -582,7 +579,8 @@ class PrefillScheduler:
         self._maybe_finish(req)
 
     def _maybe_finish(self, req: _Req) -> None:
-        if req.handoff_left or req.save_plan is not None or req.state == "finished":
+        """Answer once the request's hand-off and save have both ended (``PrefillRequest.ended``)."""
+        if req.state == "finished" or not self.connector.prefill_request(req.rid).ended:
             return
         rec = req.record
         now = time.monotonic()

@@ -5,7 +5,9 @@ Contract: ``Lookup(world)(r)`` takes a routed request admitted to its prefill's 
 (``sim.steps.pages``); it checks every rank x chunk group of ``r.prompt.groups`` in the pool in one batched call
 (``SimPool.lookup_runs``; with an SSD tier the presence rows, a chunk on the SSD counting for
 every stage) and decides with ``policy.hits.compute_hits``. It fills ``r.hits`` and
-``r.in_dram`` and the record's token sources and ``prefill_start_s``.
+``r.in_dram``, makes ``r.prefill_request`` (``policy.prefill_request``: told the hit, it decides
+the load, the compute and the save) and fills the record's token sources from it and
+``prefill_start_s``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvpool.policy.hits import compute_hits
+from kvpool.policy.prefill_request import PrefillRequest
 from kvpool.sim.request import Request
 from kvpool.sim.world import World
 
@@ -44,7 +47,7 @@ class Lookup:
         hits = r.hits = compute_hits(rec.in_tokens, gpu_tokens, present, chunk_tokens=self.chunk_tokens,
                                      page_tokens=self.page_tokens, min_load_tokens=self.min_load_tokens,
                                      stage_runs=runs)
-        rec.gpu_tokens = hits.gpu_tokens
-        rec.pool_tokens = hits.pool_tokens
-        rec.computed_tokens = hits.computed_tokens
+        life = r.prefill_request = PrefillRequest(rec.in_tokens, self.chunk_tokens)
+        life.looked_up(hits, answered=True)  # the simulated pool always answers
+        life.account.write(rec)
         rec.prefill_start_s = now

@@ -5,9 +5,9 @@ did not hold (a part of ``r.prompt.groups``): every rank packs its objects (in p
 ``CostModel.pack_s``), sends them over its NICs (``PoolNics``) and, once every byte has landed,
 puts them with their group ids (``SimPool.save``: ``policy.grouptable`` eviction); the record's
 ``save_bytes`` grows then, ``save_s`` is the time since the call, and the pool's time series is
-sampled, then ``done()`` when given (serve mode's pages and first token wait for it; nothing
-else does). A save that fails (``lost``, ``[faults]``) moves its
-bytes and puts nothing.
+sampled, ``r.prefill_request`` is told whether it was stored, then ``done()`` when given (serve
+mode's pages and first token wait for it; nothing else does). A save that fails (``lost``,
+``[faults]``) moves its bytes and puts nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Save:
             if not lost:
                 self.pool.save(p.server, p.ranks, groups, env.now)
                 self.world.sample_pool()
+            r.prefill_request.saved(not lost)
             if done is not None:
                 done()
 

@@ -127,9 +127,7 @@ def test_stale_lookup_is_rechecked_before_the_load(pool: Pool, keyspace: str) ->
     clock.now_s += 0.5
     fresh = sched.plan_load(look)  # young enough: no second check
     assert fresh is not None and not fresh.rechecked and len(spy.exist_calls) == 1
-    sched.report_stage(StageReport("r", 0, True, 0, 0))  # drop the in-flight load for the next plan
-    sched.report_stage(StageReport("r", 1, True, 0, 0))
-    sched.report_stage(StageReport("r", 2, True, 0, 0))
+    sched.finish("r")  # forget that load: the same lookup plans again below
     pool.remove([sched.naming.object_key(digests[3], 2)])  # evicted meanwhile
     clock.now_s += 1.0
     stale = sched.plan_load(look)
@@ -196,12 +194,23 @@ def test_load_is_ready_only_when_every_stage_reported_and_fails_if_any_stage_fai
     assert save is not None and (save.first_chunk, save.end_chunk) == (0, 4)
 
 
+def load_every_stage(sched: ConnectorScheduler, look) -> None:
+    """Plan ``look``'s load and report it done on every stage."""
+    plan = sched.plan_load(look)
+    assert plan is not None
+    for s in range(SPEC.stages):
+        sched.report_stage(StageReport(look.request_id, s, True, 0.0, 0.1, 100))
+
+
 def test_saves_cover_only_new_full_chunks_one_in_flight_per_request(pool: Pool, keyspace: str) -> None:
     sched, _, _ = make(pool, keyspace, max_inflight_saves=2)
     digests = sched.digests_for(list(range(8 * CHUNK)))
     save_chunks(pool, sched.naming, digests[:3])
     look = sched.lookup("a", digests, 8 * CHUNK + 1)
     assert look.hit.pool_prefix_chunks == 3
+    with pytest.raises(ValueError, match="load ended"):
+        sched.plan_save("a", digests, 8 * CHUNK)  # its load is not done: nothing computed yet
+    load_every_stage(sched, look)
     save = sched.plan_save("a", digests, 5 * CHUNK + 100)  # chunks 3, 4 are new and full
     assert save is not None and (save.first_chunk, save.end_chunk) == (3, 5)
     assert save.group_ids == tuple(sched.naming.group_id(d) for d in digests[3:5])
@@ -214,10 +223,15 @@ def test_saves_cover_only_new_full_chunks_one_in_flight_per_request(pool: Pool, 
     retry = sched.plan_save("a", digests, 8 * CHUNK)
     assert retry is not None and (retry.first_chunk, retry.end_chunk) == (5, 8)
     # the global bound on saves in flight
-    assert sched.plan_save("b", digests, 2 * CHUNK) is not None and sched.inflight_saves == 2
-    assert sched.plan_save("c", digests, 2 * CHUNK) is None
+    other = sched.digests_for(list(range(1, 2 * CHUNK + 1)))  # a prompt the pool does not hold
+    sched.lookup("b", other, 2 * CHUNK)
+    sched.lookup("c", other, 2 * CHUNK)
+    assert sched.plan_save("b", other, 2 * CHUNK) is not None and sched.inflight_saves == 2
+    assert sched.plan_save("c", other, 2 * CHUNK) is None
     with pytest.raises(ValueError, match="no save in flight"):
         sched.complete_save("c", stored=True)
+    with pytest.raises(ValueError, match="not looked up"):
+        sched.plan_save("d", other, 2 * CHUNK)
 
 
 def test_config_and_spec_are_checked() -> None:
