@@ -8,7 +8,8 @@ Contract (ATOM's all-stage rule, ``reference/atom-connector.md`` section 2):
     * A load starts at the GPU hit rounded up to a chunk boundary (never below the GPU hit; the
       tokens between the GPU hit and that boundary are computed) and ends at the pool prefix.
     * A load shorter than ``min_load_tokens`` is not worth it: those tokens are computed instead.
-    * The last prompt token is always computed (a full-prompt hit is cut by one token), so
+    * The last prompt token is always computed, from the start of its page (prefill computes
+      whole pages from a page boundary): a hit -- GPU or pool -- ends at or before that page, so
       ``computed_tokens >= 1`` for every non-empty prompt.
     * ``gpu_tokens + pool_tokens + computed_tokens == prompt_tokens`` always.
 """
@@ -112,7 +113,7 @@ def compute_hits(
     stranded = sum(r - common for r in runs) if runs else 0
 
     first_chunk = -(-gpu // chunk_tokens)  # ceil: a load starts on a chunk boundary at/after the GPU hit
-    pool_end = min(common * chunk_tokens, last)
+    pool_end = min(common * chunk_tokens, last // page_tokens * page_tokens)
     pool = max(0, pool_end - first_chunk * chunk_tokens)
     if pool < max(1, min_load_tokens):
         return HitResult(gpu, 0, prompt_tokens - gpu, 0, 0, common, stranded)

@@ -95,6 +95,24 @@ def test_a_gpu_hit_below_the_pool_hit_loads_from_the_next_chunk_boundary(keyspac
         e.close()
 
 
+def test_a_full_prompt_hit_on_a_chunk_boundary_computes_the_last_page_again(keyspace: str) -> None:
+    """Every chunk of a 4-chunk prompt is in the pool: all four load, and prefill computes the last
+    token from the start of its page, over the loaded KV of the page's other tokens."""
+    pool = EmbeddedPool(64 << 20)
+    e = Engine(pool, keyspace)
+    tokens = TOKENS[: 4 * CHUNK]
+    try:
+        assert prime(e, "p", tokens).stored
+        served = e.serve("r", tokens, save=False)
+        m = served.metrics
+        assert (m.gpu_tokens, m.pool_tokens, m.computed_tokens) == (0, 4 * CHUNK - 16, 16)
+        assert e.conn.last_load is not None and e.conn.last_load.ok
+        assert m.restore_bytes == 4 * sum(e.spec.chunk_object_bytes(s, CHUNK) for s in range(3))
+        assert_matches_reference(e, served, tokens)
+    finally:
+        e.close()
+
+
 def test_a_request_larger_than_the_load_buffer_loads_in_rounds(keyspace: str) -> None:
     pool = EmbeddedPool(64 << 20)
     probe = Engine(pool, keyspace)

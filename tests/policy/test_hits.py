@@ -47,9 +47,12 @@ def test_min_load_threshold_recomputes_small_loads():
     assert small.pool_tokens == 0 and small.computed_tokens == 64 * C
 
 
-def test_full_prompt_hit_computes_the_last_token():
+def test_full_prompt_hit_computes_the_last_tokens_page():
     h = compute_hits(4 * C, 0, present(4, 4, 4), chunk_tokens=C)
-    assert (h.pool_tokens, h.computed_tokens) == (4 * C - 1, 1)
+    assert (h.pool_tokens, h.computed_tokens) == (4 * C - 16, 16)
+    assert (h.load_first_chunk, h.load_end_chunk) == (0, 4)  # the last chunk loads whole
+    odd = compute_hits(4 * C + 1, 0, present(4, 4, 4), chunk_tokens=C)
+    assert (odd.pool_tokens, odd.computed_tokens) == (4 * C, 1)  # the last token starts a page of its own
     g = compute_hits(4 * C, 4 * C, None, chunk_tokens=C)
     assert (g.gpu_tokens, g.computed_tokens) == (4 * C - 16, 16)
 

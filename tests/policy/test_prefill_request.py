@@ -43,12 +43,12 @@ def test_a_load_from_the_gpu_hit_computes_only_after_it():
     assert life.compute_ranges == ((4 * C, 4 * C + 1),)
 
 
-def test_a_full_prompt_hit_leaves_its_last_token_to_compute():
+def test_a_full_prompt_hit_leaves_its_last_page_to_compute():
     life = looked_up(2 * C, 0, 2)
-    assert life.load == ChunkRange(0, 2) and life.account.pool_tokens == 2 * C - 1
+    assert life.load == ChunkRange(0, 2) and life.account.pool_tokens == 2 * C - P
     life.loaded(ok=True)
-    assert life.compute_ranges == ((2 * C - 1, 2 * C),)
-    assert life.account.computed_tokens == 1
+    assert life.compute_ranges == ((2 * C - P, 2 * C),)
+    assert life.account.computed_tokens == P
 
 
 def test_a_failed_load_recomputes_from_the_gpu_hit_and_lowers_the_save_floor():
