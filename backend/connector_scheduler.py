@@ -291,7 +291,8 @@ class ConnectorScheduler:
     # -- save ------------------------------------------------------------------------------
     def plan_save(self, request_id: str, digests: Sequence[bytes], computed_tokens: int) -> SavePlan | None:
         """A save of the new full chunks below ``computed_tokens`` (the prompt's KV computed so
-        far), or ``None`` (nothing new / busy)."""
+        far; the request's ``PrefillRequest`` is told so), or ``None`` (nothing new / busy).
+        ``ValueError`` for a request not looked up or whose load has not ended."""
         req = self._requests.get(request_id)
         if req is None:
             raise ValueError(f"request {request_id!r} was not looked up")
