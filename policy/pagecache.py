@@ -61,12 +61,16 @@ class HashKeys:
     def __len__(self) -> int:
         return len(self._page_of)
 
-    def prefix_run(self, keys: Sequence[Hashable], n: int) -> int:
-        """How many of the first ``n`` keys are held, in a run from the first."""
-        k, page_of = 0, self._page_of
-        while k < n and keys[k] in page_of:
-            k += 1
-        return k
+    def leading_pages(self, keys: Sequence[Hashable], n: int) -> np.ndarray:
+        """The pages of the run of held keys from the first, at most ``n``."""
+        out: list[int] = []
+        page_of = self._page_of
+        for k in range(n):
+            page = page_of.get(keys[k])
+            if page is None:
+                break
+            out.append(page)
+        return np.asarray(out, dtype=np.int64)
 
     def pages_of(self, keys: Sequence[Hashable]) -> np.ndarray:
         """Each key's page (``-1``: not held)."""
@@ -99,16 +103,16 @@ class DenseKeys:
     def __len__(self) -> int:
         return self._held
 
-    def prefix_run(self, keys: np.ndarray, n: int) -> int:
-        found = self.pages_of(keys[:n]) >= 0
-        return n if found.all() else int(found.argmin())
+    def leading_pages(self, keys: np.ndarray, n: int) -> np.ndarray:
+        pages = self.pages_of(keys[:n])
+        missing = pages < 0
+        return pages[: int(missing.argmax())] if missing.any() else pages
 
     def pages_of(self, keys: np.ndarray) -> np.ndarray:
         keys = np.asarray(keys, dtype=np.int64)
-        out = np.full(keys.size, _NONE, dtype=np.int64)
-        inside = keys < self._page_of.size
-        out[inside] = self._page_of[keys[inside]]
-        return out
+        if keys.size:  # the array by key covers every key asked about (-1: not held)
+            self._page_of = _grown(self._page_of, int(keys.max()) + 1)
+        return self._page_of[keys]
 
     def put(self, keys: np.ndarray, pages: np.ndarray) -> None:
         keys = np.asarray(keys, dtype=np.int64)
@@ -126,10 +130,9 @@ class DenseKeys:
         self._held -= pages.size
 
     def holds_pages(self, pages: np.ndarray) -> np.ndarray:
-        inside = pages < self._key_of.size
-        out = np.zeros(pages.size, dtype=bool)
-        out[inside] = self._key_of[pages[inside]] >= 0
-        return out
+        if pages.size:  # the array by page covers every page asked about (-1: no key)
+            self._key_of = _grown(self._key_of, int(pages.max()) + 1)
+        return self._key_of[pages] >= 0
 
 
 def _grown(a: np.ndarray, size: int, fill: int = _NONE) -> np.ndarray:
@@ -195,7 +198,7 @@ class PageCache:
 
     def cached_prefix(self, keys: Sequence[Hashable], limit: int) -> int:
         """Leading keys the cache holds, at most ``limit``."""
-        return self._keys.prefix_run(keys, min(max(0, limit), len(keys)))
+        return int(self._keys.leading_pages(keys, min(max(0, limit), len(keys))).size)
 
     def is_evictable(self, page: int) -> bool:
         """Whether ``page`` is cached and unreferenced (the next allocations may evict it)."""
@@ -205,16 +208,19 @@ class PageCache:
     def allocate(self, keys: Sequence[Hashable], pages: int, limit: int) -> PageAllocation | None:
         if pages > self.num_pages:
             raise ValueError(f"{pages} pages needed, {self.num_pages} exist")
-        hit = min(self.cached_prefix(keys, limit), max(0, pages))
-        hit_pages = self._keys.pages_of(keys[:hit])
+        hit_pages = self._keys.leading_pages(keys, min(max(0, limit), len(keys), max(0, pages)))
+        hit = int(hit_pages.size)
         need = pages - hit
-        unreferenced = self._refs[hit_pages] == 0  # hit pages in the LRU
-        if need > self.free_pages + self._lru - int(unreferenced.sum()):
+        refs = self._refs[hit_pages]
+        unreferenced = refs == 0  # hit pages in the LRU
+        in_lru = int(np.count_nonzero(unreferenced))
+        if need > self.free_pages + self._lru - in_lru:
             return None
-        self._lru_at[hit_pages[unreferenced]] = _NONE  # referenced first, so the rest cannot evict them
-        self._lru -= int(unreferenced.sum())
-        self._held += int(unreferenced.sum())
-        self._refs[hit_pages] += 1
+        # referenced first, so the rest cannot evict them (a hit page is unreferenced unless shared)
+        self._lru_at[hit_pages if in_lru == hit else hit_pages[unreferenced]] = _NONE
+        self._lru -= in_lru
+        self._held += in_lru
+        self._refs[hit_pages] = refs + 1
         fresh = self._take(need)
         cached = np.zeros(pages, dtype=bool)
         cached[:hit] = True
@@ -268,12 +274,16 @@ class PageCache:
         end = min(len(alloc.keys), alloc.pages.size, full_pages)
         entered = 0
         if end > alloc.hit_pages:
-            at = np.arange(alloc.hit_pages, end)
-            keys = alloc.keys[alloc.hit_pages : end]
-            new = ~alloc.cached[at] & (self._keys.pages_of(keys) < 0)
-            if new.any():
-                chosen = at[new]
-                self._keys.put(keys[new] if isinstance(keys, np.ndarray) else [keys[i] for i in np.flatnonzero(new)],
+            first = alloc.hit_pages
+            keys = alloc.keys[first:end]
+            new = ~alloc.cached[first:end] & (self._keys.pages_of(keys) < 0)
+            if new.all():  # the usual case: no other request committed these keys meanwhile
+                self._keys.put(keys, alloc.pages[first:end])
+                alloc.cached[first:end] = True
+                entered = end - first
+            elif new.any():
+                chosen = np.flatnonzero(new) + first
+                self._keys.put(keys[new] if isinstance(keys, np.ndarray) else [keys[i - first] for i in chosen],
                                alloc.pages[chosen])
                 alloc.cached[chosen] = True
                 entered = int(chosen.size)
@@ -285,8 +295,10 @@ class PageCache:
             return
         alloc.released = True
         pages = alloc.pages[::-1]  # the tail is evicted first
-        self._refs[pages] -= 1
-        gone = pages[self._refs[pages] == 0]
+        refs = self._refs
+        refs[pages] -= 1
+        unreferenced = refs[pages] == 0
+        gone = pages if unreferenced.all() else pages[unreferenced]  # (all, unless a page is shared)
         self._held -= gone.size
         cached = self._keys.holds_pages(gone)
         self._to_lru(gone[cached])
@@ -296,7 +308,7 @@ class PageCache:
         if self._log_tail + pages.size > self._log.size:
             self._compact_log(pages.size)
         at = np.arange(self._log_tail, self._log_tail + pages.size)
-        self._log[at] = pages
+        self._log[self._log_tail : self._log_tail + pages.size] = pages
         self._lru_at[pages] = at
         self._log_tail += pages.size
         self._lru += pages.size
