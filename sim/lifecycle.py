@@ -7,20 +7,20 @@
                  the control plane's fixed time (``cost.control_plane_s``)
     2. route     decode instance (given by the gate, else ``Routing.choose_decode``), then a
                  prefill instance of its group (``Routing.choose_prefill``, ``policy.routing``)
-    3. lookup    the request's ``Prompt`` (``sim.prompt``), then GPU prefix cache, pool and
-                 ``policy.hits`` (``sim.steps.lookup``); in serve mode (``cost.kv_capacity =
-                 "serve"``) it first waits, first come first served, for pages for its whole
-                 prompt on its prefill (``sim.steps.pages``), which it holds until its hand-off
-                 and its save have both ended (then the prefill answers with the first token, as
-                 production's does, and the decode generates the others)
+    3. lookup    the request's ``Prompt`` (``sim.prompt``); it waits, first come first served,
+                 for pages for its whole prompt on its prefill (``sim.steps.pages``: its GPU
+                 prefix cache hit is the pages it reuses), which it holds until its hand-off and
+                 its save have both ended; then pool and ``policy.hits`` (``sim.steps.lookup``)
     4. restore   pool -> every prefill rank, when the pool holds part of the prompt
                  (``sim.steps.restore``)
-    5. compute   chunked prefill, then the GPU cache keeps the prompt (``sim.steps.compute``;
-                 in serve mode its full pages are committed)
-    6. save      the prompt's new chunks -> pool, in the background (``sim.steps.save``; in
-                 serve mode its pages and its first token wait for it)
-    7. hand-off  prefill stages -> decode ranks (``sim.steps.handoff``)
-    8. decode    continuous batching on the decode instance (``DecodeInstance.generate``)
+    5. compute   chunked prefill in the engine's pipeline order, then its full pages are
+                 committed to the GPU prefix cache (``sim.steps.compute``)
+    6. save      the prompt's new chunks -> pool, beside the hand-off (``sim.steps.save``)
+    7. hand-off  prefill stages -> decode ranks (``sim.steps.handoff``); once the hand-off and
+                 the save have both ended its pages go back and the prefill answers with the
+                 first token, as production's does
+    8. decode    continuous batching on the decode instance (``DecodeInstance.generate``), which
+                 generates the other ``out_tokens - 1`` tokens
     9. finish    ``rec.end_s``; the gate's reservation goes back; after a play's last request
                  its kept prompts go; ``finished(d)`` (the replay releases what depends on it)
 
@@ -74,7 +74,7 @@ class Lifecycle:
         self.faults = Faults(s) if s.faults.enabled else None
         self.min_load_tokens = s.pool.min_load_tokens
         self.admit_step = Admit(world.env, world.gate) if world.gate is not None else None
-        self.prompts = Prompts(world.keys, s.workload.shared_prefix_tokens)
+        self.prompts = Prompts(world.keys, world.page_keys, s.workload.shared_prefix_tokens)
         nics = PoolNics(world)
         self.lookup_step = Lookup(world)
         self.restore_step = Restore(world, nics)
@@ -134,12 +134,9 @@ class Lifecycle:
 
     # 3. lookup --------------------------------------------------------------------------
     def lookup(self, r: Request) -> None:
-        r.prompt = self.prompts.build(r.d, r.prefill.index)
-        pages = r.prefill.pages
-        if pages is None:
-            self.looked_up(r)
-        else:  # serve mode: it waits for its pages, then looks up
-            pages.admit(r, lambda: self.looked_up(r), lambda _r: self.fail(r, "prefill_kv"))
+        """``r`` waits for its pages, then looks up."""
+        r.prompt = self.prompts.build(r.d)
+        r.prefill.pages.admit(r, lambda: self.looked_up(r), lambda _r: self.fail(r, "prefill_kv"))
 
     def looked_up(self, r: Request) -> None:
         self.lookup_step(r)
@@ -167,21 +164,14 @@ class Lifecycle:
     def computed(self, r: Request) -> None:
         r.stage = COMPUTED
         groups = r.prompt.groups
-        pages = r.prefill.pages
         new = None
         if self.world.pool is not None:  # the chunks to save: policy.prefill_request's rule
             r.prefill_request.computed()
             save = r.prefill_request.start_save(groups.ids.size)
             if save is not None:
                 new = groups.part(save.first_chunk, save.end_chunk)
-        if pages is None:
-            if new is not None:
-                f = self.faults
-                self.save_step(r, new, f is not None and f.save_fails(r.rec.key))
-            self.handoff_step(r, lambda: self.decode(r))  # 7. hand-off
-            return
-        # serve mode: once its hand-off and its save have both ended, its pages go back and it
-        # decodes (production's prefill answers then)
+        # once its hand-off and its save have both ended, its pages go back and it decodes
+        # (production's prefill answers then)
         r.holds = 1 if new is None else 2
         if new is not None:
             f = self.faults
@@ -189,9 +179,9 @@ class Lifecycle:
         self.handoff_step(r, lambda: self.unhold(r))  # 7. hand-off
 
     def unhold(self, r: Request) -> None:
-        """Serve mode: one of its hand-off and save has ended; after both, its pages go back and
-        the prefill answers with the first token (production's router streams it to the client
-        then); the decode instance generates the other ``out_tokens - 1``."""
+        """One of its hand-off and save has ended; after both, its pages go back and the prefill
+        answers with the first token (production's router streams it to the client then); the
+        decode instance generates the other ``out_tokens - 1``."""
         r.holds -= 1
         if r.holds:
             return
@@ -204,23 +194,18 @@ class Lifecycle:
             rec.decode_start_s = self.env.now
             self.finish(r)
             return
-        self.decode(r, first_token_decoded=False)
+        self.decode(r)
 
     # 8. decode --------------------------------------------------------------------------
-    def decode(self, r: Request, first_token_decoded: bool = True) -> None:
-        """``r`` joins its decode instance's batch. The instance generates every output token, or
-        with ``first_token_decoded=False`` all but the first, which the prefill gave (serve mode):
-        then its KV holds the prompt and that token."""
+    def decode(self, r: Request) -> None:
+        """``r`` joins its decode instance's batch, which generates every output token but the
+        first, which the prefill gave: its KV holds the prompt and that token."""
         env, rec = self.env, r.rec
         if rec.error:
             return
         rec.decode_start_s = env.now
         r.stage = DECODING
-        if first_token_decoded:
-            first, done = r.decode.generate(rec.in_tokens, rec.out_tokens)
-            first.callbacks.append(lambda _e: setattr(rec, "first_token_s", env.now))
-        else:
-            first, done = r.decode.generate(rec.in_tokens + 1, rec.out_tokens - 1)
+        first, done = r.decode.generate(rec.in_tokens + 1, rec.out_tokens - 1)
         r.first_ev = first
         done.callbacks.append(lambda _e: self.finish(r))
 
@@ -259,7 +244,7 @@ class Lifecycle:
             p.outstanding_tokens -= rec.in_tokens
             if r.stage == QUEUED:
                 p.cancel(r.compute_ev)
-            if p.pages is not None and not p.pages.cancel(r):  # waiting for pages, or holding them
+            if not p.pages.cancel(r):  # waiting for pages, or holding them
                 p.pages.release(r)  # (its hand-off and save, once under way, give them back)
         if self.admit_step is not None:
             self.admit_step.release(rec.key)

@@ -3,14 +3,19 @@
 Contract:
     * ``World(s, cost=, unbounded=)`` builds everything a request meets on its way
       (``sim.lifecycle``): the SimPy environment, the cost model, the key space, the prefill and
-      decode instances (each prefill with its GPU prefix cache; with ``cost.kv_capacity = "serve"``
-      its paged KV, ``sim.steps.pages``, instead, and with a calibration that measured ``sharing``
-      the workers placed on ``kvpool serve``'s devices, ``sim.devices``), the pool (``None`` without one),
+      decode instances (each prefill with its paged KV and GPU prefix cache, ``sim.steps.pages``,
+      keeping the prefill engine's pipeline order, ``PrefillInstance``; with a calibration that
+      measured ``sharing`` the workers placed on ``kvpool serve``'s devices, ``sim.devices``), the
+      pool (``None`` without one),
       the network (``sim.cluster.Network``), the SSD links, in a shared multi-server pool one link
       per rail for the other servers' NICs (``pool_rails``, ``sim.steps.nics``), the routing
       (``policy.routing.routing_for``: one router per decode group) and the admission gate
       (``None`` when disabled). It holds no request state and decides nothing.
-    * ``unbounded``: infinite GPU caches and pool (the trace-ceiling check).
+    * One set of mechanisms: what differs between a planning run and a serve-sized run is data,
+      the capacities (``kvpool.scenario.derive``: from HBM, or ``serve.*`` with
+      ``cost.kv_capacity = "serve"``) and the costs (analytic, or ``cost.calibration``).
+    * ``unbounded``: GPU prefix caches of more pages than any run uses and a pool of 1 PiB (the
+      trace-ceiling check).
     * Ranks: prefill rank ``r = stage * tp + t`` holds stage ``r // tp``'s layers (the MLA latent
       is replicated over TP); ``rank_bytes[r]`` is the size of one chunk object of rank ``r``.
     * The time series (``timeline``) are sampled by ``sample_pool`` (after every save) and by the
@@ -31,12 +36,15 @@ from kvpool.scenario.model import Scenario
 from kvpool.sim.cluster import Network, place
 from kvpool.sim.cost import CostModel, cost_model
 from kvpool.sim.devices import shared_devices
-from kvpool.sim.gpucache import GPUPrefixCache, Scratch
 from kvpool.sim.instances import DecodeInstance, PrefillInstance
 from kvpool.sim.keys import KeySpace
 from kvpool.sim.links import FairLink
 from kvpool.sim.pool import SimPool
 from kvpool.sim.steps.pages import PrefillPages
+
+#: pages of a prefill's GPU prefix cache in an unbounded world: more than any run uses (a page's
+#: state is kept only once it is used, ``policy.pagecache``)
+UNBOUNDED_PAGES = 1 << 40
 
 
 @dataclass
@@ -62,6 +70,8 @@ class World:
         self.spec = spec = s.kvspec()
         self.chunk_tokens = s.pool.chunk_tokens
         self.keys = KeySpace(namespace_for(spec, s.pool.chunk_tokens), s.pool.chunk_tokens)
+        #: the prefill pages' names (``sim.prompt``): chunks of one page
+        self.page_keys = KeySpace(namespace_for(spec, s.model.page_tokens), s.model.page_tokens)
         self.layout = place(s)
         self.net = Network(env, s)
         self.timeline = Timeline()
@@ -70,12 +80,13 @@ class World:
         self.rank_bytes = [spec.chunk_object_bytes(st, self.chunk_tokens) for st in self.rank_stage]
         self.pool = _pool(s, self.rank_bytes, unbounded)
         self._pool_capacity = max(1, self.pool.capacity_bytes) if self.pool is not None else 1
-        cache_tokens = None if unbounded else prefill_kv_capacity_tokens(s)
-        scratch = Scratch()  # one for every GPU cache
+        page = s.model.page_tokens
+        num_pages = UNBOUNDED_PAGES if unbounded else max(1, prefill_kv_capacity_tokens(s) // page)
         self.prefills = [
             PrefillInstance(env, i, pl.server, pl.gpus, pp=s.prefill.pp, tp=tp,
                             max_batched_tokens=s.prefill.max_batched_tokens, cost=self.cost,
-                            cache=GPUPrefixCache(cache_tokens, scratch=scratch), load_workers=s.cost.load_workers_per_stage)
+                            pages=PrefillPages(num_pages, page, self.page_keys), page_tokens=page,
+                            spread_requests=s.prefill.spread_requests, load_workers=s.cost.load_workers_per_stage)
             for i, pl in enumerate(self.layout.prefill)
         ]
         self.decodes = [
@@ -84,12 +95,7 @@ class World:
                            on_occupancy=self._decode_occupancy)
             for i, pl in enumerate(self.layout.decode)
         ]
-        if s.cost.kv_capacity == "serve" and not unbounded:  # kvpool serve's page discipline
-            page = s.model.page_tokens
-            for p in self.prefills:
-                p.pages = PrefillPages(max(1, cache_tokens // page), page)
-                p.ordered_pipeline(page, s.prefill.spread_requests)
-            self._share_devices()
+        self._share_devices()
         self._decode_capacity_tokens = sum(d.capacity_tokens for d in self.decodes)
         #: the decode groups' prefill instances and routers, built as production builds them
         self.routing = routing_for(s.routing.prefill, s.seed, len(self.prefills), len(self.decodes))
@@ -106,8 +112,8 @@ class World:
         self.rank_nics = [[self._nics_of(p, rank) for rank in range(p.ranks)] for p in self.prefills]
 
     def _share_devices(self) -> None:
-        """Serve mode with a calibration that measured ``sharing``: the workers on ``kvpool serve``'s
-        devices, each slowed by the others computing there (``sim.devices``)."""
+        """With a calibration that measured ``sharing``: the workers on ``kvpool serve``'s devices,
+        each slowed by the others computing there (``sim.devices``)."""
         sharing = getattr(self.cost, "sharing", None)
         if sharing is None:
             return
