@@ -3,10 +3,12 @@
 ``Lifecycle.serve(d, finished)`` runs dispatch ``d`` (``workload.replay``'s ``Dispatch``):
 
     1. admit     the front end's overhead (``cost.frontend_overhead_s``), then the admission
-                 gate when enabled (``sim.steps.admit``; a rejected request finishes here); then
-                 the control plane's fixed time (``cost.control_plane_s``)
-    2. route     decode instance (given by the gate, else ``Routing.choose_decode``), then a
-                 prefill instance of its group (``Routing.choose_prefill``, ``policy.routing``)
+                 gate when enabled, else the gate's caps and the decode-aware choice as
+                 production's router makes them without it (``sim.steps.admit``; a rejected
+                 request finishes here); then the control plane's fixed time
+                 (``cost.control_plane_s``)
+    2. route     the decode instance its admission chose, then a prefill instance of its group
+                 (``Routing.choose_prefill``, ``policy.routing``)
     3. lookup    the request's ``Prompt`` (``sim.prompt``); it waits, first come first served,
                  for pages for its whole prompt on its prefill (``sim.steps.pages``: its GPU
                  prefix cache hit is the pages it reuses), which it holds until its hand-off and
@@ -49,7 +51,7 @@ from kvpool.sim.events import call_later
 from kvpool.sim.faults import Faults
 from kvpool.sim.prompt import Prompts
 from kvpool.sim.request import COMPUTED, DECODING, QUEUED, Request
-from kvpool.sim.steps.admit import Admit
+from kvpool.sim.steps.admit import Admit, Ungated
 from kvpool.sim.steps.compute import Compute
 from kvpool.sim.steps.handoff import Handoff
 from kvpool.sim.steps.lookup import Lookup
@@ -73,7 +75,7 @@ class Lifecycle:
         self.control_s = world.control_plane_s
         self.faults = Faults(s) if s.faults.enabled else None
         self.min_load_tokens = s.pool.min_load_tokens
-        self.admit_step = Admit(world.env, world.gate) if world.gate is not None else None
+        self.admit_step = Admit(world.env, world.gate) if world.gate is not None else Ungated(world)
         self.prompts = Prompts(world.keys, world.page_keys, s.workload.shared_prefix_tokens)
         nics = PoolNics(world)
         self.lookup_step = Lookup(world)
@@ -97,16 +99,13 @@ class Lifecycle:
 
     def admit(self, r: Request) -> None:
         r.rec.gate_arrival_s = self.env.now
-        if self.admit_step is None:
-            self.admitted(r, None)
-        else:
-            self.admit_step.arrive(r.rec, lambda decode: self.admitted(r, decode), lambda: self.reject(r))
+        self.admit_step.arrive(r.rec, lambda decode: self.admitted(r, decode), lambda: self.reject(r))
 
     def reject(self, r: Request) -> None:
         r.rec.end_s = self.env.now
         r.finished(r.d)
 
-    def admitted(self, r: Request, decode: int | None) -> None:
+    def admitted(self, r: Request, decode: int) -> None:
         env = self.env
         r.rec.admitted_s = env.now
         f = self.faults
@@ -118,12 +117,10 @@ class Lifecycle:
             self.route(r, decode)
 
     # 2. route ---------------------------------------------------------------------------
-    def route(self, r: Request, decode: int | None) -> None:
+    def route(self, r: Request, decode: int) -> None:
         w, d, rec = self.world, r.d, r.rec
         if rec.error:
             return
-        if decode is None:
-            decode = w.routing.choose_decode([dd.free_tokens for dd in w.decodes])
         rec.decode = decode
         load = [pp.outstanding_tokens for pp in w.prefills]
         p = r.prefill = w.prefills[w.routing.choose_prefill(decode, d.scope or d.session.id, load)]
@@ -212,8 +209,7 @@ class Lifecycle:
     # 9. finish --------------------------------------------------------------------------
     def finish(self, r: Request) -> None:
         r.rec.end_s = self.env.now
-        if self.admit_step is not None:
-            self.admit_step.release(r.rec.key)
+        self.admit_step.release(r.rec.key)
         self.prompts.forget(r.d)
         r.finished(r.d)
 
@@ -246,7 +242,6 @@ class Lifecycle:
                 p.cancel(r.compute_ev)
             if not p.pages.cancel(r):  # waiting for pages, or holding them
                 p.pages.release(r)  # (its hand-off and save, once under way, give them back)
-        if self.admit_step is not None:
-            self.admit_step.release(rec.key)
+        self.admit_step.release(rec.key)
         self.prompts.forget(r.d)
         r.finished(r.d)

@@ -10,7 +10,8 @@ Contract:
       the network (``sim.cluster.Network``), the SSD links, in a shared multi-server pool one link
       per rail for the other servers' NICs (``pool_rails``, ``sim.steps.nics``), the routing
       (``policy.routing.routing_for``: one router per decode group) and the admission gate
-      (``None`` when disabled). It holds no request state and decides nothing.
+      (``None`` when disabled; ``gate_config`` holds its caps either way). It holds no request state
+      and decides nothing.
     * One set of mechanisms: what differs between a planning run and a serve-sized run is data,
       the capacities (``kvpool.scenario.derive``: from HBM, or ``serve.*`` with
       ``cost.kv_capacity = "serve"``) and the costs (analytic, or ``cost.calibration``).
@@ -99,9 +100,10 @@ class World:
         self._decode_capacity_tokens = sum(d.capacity_tokens for d in self.decodes)
         #: the decode groups' prefill instances and routers, built as production builds them
         self.routing = routing_for(s.routing.prefill, s.seed, len(self.prefills), len(self.decodes))
-        self.gate = (AdmissionGate(GateConfig(s.gate.tokens_per_decode, s.gate.budget_fraction, s.gate.max_input_tokens,
-                                              s.gate.max_output_tokens, s.gate.max_wait_s), len(self.decodes))
-                     if s.gate.enabled else None)
+        #: the gate's caps, which hold without the gate too (``policy.admission.refusal``), as in production
+        self.gate_config = GateConfig(s.gate.tokens_per_decode, s.gate.budget_fraction, s.gate.max_input_tokens,
+                                      s.gate.max_output_tokens, s.gate.max_wait_s)
+        self.gate = AdmissionGate(self.gate_config, len(self.decodes)) if s.gate.enabled else None
         ssd = s.pool.ssd
         self.ssd_links = [FairLink(env, ssd.read_gb_s_per_server * 1e9, name=f"ssd{i}") for i in range(s.cluster.servers)]
         self.gpus = s.prefill.instances * s.prefill.gpus + s.decode.instances * s.decode.gpus

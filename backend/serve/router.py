@@ -22,9 +22,10 @@ A completion (``protocol`` holds the engine messages):
        ``policy.admission.refusal``, the caps and the gate's budget), admitted on a decode instance,
        or wait on an asyncio future until a ``release`` admits it or ``expire`` at its deadline
        rejects it (429 ``reject_admission_timeout``). Without a gate (``gate.enabled = false``) the
-       same ``refusal`` with one decode instance's KV (``serve.decode_kv_tokens``) as the budget,
-       then the decode instance is ``Routing.choose_decode`` over the decode KV the router has not
-       handed out;
+       same ``refusal`` with one decode instance's KV (``serve.decode_kv_tokens`` in whole pages per
+       DCP rank, ``kvpool.scenario.derive.serve_decode_kv_tokens``) as the budget, then the
+       decode instance is ``Routing.choose_decode`` over the decode KV the router has not handed
+       out (the simulator's ``sim.steps.admit.Ungated`` decides so too);
     3. route: ``Routing.choose_prefill`` (``policy.routing.routing_for``, built as the simulator
        builds it): a prefill instance of the decode instance's group, picked by the group's router
        over the prompt tokens each of them has outstanding;
@@ -73,6 +74,7 @@ from kvpool.backend.serve.protocol import (
 )
 from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict, refusal
 from kvpool.policy.routing import routing_for
+from kvpool.scenario.derive import serve_decode_kv_tokens
 from kvpool.scenario.model import Scenario
 from kvpool.workload.records import RequestRecord
 
@@ -453,7 +455,7 @@ class Router:
         n_in, n_out = len(c.prompt_ids), c.max_tokens
         need = n_in + n_out
         if self.gate is None:
-            cap = self.scenario.serve.decode_kv_tokens
+            cap = serve_decode_kv_tokens(self.scenario)
             bad = refusal(self.gate_config, n_in, n_out, cap)
             if bad is not None:
                 raise _verdict_error(bad, c, self.gate_config, cap, "serve.decode_kv_tokens")

@@ -50,9 +50,15 @@ def decode_kv_capacity_tokens(s: Scenario) -> int:
     With ``cost.kv_capacity = "serve"``: ``serve.decode_kv_tokens`` (rounded up to whole pages per
     DCP rank, as the decode engine allocates them)."""
     if s.cost.kv_capacity == "serve":
-        per_rank_pages = -(-s.serve.decode_kv_tokens // (s.decode.dcp * s.model.page_tokens))
-        return per_rank_pages * s.model.page_tokens * s.decode.dcp
+        return serve_decode_kv_tokens(s)
     return decode_gpu_kv_bytes_per_gpu(s) // s.kvspec().bytes_per_token * s.decode.dcp
+
+
+def serve_decode_kv_tokens(s: Scenario) -> int:
+    """Tokens one ``kvpool serve`` decode engine holds: ``serve.decode_kv_tokens`` rounded up to
+    whole pages per DCP rank, as the engine allocates them."""
+    per_rank_pages = -(-s.serve.decode_kv_tokens // (s.decode.dcp * s.model.page_tokens))
+    return per_rank_pages * s.model.page_tokens * s.decode.dcp
 
 
 @dataclass(frozen=True)
