@@ -160,27 +160,28 @@ class Lifecycle:
 
     def computed(self, r: Request) -> None:
         r.stage = COMPUTED
-        groups = r.prompt.groups
+        life = r.prefill_request
+        life.computed()
         new = None
         if self.world.pool is not None:  # the chunks to save: policy.prefill_request's rule
-            r.prefill_request.computed()
-            save = r.prefill_request.start_save(groups.ids.size)
+            save = life.start_save(r.prompt.groups.ids.size)
             if save is not None:
-                new = groups.part(save.first_chunk, save.end_chunk)
-        # once its hand-off and its save have both ended, its pages go back and it decodes
-        # (production's prefill answers then)
-        r.holds = 1 if new is None else 2
+                new = r.prompt.groups.part(save.first_chunk, save.end_chunk)
         if new is not None:
             f = self.faults
-            self.save_step(r, new, f is not None and f.save_fails(r.rec.key), lambda: self.unhold(r))
-        self.handoff_step(r, lambda: self.unhold(r))  # 7. hand-off
+            self.save_step(r, new, f is not None and f.save_fails(r.rec.key), lambda: self.answer(r))
+        self.handoff_step(r, lambda: self.handed_off(r))  # 7. hand-off
 
-    def unhold(self, r: Request) -> None:
-        """One of its hand-off and save has ended; after both, its pages go back and the prefill
-        answers with the first token (production's router streams it to the client then); the
-        decode instance generates the other ``out_tokens - 1``."""
-        r.holds -= 1
-        if r.holds:
+    def handed_off(self, r: Request) -> None:
+        r.prefill_request.handed_off()
+        self.answer(r)
+
+    def answer(self, r: Request) -> None:
+        """Once its hand-off and its save have both ended (``PrefillRequest.ended``, as the engine
+        waits for them), its pages go back and the prefill answers with the first token
+        (production's router streams it to the client then); the decode instance generates the
+        other ``out_tokens - 1``."""
+        if not r.prefill_request.ended:
             return
         r.prefill.pages.release(r)
         rec = r.rec
