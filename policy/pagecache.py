@@ -93,10 +93,21 @@ class HashKeys:
 
 
 class DenseKeys:
-    """Key index for non-negative integer keys (NumPy arrays in, arrays by key and by page)."""
+    """Key index for non-negative integer keys (NumPy arrays in, arrays out).
+
+    A key's entry lives in a span of ``SPAN_KEYS`` consecutive keys, allocated the first time a
+    key of the span is stored, so the memory follows the keys this cache has held (keys come in
+    runs: a prompt's new pages are numbered one after another), not the largest key of a key
+    space that many caches share.
+    """
+
+    SPAN_BITS = 8
+    SPAN_KEYS = 1 << SPAN_BITS
 
     def __init__(self) -> None:
-        self._page_of = np.full(1024, _NONE, dtype=np.int64)  # by key
+        self._span_at = np.full(64, _NONE, dtype=np.int64)  # by key >> SPAN_BITS: its span's first entry
+        self._page_of = np.zeros(0, dtype=np.int64)  # by entry: the page of its key (-1: none)
+        self._spans = 0
         self._key_of = np.full(1024, _NONE, dtype=np.int64)  # by page
         self._held = 0
 
@@ -108,24 +119,49 @@ class DenseKeys:
         missing = pages < 0
         return pages[: int(missing.argmax())] if missing.any() else pages
 
+    def _entries(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's entry in ``_page_of``, ``-1`` where its span was never met."""
+        span = keys >> self.SPAN_BITS
+        if keys.size:
+            self._span_at = _grown(self._span_at, int(span.max()) + 1)
+        at = self._span_at[span]
+        entries = at + (keys & (self.SPAN_KEYS - 1))
+        return np.where(at < 0, _NONE, entries)
+
+    def _meet(self, keys: np.ndarray) -> None:
+        """Allocate the spans of ``keys`` not met yet."""
+        span = keys >> self.SPAN_BITS
+        self._span_at = _grown(self._span_at, int(span.max()) + 1)
+        new = np.unique(span[self._span_at[span] < 0])
+        if not new.size:
+            return
+        first = self._spans * self.SPAN_KEYS
+        self._span_at[new] = first + np.arange(new.size) * self.SPAN_KEYS
+        self._spans += new.size
+        self._page_of = _grown(self._page_of, self._spans * self.SPAN_KEYS)
+
     def pages_of(self, keys: np.ndarray) -> np.ndarray:
         keys = np.asarray(keys, dtype=np.int64)
-        if keys.size:  # the array by key covers every key asked about (-1: not held)
-            self._page_of = _grown(self._page_of, int(keys.max()) + 1)
-        return self._page_of[keys]
+        entries = self._entries(keys)
+        met = entries >= 0
+        if met.all():
+            return self._page_of[entries]
+        out = np.full(keys.size, _NONE, dtype=np.int64)
+        out[met] = self._page_of[entries[met]]
+        return out
 
     def put(self, keys: np.ndarray, pages: np.ndarray) -> None:
         keys = np.asarray(keys, dtype=np.int64)
-        if keys.size:
-            self._page_of = _grown(self._page_of, int(keys.max()) + 1)
-            self._key_of = _grown(self._key_of, int(pages.max()) + 1)
-        self._page_of[keys] = pages
+        if not keys.size:
+            return
+        self._meet(keys)
+        self._page_of[self._entries(keys)] = pages
+        self._key_of = _grown(self._key_of, int(pages.max()) + 1)
         self._key_of[pages] = keys
         self._held += keys.size
 
     def drop_pages(self, pages: np.ndarray) -> None:
-        keys = self._key_of[pages]
-        self._page_of[keys] = _NONE
+        self._page_of[self._entries(self._key_of[pages])] = _NONE
         self._key_of[pages] = _NONE
         self._held -= pages.size
 

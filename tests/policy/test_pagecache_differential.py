@@ -40,10 +40,11 @@ def test_the_array_cache_decides_as_the_page_by_page_reference(seed: int, dense:
         limit = rng.randrange(len(keys) + 1)
         if pages > num_pages:
             with pytest.raises(ValueError):
-                got.allocate(np.asarray(keys) if dense else keys, pages, limit)
+                got.allocate(np.asarray(keys, dtype=np.int64) if dense else keys, pages, limit)
             continue
         a = ref.allocate(keys, pages, limit)
-        b = got.allocate(np.asarray(keys, dtype=np.int64) if dense else keys, pages, limit)
+        # dense keys spread far apart (entries in spans of the keys met, not by the largest key)
+        b = got.allocate(np.asarray(keys, dtype=np.int64) * 97 + 5_000_000 if dense else keys, pages, limit)
         assert (a is None) == (b is None)
         if a is not None:
             assert (b.block_ids, b.hit_pages) == (a.block_ids, a.hit_pages)
