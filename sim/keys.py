@@ -252,7 +252,7 @@ class KeySpace:
         n = self._parent.size
         if groups <= n:
             return
-        new = max(groups, 4 * n)
+        new = max(groups, 2 * n)
         parents = np.full(new, _NONE, dtype=np.int64)
         parents[:n] = self._parent
         self._parent = parents
