@@ -119,26 +119,23 @@ class DenseKeys:
         missing = pages < 0
         return pages[: int(missing.argmax())] if missing.any() else pages
 
-    def _entries(self, keys: np.ndarray) -> np.ndarray:
-        """Each key's entry in ``_page_of``, ``-1`` where its span was never met."""
+    def _entries(self, keys: np.ndarray, meet: bool = False) -> np.ndarray:
+        """Each key's entry in ``_page_of``: ``-1`` where its span was never met, or with ``meet``
+        its span allocated now."""
         span = keys >> self.SPAN_BITS
         if keys.size:
             self._span_at = _grown(self._span_at, int(span.max()) + 1)
         at = self._span_at[span]
-        entries = at + (keys & (self.SPAN_KEYS - 1))
-        return np.where(at < 0, _NONE, entries)
-
-    def _meet(self, keys: np.ndarray) -> None:
-        """Allocate the spans of ``keys`` not met yet."""
-        span = keys >> self.SPAN_BITS
-        self._span_at = _grown(self._span_at, int(span.max()) + 1)
-        new = np.unique(span[self._span_at[span] < 0])
-        if not new.size:
-            return
-        first = self._spans * self.SPAN_KEYS
-        self._span_at[new] = first + np.arange(new.size) * self.SPAN_KEYS
-        self._spans += new.size
-        self._page_of = _grown(self._page_of, self._spans * self.SPAN_KEYS)
+        unmet = at < 0
+        if unmet.any():
+            if not meet:
+                return np.where(unmet, _NONE, at + (keys & (self.SPAN_KEYS - 1)))
+            new = np.unique(span[unmet])
+            self._span_at[new] = (self._spans + np.arange(new.size)) * self.SPAN_KEYS
+            self._spans += new.size
+            self._page_of = _grown(self._page_of, self._spans * self.SPAN_KEYS)
+            at = self._span_at[span]
+        return at + (keys & (self.SPAN_KEYS - 1))
 
     def pages_of(self, keys: np.ndarray) -> np.ndarray:
         keys = np.asarray(keys, dtype=np.int64)
@@ -154,8 +151,8 @@ class DenseKeys:
         keys = np.asarray(keys, dtype=np.int64)
         if not keys.size:
             return
-        self._meet(keys)
-        self._page_of[self._entries(keys)] = pages
+        entries = self._entries(keys, meet=True)  # (may grow _page_of)
+        self._page_of[entries] = pages
         self._key_of = _grown(self._key_of, int(pages.max()) + 1)
         self._key_of[pages] = keys
         self._held += keys.size
