@@ -4,8 +4,12 @@
 One run, in order:
 
     calibrate  a fresh ``kvpool serve SCENARIO``, measured by ``kvpool calibrate --url`` on its own
-               synthetic prompts (``backend.serve.calibrate``: fresh random ids, never the traces),
-               then stopped; or ``--calibration FILE`` from an earlier run
+               synthetic prompts (``backend.serve.calibrate``: fresh random ids, never the traces)
+               and, with ``--calibration-traces PATH``, a replay of PATH's traces that scales the
+               prefill grid to the server as a replay finds it (``--replay-traces``), then stopped;
+               or ``--calibration FILE`` from an earlier run. A calibration whose replay phase
+               replayed any of ``--traces``' files (by content, its ``replay.files``) is refused:
+               the prediction holds out the traces it is calibrated on
     real       per load: a fresh ``kvpool serve SCENARIO`` (empty GPU caches and pool) and
                ``kvpool replay`` of ``--traces`` at that many sessions for ``--duration`` s with
                ``workload.token_scale`` = ``--token-scale``; the server is stopped after each load
@@ -19,7 +23,9 @@ One run, in order:
                on average); the real run's engine time accounts (``stack_real``:
                ``engine_accounts.stack_cost``; null for a kept replay whose summary has none);
                a prefill stage's time per computed token (``prefill_stage_us_per_token``: the
-               real stages' forward seconds, the simulated stages' calibrated steps); the
+               real stages' forward seconds (``real``) and their steps' round trips less their
+               waits behind earlier steps (``real_stage``, what ``sim.replay_fit`` matches), over
+               the tokens the engines computed in steps; the simulated stages' calibrated steps); the
                prefill pipeline's steps in flight on average over the run
                (``prefill_steps_in_flight``: the real engines' accounts over the replay's window,
                the simulated pipelines' over the simulated time);
@@ -47,7 +53,7 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
-from engine_accounts import engine_urls, stack_cost, time_accounts
+from kvpool.backend.serve.engine_accounts import engine_urls, stack_cost, stage_time, time_accounts
 
 ROOT = Path(__file__).resolve().parents[1]
 KVPOOL = [sys.executable, "-m", "kvpool.cli"]
@@ -73,13 +79,29 @@ def calibrate(a, work: Path) -> Path:
         return path
     served = start_serve(a.scenario, a.sets, work / "serve-calibrate")
     url = served.url
+    replay = []
+    if a.calibration_traces:
+        replay = ["--replay-traces", a.calibration_traces, "--replay-sessions", str(a.calibration_sessions),
+                  "--run-dir", str(served.run_dir)]
+    sets = [*a.sets, f"workload.token_scale={float(Fraction(a.token_scale))!r}"]
     try:
         log(f"calibrating {url}")
-        subprocess.run([*KVPOOL, "calibrate", a.scenario, "--url", url, "--out", str(path), *sum((["--set", x] for x in a.sets), [])],
-                       check=True)
+        subprocess.run([*KVPOOL, "calibrate", a.scenario, "--url", url, "--out", str(path), *replay,
+                        *sum((["--set", x] for x in sets), [])], check=True)
     finally:
         served.stop()
     return path
+
+
+def held_out(caldoc: dict, cal: Path, traces: str) -> None:
+    """Exit with one error line when the calibration's replay phase replayed any of ``traces``' files."""
+    from kvpool.backend.serve.calibrate_replay import replayed_files
+
+    seen = replayed_files(caldoc, traces)
+    if seen:
+        print(f"error: --traces {traces}: {', '.join(seen)} replayed by the calibration {cal} (its replay.files): "
+              "a prediction holds out the traces it is calibrated on", file=sys.stderr)
+        sys.exit(2)
 
 
 def real_load(a, work: Path, load: int) -> tuple[dict, list[dict], dict | None]:
@@ -101,7 +123,8 @@ def real_load(a, work: Path, load: int) -> tuple[dict, list[dict], dict | None]:
             urls = engine_urls(served.run_dir)
             before, t0 = time_accounts(urls), time.monotonic()
             doc = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            stack = stack_cost(before, time_accounts(urls), time.monotonic() - t0)
+            after = time_accounts(urls)
+            stack = {**stack_cost(before, after, time.monotonic() - t0), "stage_time": stage_time(before, after)}
         finally:
             served.stop()
         jsonl = next((where / "replay").glob("*.jsonl"))
@@ -162,6 +185,14 @@ def real_stage_us_per_token(stack: dict | None, records: list[dict]) -> float | 
     if not engines or not tokens:
         return None
     return 1e6 * sum(statistics.fmean(e["stage_forward_s"]) for e in engines) / tokens
+
+
+def real_stage_step_us_per_token(stack: dict | None) -> float | None:
+    """The real prefill stages' step time per computed token: their compute calls' round trips less
+    their waits behind earlier steps (``engine_accounts.stage_time``, the figure ``sim.replay_fit``
+    matches), over the tokens the engines computed in steps; None for a kept replay without it."""
+    p = ((stack or {}).get("stage_time") or {}).get("prefill") or {}
+    return 1e6 * p["stage_s"] / p["step_tokens"] if p.get("step_tokens") else None
 
 
 def ttfts(records: list[dict], cutoff_s: float | None = None) -> list[float]:
@@ -259,6 +290,9 @@ def main() -> None:
     p.add_argument("--token-scale", default="1/32")
     p.add_argument("--set", dest="sets", action="append", default=[])
     p.add_argument("--calibration", default=None, help="use this calibration file instead of calibrating first")
+    p.add_argument("--calibration-traces", default=None,
+                   help="the calibration replays these traces (never --traces' files) and scales its prefill grid to them")
+    p.add_argument("--calibration-sessions", type=int, default=8, help="AgentX lanes of the calibration's replay")
     p.add_argument("--work", default=None, help="keep the replays and the calibration here (default: out/fidelity-SCENARIO)")
     p.add_argument("--reuse", action="store_true", help="take a load's replay (and the calibration) from --work when present")
     p.add_argument("--out", default=None)
@@ -269,21 +303,28 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     cal = calibrate(a, work)
+    caldoc = json.loads(Path(cal).read_text())
+    held_out(caldoc, cal, a.traces)
+    if caldoc.get("replay"):
+        log(f"calibration {cal}: prefill.replay_scale {caldoc['prefill'].get('replay_scale', 1.0):.3f} "
+            f"from a replay of {caldoc['replay']['traces']}")
     reals = [real_load(a, work, n) for n in loads]
     sims = simulated(a, cal, loads)
     rows = []
     for n, (real, rrecs, stack), (srow, srecs, notes, sim_stage_us, sim_in_flight) in zip(loads, reals, sims):
         rows.append({"sessions": n, "compare": compare(real, srow), "cost_notes": notes,
                      "phases": {"real": phases(rrecs), "sim": phases(srecs)}, "stack_real": stack,
-                     "prefill_stage_us_per_token": {"real": real_stage_us_per_token(stack, rrecs), "sim": sim_stage_us},
+                     "prefill_stage_us_per_token": {"real": real_stage_us_per_token(stack, rrecs),
+                                                    "real_stage": real_stage_step_us_per_token(stack), "sim": sim_stage_us},
                      "prefill_steps_in_flight": {"real": real_steps_in_flight(stack), "sim": sim_in_flight},
                      "ttft_real": ttfts(rrecs), "ttft_sim": ttfts(srecs)})
     print_table(rows)
     for r in rows:
         stage = r["prefill_stage_us_per_token"]
         if stage["real"] is not None and stage["sim"] is not None:
+            step = "" if stage["real_stage"] is None else f", {stage['real_stage']:.1f} us its steps' round trips"
             print(f"sessions {r['sessions']}: a prefill stage per computed token: real {stage['real']:.1f} us "
-                  f"(its forward alone), simulated {stage['sim']:.1f} us (calibrated cells, hops included)")
+                  f"(its forward alone{step}), simulated {stage['sim']:.1f} us (calibrated cells, hops included)")
         fill = r["prefill_steps_in_flight"]
         if fill["real"] is not None and fill["sim"] is not None:
             print(f"sessions {r['sessions']}: prefill steps in flight on average: real {fill['real']:.2f}, "
@@ -291,9 +332,12 @@ def main() -> None:
     for r in rows:
         for line in r["cost_notes"]:
             print(f"note: sessions {r['sessions']}: {line}")
-    caldoc = json.loads(Path(cal).read_text())
+    replay = caldoc.get("replay") or {}
     doc = {"scenario": a.scenario, "traces": a.traces, "loads": loads, "duration_s": a.duration,
            "token_scale": a.token_scale, "sets": a.sets, "calibration": str(cal),
+           "calibration_replay": {"traces": replay.get("traces"), "files": [f["name"] for f in replay.get("files", [])],
+                                  "sessions": replay.get("sessions"),
+                                  "prefill_replay_scale": caldoc["prefill"].get("replay_scale")} if replay else None,
            "device": caldoc.get("device"), "kvpool_version": caldoc.get("kvpool_version"),
            "rows": [{k: v for k, v in r.items()} for r in rows], "wall_s": time.perf_counter() - t0}
     if a.out:

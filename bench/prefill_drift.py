@@ -45,7 +45,7 @@ import tempfile
 from pathlib import Path
 
 import aiohttp
-from engine_accounts import engine_urls, time_accounts
+from kvpool.backend.serve.engine_accounts import engine_urls, time_accounts
 from json_out import emit
 
 #: each condition and the one its medians are divided by (the same prompt size, an earlier state)

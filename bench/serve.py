@@ -67,7 +67,7 @@ from pathlib import Path
 
 import torch
 from device_timing import sync, times_s
-from engine_accounts import engine_urls, stack_cost, time_accounts
+from kvpool.backend.serve.engine_accounts import engine_urls, stack_cost, time_accounts
 from json_out import emit
 
 ROOT = Path(__file__).resolve().parents[1]

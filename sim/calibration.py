@@ -1,13 +1,15 @@
 """Measured cost curves (``kvpool calibrate``) as a cost model: the one interface the simulator reads them through.
 
 Contract:
-    * ``load_calibration(path) -> Calibration`` reads a calibration file (JSON, ``FORMAT`` and
-      ``VERSION`` below; written by ``kvpool calibrate``) and checks every part the cost model
-      uses; a bad file is one ``CalibrationError`` naming the file and the field.
+    * ``load_calibration(path) -> Calibration`` reads a calibration file (JSON, ``FORMAT`` and a
+      version of ``READ_VERSIONS``; ``kvpool calibrate`` writes ``VERSION``) and checks every part
+      the cost model uses; a bad file is one ``CalibrationError`` naming the file and the field.
     * ``CalibratedCost(cal, fallback)`` implements ``sim.cost.CostModel``:
         - ``prefill_step_s(items)``: the measured per-stage step time ``prefill.step_s[i][j]`` over
           (computed tokens ``prefill.new_tokens[i]``, cached context ``prefill.cached_tokens[j]``),
-          bilinear inside the grid, at (the step's tokens, their token-weighted context);
+          bilinear inside the grid, at (the step's tokens, their token-weighted context), times
+          ``prefill.replay_scale`` (version 3: the replay phase's measured stage time over the
+          grid's, ``sim.replay_fit``; 1 without a replay phase; a version 2 file has none: 1);
         - ``decode_step_s(batch, context)``: the measured steps (``decode.samples``), piecewise
           linear: per measured batch size, the line through its steps over the context per
           sequence (``context / batch``), and between two measured batch sizes linear in the batch,
@@ -44,7 +46,9 @@ from pathlib import Path
 from kvpool.sim.cost import CostModel
 
 FORMAT = "kvpool-calibration"
-VERSION = 2
+VERSION = 3
+#: the versions this kvpool reads: 2 (no ``prefill.replay_scale``: 1) and 3
+READ_VERSIONS = (2, 3)
 
 
 class CalibrationError(ValueError):
@@ -68,6 +72,7 @@ class Calibration:
     new_tokens: tuple[int, ...]
     cached_tokens: tuple[int, ...]
     prefill_step_s: tuple[tuple[float, ...], ...]   # [new][cached]
+    prefill_scale: float                             # prefill.replay_scale (1 in a version 2 file)
     decode_lines: tuple[tuple[int, float, float], ...]  # (batch, s at no context, s per token per sequence)
     decode_batch: tuple[int, int]                   # measured range
     decode_context: tuple[int, int]
@@ -162,9 +167,10 @@ def parse_calibration(doc: object, where: str) -> Calibration:
         raise CalibrationError(f"{where}: not a JSON object")
     if doc.get("format") != FORMAT:
         raise CalibrationError(f"{where}: field format must be {FORMAT!r}, got {doc.get('format')!r}")
-    if doc.get("version") != VERSION:
-        raise CalibrationError(f"{where}: field version must be {VERSION} (this kvpool's format: "
-                               f"re-run kvpool calibrate), got {doc.get('version')!r}")
+    version = doc.get("version")
+    if isinstance(version, bool) or version not in READ_VERSIONS:
+        raise CalibrationError(f"{where}: field version must be one of {', '.join(map(str, READ_VERSIONS))} "
+                               f"(the formats this kvpool reads: re-run kvpool calibrate), got {version!r}")
     new, cached = _axis(doc, "prefill.new_tokens", where), _axis(doc, "prefill.cached_tokens", where)
     grid = _get(doc, "prefill.step_s", where)
     if not (isinstance(grid, list) and len(grid) == len(new) and all(isinstance(row, list) and len(row) == len(cached)
@@ -179,6 +185,7 @@ def parse_calibration(doc: object, where: str) -> Calibration:
     return Calibration(
         path=where, device=str(_get(doc, "device.name", where)), prefill_pp=pp,
         new_tokens=new, cached_tokens=cached, prefill_step_s=tuple(tuple(float(v) for v in row) for row in grid),
+        prefill_scale=_num(doc, "prefill.replay_scale", where, positive=True) if version >= 3 else 1.0,
         decode_lines=_decode_lines(_get(doc, "decode.samples", where), where),
         decode_batch=_range(doc, "decode.batch_range", where), decode_context=_range(doc, "decode.context_range", where),
         restore_fixed_s=_num(doc, "restore.fit.fixed_s", where),
@@ -262,7 +269,7 @@ class CalibratedCost:
         if got is None:
             self._miss("prefill")
             return self.fallback.prefill_step_s(tokens_and_context)
-        return got
+        return got * c.prefill_scale
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         if batch <= 0:

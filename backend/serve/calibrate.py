@@ -6,9 +6,9 @@ the router's ``kvpool.record`` of each (``docs/serve.md``). Nothing but the publ
 any server of the scenario can be measured; the prompts are private to the calibration (fresh random
 ids), so they never hit a workload's cached prefixes. Three warm-up requests come first and are
 not measured (a server's first requests of a kind pay one-time costs: kernel compiles, first
-allocations). The phases run in the order below, restore, decode, prefill, sharing, so that the
-prefill grid is measured on a server whose GPU prefix cache is full and which has decoded, as a
-replay's prefills are. The curves (``sim.calibration`` reads them):
+allocations). The phases run in the order below, restore, decode, prefill, sharing (and replay,
+when asked for), so that the prefill grid is measured on a server whose GPU prefix cache is full
+and which has decoded, as a replay's prefills are. The curves (``sim.calibration`` reads them):
 
     restore   prefixes of ``restore_tokens`` (up to the longest whose prompt fits the prefill's
               KV, so a workload's restores lie inside the curve) are sent (saved to the pool), the
@@ -46,13 +46,17 @@ replay's prefills are. The curves (``sim.calibration`` reads them):
               ``prefill_alone_over_grid``, the median window alone over the prefill grid's window
               of the same prompt, says whether the server's speed held through the calibration
               (1: it did); the simulator does not read it
+    replay    with ``replay`` (a ``calibrate_replay.ReplayPhase``): a trace set the calibration is
+              not asked to predict, replayed against the server, and what the prefill stages
+              spent per computed token in it by the engines' own accounts
+              (``calibrate_replay.measure_replay``; its probes are prompts of the sharing phase's
+              length); ``sim.replay_fit`` then sets ``prefill.replay_scale`` (1 until it does)
     overheads ``control_plane_s``: median over the single-token prefill requests of client TTFT less
               the prefill window and the longer of ``handoff_s`` and ``save_s`` (the prefill's
-              answer, which carries the first token, waits for both; so does the simulator's in
-              serve mode)
+              answer, which carries the first token, waits for both; so does the simulator's)
 
-``on_step(label)`` is called after every request (a progress bar); ``plan_size(grid, s)`` says how
-many calls there will be.
+``on_step(label)`` is called after every request (a progress bar; the replay phase's own requests
+count as one step); ``plan_size(grid, s, replay)`` says how many calls there will be.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 import numpy as np
 
+from kvpool.backend.serve.calibrate_replay import PROBE_PROMPTS, ReplayPhase, measure_replay
 from kvpool.backend.serve.model_config import EOS_TOKEN
 from kvpool.backend.serve.replay_client import _sse_data
 
@@ -113,16 +118,18 @@ def flush_sizes(s) -> list[int]:
     return [min(step, total - start) for start in range(0, total, step)]
 
 
-def plan_size(grid: dict, s) -> int:
+def plan_size(grid: dict, s, replay: bool = False) -> int:
     """The progress steps ``measure`` reports for ``grid`` on scenario ``s``: one per request,
-    and one when the GPU prefix cache has been flushed."""
+    one when the GPU prefix cache has been flushed, and with ``replay`` one for the replay and
+    one per probe prompt around it."""
     g = grid
     prefill = len([c for c in g["cached_tokens"] if c]) + len(g["cached_tokens"]) * len(g["new_tokens"]) * g["reps"]
     warm_up = WARM_UP_REQUESTS
     restore = 2 * (len(g["restore_tokens"]) + 1) + len(flush_sizes(s)) + 1  # with the warm-up prefix
     decode = sum(1 + b for b, _ in g["decode"])
     sharing = 2 * SHARE_PROMPTS + 1 + g["share"]["batch"]  # prompts alone and beside, the prefix, the sequences
-    return warm_up + prefill + restore + decode + sharing
+    replayed = 1 + 2 * PROBE_PROMPTS if replay else 0
+    return warm_up + prefill + restore + decode + sharing + replayed
 
 
 class Client:
@@ -363,9 +370,8 @@ def _alone_over_grid(window_alone_s: float, pp: int, prompt_tokens: int, grid: d
     """The sharing phase's median window alone over the window the prefill grid measured for the same
     prompt (its cell at no cached context, times ``pp``): 1 when the server computes a prompt at the
     end of the calibration as fast as in its prefill phase; ``None`` without that cell."""
-    if prompt_tokens not in grid["new_tokens"] or grid["cached_tokens"][0] != 0:
-        return None
-    return window_alone_s / (pp * prefill_grid[grid["new_tokens"].index(prompt_tokens)][0])
+    _, cell_s = _grid_cell(grid, prefill_grid, prompt_tokens)
+    return None if cell_s is None else window_alone_s / (pp * cell_s)
 
 
 def _share_prompt_tokens(least: int, new_tokens: Sequence[int], uncached_step_s: Sequence[float],
@@ -413,8 +419,9 @@ def fit_decode(samples: Sequence[dict]) -> dict:
 
 
 async def measure(url: str, s, *, grid: dict | None = None, model: str | None = None, seed: int = 0,
-                  on_step: Callable[[str], None] = lambda label: None) -> dict:
-    """The curves of the server at ``url`` running scenario ``s`` (see the module docstring)."""
+                  replay: ReplayPhase | None = None, on_step: Callable[[str], None] = lambda label: None) -> dict:
+    """The curves of the server at ``url`` running scenario ``s`` (see the module docstring), and
+    with ``replay`` the replay phase's section ``replay``."""
     grid = grid or default_grid(s)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=s.serve.request_timeout_s)) as http:
         c = Client(http, url.rstrip("/"), model or s.model.name, s.serve.vocab, seed, on_step)
@@ -440,6 +447,10 @@ async def measure(url: str, s, *, grid: dict | None = None, model: str | None = 
         phase_ended("prefill")
         sharing = await _sharing(c, s, grid, decode, prefill_grid)
         phase_ended("sharing")
+        replayed = None
+        if replay is not None:
+            replayed = await measure_replay(c, c.url, replay, _grid_cell(grid, prefill_grid, sharing["prompt_tokens"]))
+            phase_ended("replay")
         wall = time.perf_counter() - t0
     hand = [(int(r.get("handoff_bytes", 0)), float(r.get("handoff_s", 0.0))) for r in one_at_a_time if r.get("handoff_bytes")]
     pp = s.prefill.pp
@@ -450,17 +461,26 @@ async def measure(url: str, s, *, grid: dict | None = None, model: str | None = 
         "grid": grid,
         "prefill": {"pp": s.prefill.pp, "max_batched_tokens": s.prefill.max_batched_tokens,
                     "new_tokens": grid["new_tokens"], "cached_tokens": grid["cached_tokens"],
-                    "step_s": prefill_grid, "samples": prefill_samples},
+                    "step_s": prefill_grid, "replay_scale": 1.0, "samples": prefill_samples},
         "decode": decode,
         "restore": restore,
         "handoff": _bytes_fit(hand),
         "save": _bytes_fit(saves),
         "sharing": sharing,
         "overheads": _overheads(statistics.median(residual) if residual else 0.0),
+        **({"replay": replayed} if replayed is not None else {}),
         "requests": len(c.records),
         "wall_s": wall,
         "phase_s": phase_s,
     }
+
+
+def _grid_cell(grid: dict, prefill_grid: list[list[float]], prompt_tokens: int) -> tuple[int, float | None]:
+    """(``prompt_tokens``, the prefill grid's stage step of that fresh prompt), the step ``None``
+    where the grid has no such cell (no such ``new_tokens`` or no column without cached context)."""
+    if prompt_tokens not in grid["new_tokens"] or grid["cached_tokens"][0] != 0:
+        return prompt_tokens, None
+    return prompt_tokens, prefill_grid[grid["new_tokens"].index(prompt_tokens)][0]
 
 
 def _overheads(residual_s: float) -> dict:

@@ -66,3 +66,40 @@ def test_a_calibration_whose_server_changed_speed_is_warned_about():
     slower = speed_drift_warning(1.47)
     assert slower is not None and "1.47x" in slower and "sharing.prefill_alone_over_grid" in slower
     assert speed_drift_warning(0.8) is not None
+
+
+def test_refit_keeps_a_version_3_files_replay_scale_as_measured(tmp_path):
+    doc = json.loads(FILE.read_text())
+    doc["version"] = 3
+    doc["prefill"]["replay_scale"] = 1.2
+    doc["replay"] = {"traces": "held-out", "files": [], "prefill": {"stage_us_per_token": 250.0}}
+    src = tmp_path / "v3.json"
+    src.write_text(json.dumps(doc))
+    code, stdout, stderr, _ = cli("calibrate", "--refit", str(src))
+    assert code == 0, stderr
+    assert "prefill.replay_scale: 1.200, as measured (not refitted)" in stdout
+    written = json.loads((tmp_path / "v3.refit.json").read_text())
+    assert written["prefill"]["replay_scale"] == 1.2 and written["replay"] == doc["replay"]
+    assert load_calibration(tmp_path / "v3.refit.json").prefill_scale == 1.2
+
+
+def test_a_file_of_an_unknown_version_is_one_error_line(tmp_path):
+    doc = json.loads(FILE.read_text())
+    doc["version"] = 4
+    src = tmp_path / "v4.json"
+    src.write_text(json.dumps(doc))
+    code, _, stderr, _ = cli("calibrate", "--refit", str(src))
+    assert code == 2 and len(stderr.splitlines()) == 1
+    assert stderr.startswith(f"error: {src}: field version must be one of 2, 3")
+
+
+def test_a_replay_phase_it_cannot_run_is_one_error_line_before_any_server_is_started(tmp_path):
+    traces = str(FILE.parents[1] / "traces" / "kv-cache-tester-split" / "calibration")
+    for argv, message in (
+            (["--url", "http://127.0.0.1:1", "--replay-traces", traces], "error: --replay-traces with --url needs --run-dir"),
+            (["--replay-traces", str(tmp_path / "none")], "error: --replay-traces: "),
+            (["--replay-traces", traces, "--replay-sessions", "0"], "error: --replay-sessions 0: must be at least 1"),
+            (["--replay-traces", traces, "--replay-duration", "0"], "error: --replay-duration 0: must be")):
+        code, _, stderr, _ = cli("calibrate", "cpu-tiny", *argv, "--out", str(tmp_path / "cal.json"))
+        assert code == 2 and stderr.startswith(message) and len(stderr.splitlines()) == 1, (argv, stderr)
+    assert not (tmp_path / "cal.json").exists()

@@ -1,4 +1,5 @@
-"""bench/engine_accounts.stack_cost: what the engines' time accounts say the serving stack costs.
+"""backend.serve.engine_accounts: what the engines' time accounts say the serving stack costs
+(``stack_cost``) and a prefill stage's step costs (``stage_time``).
 
 A decode engine's cost is its busy time outside decode steps; a prefill engine's is the part of its
 steps' time in flight spent neither in a stage's layers nor queued behind a stage's earlier step
@@ -6,20 +7,14 @@ steps' time in flight spent neither in a stage's layers nor queued behind a stag
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-_path = Path(__file__).resolve().parents[2] / "bench" / "engine_accounts.py"
-_spec = importlib.util.spec_from_file_location("engine_accounts_under_test", _path)
-accounts = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(accounts)
+from kvpool.backend.serve import engine_accounts as accounts
 
 
-def _prefill(pending_s, in_flight_s, forward_s, queued_s, handled_s, round_trip_s):
+def _prefill(pending_s, in_flight_s, forward_s, queued_s, handled_s, round_trip_s, steps=0, step_tokens=0):
     return {"pending_s": pending_s, "computable_s": pending_s, "loading_only_s": 0.0,
-            "steps_in_flight_s": in_flight_s, "stage_forward_s": forward_s, "stage_queued_s": queued_s,
+            "steps_in_flight_s": in_flight_s, "steps": steps, "step_tokens": step_tokens, "stage_forward_s": forward_s, "stage_queued_s": queued_s,
             "stage_handled_s": handled_s, "stage_round_trip_s": round_trip_s}
 
 
@@ -51,3 +46,14 @@ def test_a_busy_decode_engine_is_charged_its_time_outside_steps():
     got = accounts.stack_cost(before, after, 10.0)
     assert got["bottleneck"] == "decode0"
     assert got["stack_cost"] == pytest.approx(1.0 - 7.6 / 8.0)
+
+
+def test_a_stage_step_is_its_round_trip_less_its_wait_behind_earlier_steps_averaged_over_the_stages():
+    # two stages: round trips 8 and 6 s, of which 1 and 3 s queued behind an earlier step; 10 steps of 4,000 tokens
+    before = {"prefill0": ZERO_PREFILL, "decode0": {"busy_s": 0.0, "step_s": 0.0, "steps": 0, "sequences": 0}}
+    after = {"prefill0": _prefill(10.0, 16.0, [6.0, 4.0], [1.0, 3.0], [7.5, 5.5], [8.0, 6.0], steps=10, step_tokens=4000),
+             "decode0": {"busy_s": 5.0, "step_s": 4.8, "steps": 100, "sequences": 250}}
+    got = accounts.stage_time(before, after)
+    assert got["prefill"] == {"stage_s": pytest.approx((7.0 + 3.0) / 2), "forward_s": pytest.approx(5.0),
+                              "step_tokens": 4000, "steps": 10}
+    assert got["decode"] == {"step_s": pytest.approx(4.8), "steps": 100, "sequences": 250}

@@ -68,3 +68,23 @@ def test_gpu_and_pool_shares_are_within_two_points_of_the_real_run(both):
     real, sim = both
     for k in SHARES:
         assert abs(sim[k] - real[k]) <= 0.02, (k, real[k], sim[k])
+
+
+def test_a_prediction_holds_out_the_traces_its_calibration_replayed(tmp_path):
+    from kvpool.backend.serve.calibrate_replay import replayed_files, trace_digests
+
+    split = ROOT / "tests" / "data" / "traces" / "kv-cache-tester-split"
+    calibrated = {"replay": {"files": trace_digests(split / "calibration")}}
+    assert replayed_files(calibrated, split / "predicted") == []  # the split is disjoint, by content
+    assert replayed_files(calibrated, TRACES) == [f["name"] for f in calibrated["replay"]["files"]]
+    assert replayed_files({}, TRACES) == []  # a calibration without a replay phase replayed nothing
+    doc = json.loads(CALIBRATION.read_text())
+    doc["replay"] = {"files": trace_digests(split / "predicted")[:1]}
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps(doc))
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "fidelity.py"), "--calibration", str(cal), "--traces",
+                           str(split / "predicted"), "--work", str(tmp_path / "work"), "--loads", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"error: --traces {split / 'predicted'}: trace_0002.json.gz replayed by the calibration {cal} (its replay.files): "
+        "a prediction holds out the traces it is calibrated on"]

@@ -64,7 +64,7 @@ def test_a_bad_file_names_the_field(tmp_path):
         load_calibration(tmp_path / "missing.json")
     doc["version"] = 99
     bad.write_text(json.dumps(doc))
-    with pytest.raises(CalibrationError, match="field version must be 2 .*re-run kvpool calibrate"):
+    with pytest.raises(CalibrationError, match="field version must be one of 2, 3 .*re-run kvpool calibrate"):
         load_calibration(bad)
     doc = json.loads(FILE.read_text())
     del doc["save"]
@@ -131,3 +131,29 @@ def test_refit_recomputes_the_fits_from_the_samples_and_keeps_what_was_measured(
     assert new["handoff"] == _bytes_fit(samples) and new["handoff"]["fit"]["fixed_s"] < 1
     assert new["prefill"] == doc["prefill"] and new["restore"]["samples"] == doc["restore"]["samples"]
     assert new["overheads"]["control_plane_s"] == max(0.0, doc["overheads"]["ttft_residual_s_median"])
+
+
+def test_a_version_3_file_scales_every_prefill_cell_by_its_replay_scale_and_a_version_2_file_by_1(tmp_path):
+    s = load_scenario("cpu-tiny")
+    doc = json.loads(FILE.read_text())
+    assert doc["version"] == 2 and "replay_scale" not in doc["prefill"]
+    step = [(300, 2000), (200, 500)]
+    old = CalibratedCost(load_calibration(FILE), AnalyticalCost.from_scenario(s), 1e12)
+    assert old.cal.prefill_scale == 1.0
+    doc["version"] = 3
+    doc["prefill"]["replay_scale"] = 1.25
+    path = tmp_path / "v3.json"
+    path.write_text(json.dumps(doc))
+    new = CalibratedCost(load_calibration(path), AnalyticalCost.from_scenario(s), 1e12)
+    assert new.prefill_step_s(step) == pytest.approx(1.25 * old.prefill_step_s(step))
+    beyond = [(new.cal.new_tokens[-1] + 1, 0)]  # outside the grid: the analytic model, unscaled
+    assert new.prefill_step_s(beyond) == AnalyticalCost.from_scenario(s).prefill_step_s(beyond)
+    for bad, why in ((0, "> 0"), ("fast", "> 0"), (None, "> 0")):
+        doc["prefill"]["replay_scale"] = bad
+        path.write_text(json.dumps(doc))
+        with pytest.raises(CalibrationError, match=f"field prefill.replay_scale must be a finite number {why}"):
+            load_calibration(path)
+    del doc["prefill"]["replay_scale"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match="missing field prefill.replay_scale"):
+        load_calibration(path)

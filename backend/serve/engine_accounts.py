@@ -1,8 +1,18 @@
-"""The serving stack's cost from the engines' own time accounts (``bench/serve.py``, ``bench/fidelity.py``).
+"""The engines' own time accounts: what the serving stack costs (``bench/serve.py``, ``bench/fidelity.py``)
+and what a prefill stage's step costs in a replay (``kvpool calibrate --replay-traces``).
 
     engine_urls(run_dir)           each prefill and decode engine's URL, by worker name, from a
                                    ``kvpool serve`` run directory's ready files
     time_accounts(urls)            each engine's accounts now, from its ``GET /metrics``
+    stage_time(before, after)      what the prefill engines' stages spent on their steps between two
+                                   readings, summed over the engines: ``stage_s`` (per engine the
+                                   mean over its stages of the compute calls' round trips less
+                                   their waits behind a stage's earlier step: the layers, the
+                                   stage's other work and the hops, what a simulated stage's step
+                                   stands for), ``forward_s`` (the same mean of the layers alone),
+                                   ``step_tokens`` and ``steps`` (computed in steps); and the
+                                   decode engines' ``step_s``, ``steps`` and ``sequences`` (summed
+                                   over their steps' batches)
     stack_cost(before, after, s)   what the engines did between two readings ``s`` seconds apart:
                                    per engine its busy time and the model's share of it
                                    (``forward_share``), the bottleneck (the engine busy the largest
@@ -43,9 +53,11 @@ def engine_urls(run_dir: Path) -> dict[str, str]:
 
 
 def time_accounts(urls: dict[str, str]) -> dict[str, dict]:
-    """Each engine's time accounts now: a prefill engine's ``pending_s``, ``steps_in_flight_s`` and
-    ``stage_forward_s`` (by stage), a decode engine's ``busy_s`` and ``step_s`` (the sum of its
-    steps' seconds)."""
+    """Each engine's time accounts now: a prefill engine's ``pending_s``, ``steps_in_flight_s``,
+    ``steps`` and ``step_tokens`` (steps done and the tokens they computed), ``running`` and
+    ``waiting`` (requests it holds now) and ``stage_forward_s`` (by stage, and its siblings); a
+    decode engine's ``busy_s``, ``step_s`` (the sum of its steps' seconds), ``steps`` and
+    ``sequences`` (the sum of its steps' batch sizes)."""
     out = {}
     for name, url in urls.items():
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
@@ -61,13 +73,19 @@ def time_accounts(urls: dict[str, str]) -> dict[str, dict]:
                          "computable_s": samples[("kvpool:prefill_computable_seconds", "")],
                          "loading_only_s": samples[("kvpool:prefill_loading_only_seconds", "")],
                          "steps_in_flight_s": samples[("kvpool:prefill_steps_in_flight_seconds", "")],
+                         "running": samples[("kvpool:prefill_running_requests", "")],
+                         "waiting": samples[("kvpool:prefill_waiting_requests", "")],
+                         "steps": samples[("kvpool:prefill_steps_done", "")],
+                         "step_tokens": samples[("kvpool:prefill_step_tokens_done", "")],
                          "stage_forward_s": per_stage("kvpool:prefill_stage_forward_seconds"),
                          "stage_queued_s": per_stage("kvpool:prefill_stage_queued_seconds"),
                          "stage_handled_s": per_stage("kvpool:prefill_stage_handled_seconds"),
                          "stage_round_trip_s": per_stage("kvpool:prefill_stage_round_trip_seconds")}
         else:
             out[name] = {"busy_s": samples[("kvpool:decode_busy_seconds_total", "")],
-                         "step_s": samples[("kvpool:decode_step_seconds_sum", "")]}
+                         "step_s": samples[("kvpool:decode_step_seconds_sum", "")],
+                         "steps": samples[("kvpool:decode_step_seconds_count", "")],
+                         "sequences": samples[("kvpool:decode_batch_sequences_sum", "")]}
     return out
 
 
@@ -103,6 +121,25 @@ def stack_cost(before: dict[str, dict], after: dict[str, dict], window_s: float)
     else:
         cost = None if e["forward_share"] is None else 1.0 - e["forward_share"]
     return {"window_s": window_s, "engines": engines, "bottleneck": bottleneck, "stack_cost": cost}
+
+
+def stage_time(before: dict[str, dict], after: dict[str, dict]) -> dict:
+    """What the engines' steps cost between two ``time_accounts`` (see the module docstring)."""
+    prefill = {"stage_s": 0.0, "forward_s": 0.0, "step_tokens": 0, "steps": 0}
+    decode = {"step_s": 0.0, "steps": 0, "sequences": 0}
+    for name, a in after.items():
+        b = before[name]
+        if "pending_s" in a:
+            stages = len(a["stage_round_trip_s"])
+            prefill["stage_s"] += (_spent(a, b, "stage_round_trip_s") - _spent(a, b, "stage_queued_s")) / stages
+            prefill["forward_s"] += _spent(a, b, "stage_forward_s") / stages
+            prefill["step_tokens"] += int(a["step_tokens"] - b["step_tokens"])
+            prefill["steps"] += int(a["steps"] - b["steps"])
+        else:
+            decode["step_s"] += a["step_s"] - b["step_s"]
+            decode["steps"] += int(a["steps"] - b["steps"])
+            decode["sequences"] += int(a["sequences"] - b["sequences"])
+    return {"prefill": prefill, "decode": decode}
 
 
 def _stack_share(in_flight_s: float, forward_s: float, queued_s: float) -> float | None:
