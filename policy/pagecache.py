@@ -116,18 +116,21 @@ class DenseKeys:
 
     def leading_pages(self, keys: np.ndarray, n: int) -> np.ndarray:
         pages = self.pages_of(keys[:n])
-        missing = pages < 0
-        return pages[: int(missing.argmax())] if missing.any() else pages
+        if not pages.size or pages.min() >= 0:
+            return pages
+        return pages[: int((pages < 0).argmax())]
 
     def _entries(self, keys: np.ndarray, meet: bool = False) -> np.ndarray:
         """Each key's entry in ``_page_of``: ``-1`` where its span was never met, or with ``meet``
         its span allocated now."""
         span = keys >> self.SPAN_BITS
-        if keys.size:
+        try:
+            at = self._span_at[span]
+        except IndexError:  # a span past every one met so far
             self._span_at = _grown(self._span_at, int(span.max()) + 1)
-        at = self._span_at[span]
-        unmet = at < 0
-        if unmet.any():
+            at = self._span_at[span]
+        if at.size and at.min() < 0:  # a span never met
+            unmet = at < 0
             if not meet:
                 return np.where(unmet, _NONE, at + (keys & (self.SPAN_KEYS - 1)))
             new = np.unique(span[unmet])
@@ -135,14 +138,15 @@ class DenseKeys:
             self._spans += new.size
             self._page_of = _grown(self._page_of, self._spans * self.SPAN_KEYS)
             at = self._span_at[span]
-        return at + (keys & (self.SPAN_KEYS - 1))
+        at += keys & (self.SPAN_KEYS - 1)
+        return at
 
     def pages_of(self, keys: np.ndarray) -> np.ndarray:
         keys = np.asarray(keys, dtype=np.int64)
         entries = self._entries(keys)
-        met = entries >= 0
-        if met.all():
+        if not entries.size or entries.min() >= 0:
             return self._page_of[entries]
+        met = entries >= 0
         out = np.full(keys.size, _NONE, dtype=np.int64)
         out[met] = self._page_of[entries[met]]
         return out
