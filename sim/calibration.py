@@ -29,7 +29,7 @@ Contract:
       first token (``overheads.control_plane_s``), used instead of ``cost.control_plane_s``;
       ``sharing``: how much one worker computing beside it slows a decode step and a prefill stage
       on a shared device (``sharing.*_slowdown_per_worker``; ``None`` in a file without the section),
-      which ``sim.devices`` applies in serve mode.
+      which ``sim.devices`` applies.
     * Steps of a pipeline: the file's prefill step is one stage's share (a single-step request's
       prefill time over ``prefill.pp``), as ``sim.instances.PrefillInstance`` overlaps the stages.
 """
