@@ -8,13 +8,15 @@ calibration is not asked to predict and reads what the stages spent on the steps
 that ``sim.replay_fit`` can scale the grid to it.
 
 Contract:
-    * ``ReplayPhase(scenario, traces, engine_urls)``: the scenario the replay runs (its
+    * ``ReplayPhase(scenario, traces, engine_urls, schedule)``: the scenario the replay runs (its
       ``workload.*``: sessions, duration, token scale, output cap, warm-up; AgentX mode), the trace
-      set (a file or a folder, ``workload.load.trace_files``) and each engine's URL
-      (``engine_accounts.engine_urls`` of the server's run directory).
+      set (a file or a folder, ``workload.load.trace_files``), each engine's URL
+      (``engine_accounts.engine_urls`` of the server's run directory) and the replay's schedule,
+      ``sim.run.make_replay`` of the scenario over the traces at ``workload.sessions``, which the
+      caller builds (the backend imports no simulator).
     * ``await measure_replay(client, url, phase, cell_s)``: ``PROBE_PROMPTS`` fresh prompts of
       ``cell_s[0]`` tokens alone, one at a time (``alone_before``); then the traces replayed
-      against the server at ``url`` with ``sim.run.make_replay``'s schedule
+      against the server at ``url`` with that schedule
       (``backend.serve.replay_client.run_replay``, as ``kvpool replay`` does), and a wait until no
       prefill engine holds a request (``IDLE_TIMEOUT_S`` at most), the engines' accounts read
       before the replay and after that wait (``engine_accounts.stage_time``: the requests the
@@ -59,6 +61,7 @@ class ReplayPhase:
     scenario: object  # kvpool.scenario.model.Scenario: the replay's workload settings
     traces: str
     engine_urls: dict[str, str]
+    schedule: object  # sim.run.make_replay's replay of the traces (kvpool.workload.replay)
 
 
 def trace_digests(path: str | Path) -> list[dict]:
@@ -82,12 +85,10 @@ async def measure_replay(client, url: str, phase: ReplayPhase, cell_s: tuple[int
     ``None`` where the grid has none: ``over_grid`` is then ``None``)."""
     from kvpool.backend.serve.prompts import PromptBuilder
     from kvpool.backend.serve.replay_client import run_replay
-    from kvpool.sim.run import make_replay, workload_for
-
     s = phase.scenario
     w = s.workload
     files = trace_digests(phase.traces)
-    schedule = make_replay(s, workload_for(s, phase.traces), w.sessions)
+    schedule = phase.schedule
     urls = phase.engine_urls
     alone_before = await _alone(client, urls, s.prefill.pp, cell_s, "replay: a prompt alone before it")
     before = await asyncio.to_thread(time_accounts, urls)

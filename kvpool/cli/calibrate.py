@@ -156,7 +156,8 @@ def calibrate(
         run_dir = served.run_dir
     grid = default_grid(s)
     try:
-        replay = None if replay_s is None else ReplayPhase(replay_s, replay_traces, _engine_urls(run_dir))
+        replay = None if replay_s is None else ReplayPhase(replay_s, replay_traces, _engine_urls(run_dir),
+                                                           replay_schedule(replay_s, replay_traces))
         with Progress(TextColumn("[bold]calibrating[/] " + s.name), BarColumn(), MofNCompleteColumn(),
                       TextColumn("{task.fields[what]}"), TimeElapsedColumn(), console=console, transient=True) as bar:
             task = bar.add_task("calibrate", total=plan_size(grid, s, replay is not None), what="")
@@ -222,6 +223,14 @@ def _replay_scenario(scenario: str, sets: list[str], traces: str | None, session
     return load_or_exit(scenario, [*sets, 'cost.kv_capacity="serve"', 'workload.mode="agentx"',
                                    f"workload.sessions={sessions}", f"workload.duration_s={duration_s!r}",
                                    "workload.grace_s=0"])
+
+
+def replay_schedule(s, traces: str):
+    """The replay phase's schedule: ``kvpool sim run``'s replay of ``traces`` at ``s.workload.sessions``
+    lanes (``sim.run.make_replay``), as ``kvpool replay`` builds it."""
+    from kvpool.sim.run import make_replay, workload_for
+
+    return make_replay(s, workload_for(s, traces), s.workload.sessions)
 
 
 def _engine_urls(run_dir: Path) -> dict[str, str]:

@@ -31,13 +31,15 @@ def measured(tmp_path_factory):
     from kvpool.backend.serve.calibrate_replay import ReplayPhase
     from kvpool.backend.serve.engine_accounts import engine_urls
     from kvpool.backend.serve.launch import start_serve
+    from kvpool.cli.calibrate import replay_schedule
     from kvpool.scenario.load import load_scenario
 
     s = load_scenario("cpu-tiny")
     served = start_serve("cpu-tiny", [], tmp_path_factory.mktemp("calibrate") / "serve")
     steps: list[str] = []
     try:
-        replay = ReplayPhase(load_scenario("cpu-tiny", REPLAY_SETS), REPLAY_TRACES, engine_urls(served.run_dir))
+        replay_s = load_scenario("cpu-tiny", REPLAY_SETS)
+        replay = ReplayPhase(replay_s, REPLAY_TRACES, engine_urls(served.run_dir), replay_schedule(replay_s, REPLAY_TRACES))
         doc = asyncio.run(measure(served.url, s, grid=GRID, replay=replay, on_step=steps.append))
     finally:
         served.stop()
