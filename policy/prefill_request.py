@@ -1,7 +1,8 @@
 """One request's prefill lifecycle: what it loads, computes and saves, and what its record says.
 
 Both worlds run every request through one ``PrefillRequest``: the simulator (``sim.steps.lookup``
-makes it, ``sim.lifecycle`` reports the restore and the compute, ``sim.steps.save`` the save) and
+makes it, ``sim.lifecycle`` reports the restore, the compute and the hand-off and waits for
+``ended``, ``sim.steps.save`` reports the save) and
 the backend (``backend.connector_scheduler.ConnectorScheduler`` keeps one per request; the
 prefill engine, ``backend.serve.prefill_scheduler``, and ``backend.connector.StageAlignedConnector``
 read its compute ranges and record fields). The drivers keep their clocks, threads and sockets;
