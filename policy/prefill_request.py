@@ -2,10 +2,10 @@
 
 Both worlds run every request through one ``PrefillRequest``: the simulator (``sim.steps.lookup``
 makes it, ``sim.lifecycle`` reports the restore, the compute and the hand-off and waits for
-``ended``, ``sim.steps.save`` reports the save) and
-the backend (``backend.connector_scheduler.ConnectorScheduler`` keeps one per request; the
-prefill engine, ``backend.serve.prefill_scheduler``, and ``backend.connector.StageAlignedConnector``
-read its compute ranges and record fields). The drivers keep their clocks, threads and sockets;
+``ended``, ``sim.steps.save`` reports the save) and the backend
+(``backend.connector_scheduler.ConnectorScheduler`` keeps one per request; the prefill engine,
+``backend.serve.prefill_scheduler``, and ``backend.connector.StageAlignedConnector`` read its
+compute ranges and record fields). The drivers keep their clocks, threads and sockets;
 the decisions below are made here and nowhere else.
 
 Events, in the order a request meets them (a call out of order raises ``PrefillOrderError``):
