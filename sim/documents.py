@@ -90,8 +90,18 @@ def cost_lines(rows: Sequence[dict], prefix: str = "") -> list[str]:
     return out
 
 
+def kv_lines(rows: Sequence[dict], prefix: str = "") -> list[str]:
+    """Per load, why requests failed for want of prefill KV (``sim.run.prefill_kv_notes``)."""
+    out = []
+    for r in rows:
+        for line in r.get("kv_notes", ()):
+            key, value = report.load_of(r)
+            out.append(f"{prefix}{key} {value:g}: {line}")
+    return out
+
+
 def warnings(s: Scenario, traces: str | None, rows: Sequence[dict], prefix: str = "") -> list[str]:
-    return replay_warning(s, traces, rows) + degenerate_lines(rows, prefix) + cost_lines(rows, prefix)
+    return replay_warning(s, traces, rows) + degenerate_lines(rows, prefix) + kv_lines(rows, prefix) + cost_lines(rows, prefix)
 
 
 def _provenance(s: Scenario, inputs: Inputs, loads: Sequence[float] = (), with_loads: bool = True) -> dict:
@@ -125,7 +135,7 @@ def compare_document(arms_s: Sequence[Scenario], arms: dict[str, Sequence[dict]]
            "ratios": {"reference": names[0], "over": cmp.ratios({n: arms[n] for n in names})},
            "run": execution.block(arms={n: [report.timing(r) for r in arms[n]] for n in names})}
     lines = [w for s, inp in zip(arms_s, inputs) for w in replay_warning(s, inp.traces, arms[s.name])]
-    lines += [w for n in names for w in degenerate_lines(arms[n], prefix=f"{n} ")]
+    lines += [w for n in names for w in degenerate_lines(arms[n], prefix=f"{n} ") + kv_lines(arms[n], prefix=f"{n} ")]
     if lines:
         doc["warnings"] = lines
     return doc

@@ -229,6 +229,7 @@ def run_point(s: Scenario, load: float, traces: str | None = None,
         "sim_s_per_wall_s": sim.env.now / wall if wall > 0 else 0.0,
         "pool_evicted_groups": sim.pool.evicted_groups if sim.pool is not None else 0,
         **({"cost_notes": sim.cost.fallback_lines()} if hasattr(sim.cost, "fallback_lines") else {}),
+        **({"kv_notes": lines} if (lines := prefill_kv_notes(s, records)) else {}),
         "timeline": {  # at most ~400 samples per series (every k-th point)
             "pool_t": tl.pool_t[::max(1, len(tl.pool_t) // 400)],
             "pool_used": tl.pool_used[::max(1, len(tl.pool_used) // 400)],
@@ -239,6 +240,21 @@ def run_point(s: Scenario, load: float, traces: str | None = None,
         "restore_stage_s": sorted(x for r in records if r.measured and r.pool_tokens for x in r.restore_stage_s)[::4],
     }
     return out
+
+
+def prefill_kv_notes(s: Scenario, records) -> list[str]:
+    """Why requests failed with ``prefill_kv``: a prompt of more pages than its prefill instance's
+    KV holds fails, as ``kvpool serve`` answers 413 (``sim.steps.pages``); empty when none did."""
+    from kvpool.scenario.derive import prefill_kv_capacity_tokens
+
+    failed = [r for r in records if r.error == "prefill_kv"]
+    if not failed:
+        return []
+    where = ("serve.prefill_kv_tokens" if s.cost.kv_capacity == "serve"
+             else "derived from HBM: prefill.gpu_mem_utilization, prefill.reserved_gb_per_gpu, model.weights_gb")
+    return [f"{len(failed):,} of {len(records):,} requests failed: their prompts (up to {max(r.in_tokens for r in failed):,} "
+            f"tokens) need more pages than one prefill instance's KV holds ({prefill_kv_capacity_tokens(s):,} "
+            f"tokens, {where}), as kvpool serve refuses them (413)"]
 
 
 def _point_task(args: tuple[Scenario, float, str | None],

@@ -108,6 +108,20 @@ def test_a_window_shorter_than_a_request_warns(tmp_path):
     assert json.loads(r.stdout)["warnings"][0].startswith("rps 0.6: no request finished") and "warning:" in r.stderr
 
 
+def test_prompts_larger_than_the_prefill_kv_fail_and_the_run_says_why(tmp_path):
+    """A prefill KV of 28,735 tokens (utilization 0.47) against prompts of up to ~70K tokens: those
+    requests fail as the engine refuses them, and the run says how many, the largest prompt and
+    the capacity."""
+    r = run("sim", "run", "mi355x-1p1d", "--sessions", "3", *SMALL, "--set", "prefill.gpu_mem_utilization=0.47",
+            "--json", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    (line,) = [w for w in doc["warnings"] if "prefill instance's KV" in w]
+    failed = int(line.split(": ", 1)[1].split(" of ")[0])
+    assert failed > 0 and doc["results"][0]["errors"] >= 1 and "(28,735 tokens, derived from HBM" in line, line
+    assert "prefill instance's KV" in r.stderr
+
+
 def test_a_measured_run_has_no_warning(tmp_path):
     r = run("sim", "run", "mi355x-1p1d", "--sessions", "3", *SMALL, "--json", "--out", str(tmp_path))
     assert r.returncode == 0 and "warning" not in r.stderr and "warnings" not in json.loads(r.stdout), r.stderr
