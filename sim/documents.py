@@ -80,28 +80,21 @@ def replay_warning(s: Scenario, traces: str | None, rows: Sequence[dict]) -> lis
     return []
 
 
-def cost_lines(rows: Sequence[dict], prefix: str = "") -> list[str]:
-    """Per load, the calibrated cost model's notes (``sim.calibration``: costs outside its measured range)."""
+def note_lines(rows: Sequence[dict], notes: str, prefix: str = "") -> list[str]:
+    """Per load, the lines of its ``notes`` field, each after its load: ``cost_notes`` (the
+    calibrated cost model's costs outside its measured range, ``sim.calibration``) or ``kv_notes``
+    (requests that failed for want of prefill KV, ``sim.run.prefill_kv_notes``)."""
     out = []
     for r in rows:
-        for line in r.get("cost_notes", ()):
-            key, value = report.load_of(r)
-            out.append(f"{prefix}{key} {value:g}: {line}")
-    return out
-
-
-def kv_lines(rows: Sequence[dict], prefix: str = "") -> list[str]:
-    """Per load, why requests failed for want of prefill KV (``sim.run.prefill_kv_notes``)."""
-    out = []
-    for r in rows:
-        for line in r.get("kv_notes", ()):
+        for line in r.get(notes, ()):
             key, value = report.load_of(r)
             out.append(f"{prefix}{key} {value:g}: {line}")
     return out
 
 
 def warnings(s: Scenario, traces: str | None, rows: Sequence[dict], prefix: str = "") -> list[str]:
-    return replay_warning(s, traces, rows) + degenerate_lines(rows, prefix) + kv_lines(rows, prefix) + cost_lines(rows, prefix)
+    return (replay_warning(s, traces, rows) + degenerate_lines(rows, prefix) + note_lines(rows, "kv_notes", prefix)
+            + note_lines(rows, "cost_notes", prefix))
 
 
 def _provenance(s: Scenario, inputs: Inputs, loads: Sequence[float] = (), with_loads: bool = True) -> dict:
@@ -135,7 +128,8 @@ def compare_document(arms_s: Sequence[Scenario], arms: dict[str, Sequence[dict]]
            "ratios": {"reference": names[0], "over": cmp.ratios({n: arms[n] for n in names})},
            "run": execution.block(arms={n: [report.timing(r) for r in arms[n]] for n in names})}
     lines = [w for s, inp in zip(arms_s, inputs) for w in replay_warning(s, inp.traces, arms[s.name])]
-    lines += [w for n in names for w in degenerate_lines(arms[n], prefix=f"{n} ") + kv_lines(arms[n], prefix=f"{n} ")]
+    lines += [w for n in names for w in degenerate_lines(arms[n], prefix=f"{n} ")
+              + note_lines(arms[n], "kv_notes", prefix=f"{n} ")]
     if lines:
         doc["warnings"] = lines
     return doc
