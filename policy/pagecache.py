@@ -98,16 +98,18 @@ class DenseKeys:
     A key's entry lives in a span of ``SPAN_KEYS`` consecutive keys, allocated the first time a
     key of the span is stored, so the memory follows the keys this cache has held (keys come in
     runs: a prompt's new pages are numbered one after another), not the largest key of a key
-    space that many caches share.
+    space that many caches share. Every span never met points at span 0, which is never written
+    (all ``-1``), so a lookup is two gathers whatever it asks about.
     """
 
     SPAN_BITS = 8
     SPAN_KEYS = 1 << SPAN_BITS
+    _EMPTY_SPAN = 0  # the entries of every span never met: no key held
 
     def __init__(self) -> None:
-        self._span_at = np.full(64, _NONE, dtype=np.int64)  # by key >> SPAN_BITS: its span's first entry
-        self._page_of = np.zeros(0, dtype=np.int64)  # by entry: the page of its key (-1: none)
-        self._spans = 0
+        self._span_at = np.full(64, self._EMPTY_SPAN, dtype=np.int64)  # by key >> SPAN_BITS: its span's first entry
+        self._page_of = np.full(self.SPAN_KEYS, _NONE, dtype=np.int64)  # by entry: the page of its key (-1: none)
+        self._spans = 1  # spans allocated in _page_of, the empty one included
         self._key_of = np.full(1024, _NONE, dtype=np.int64)  # by page
         self._held = 0
 
@@ -121,19 +123,16 @@ class DenseKeys:
         return pages[: int((pages < 0).argmax())]
 
     def _entries(self, keys: np.ndarray, meet: bool = False) -> np.ndarray:
-        """Each key's entry in ``_page_of``: ``-1`` where its span was never met, or with ``meet``
-        its span allocated now."""
+        """Each key's entry in ``_page_of`` (in the empty span where its span was never met, or with
+        ``meet`` its span allocated now)."""
         span = keys >> self.SPAN_BITS
         try:
             at = self._span_at[span]
         except IndexError:  # a span past every one met so far
-            self._span_at = _grown(self._span_at, int(span.max()) + 1)
+            self._span_at = _grown(self._span_at, int(span.max()) + 1, self._EMPTY_SPAN)
             at = self._span_at[span]
-        if at.size and at.min() < 0:  # a span never met
-            unmet = at < 0
-            if not meet:
-                return np.where(unmet, _NONE, at + (keys & (self.SPAN_KEYS - 1)))
-            new = np.unique(span[unmet])
+        if meet and at.size and at.min() == self._EMPTY_SPAN:  # spans never met
+            new = np.unique(span[at == self._EMPTY_SPAN])
             self._span_at[new] = (self._spans + np.arange(new.size)) * self.SPAN_KEYS
             self._spans += new.size
             self._page_of = _grown(self._page_of, self._spans * self.SPAN_KEYS)
@@ -142,14 +141,7 @@ class DenseKeys:
         return at
 
     def pages_of(self, keys: np.ndarray) -> np.ndarray:
-        keys = np.asarray(keys, dtype=np.int64)
-        entries = self._entries(keys)
-        if not entries.size or entries.min() >= 0:
-            return self._page_of[entries]
-        met = entries >= 0
-        out = np.full(keys.size, _NONE, dtype=np.int64)
-        out[met] = self._page_of[entries[met]]
-        return out
+        return self._page_of[self._entries(np.asarray(keys, dtype=np.int64))]
 
     def put(self, keys: np.ndarray, pages: np.ndarray) -> None:
         keys = np.asarray(keys, dtype=np.int64)
@@ -289,7 +281,7 @@ class PageCache:
         out: list[np.ndarray] = []
         while n:
             head, tail = self._log_head, self._log_tail
-            end = min(tail, head + max(2 * n, 256))
+            end = min(tail, head + max(2 * n, 4096))
             at = np.arange(head, end)
             window = self._log[head:end]
             live = at[self._lru_at[window] == at][:n]
