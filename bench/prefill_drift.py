@@ -3,9 +3,9 @@
 that has filled its GPU prefix cache and decoded?
 
 A calibration's prefill cells hold for a replay only if the server's speed is steady: on one H100
-the prompts ``kvpool calibrate`` timed alone at its end took 1.47x the window its prefill grid
-measured for the same prompt, and a replay's prefills 1.02-1.49x their cells (``docs/fidelity.md``,
-"Where the H100 figures miss"). This bench sends the same kind of prompt
+a 1,024-token prompt alone took 1.49x the layers' time per token after the calibration's replay
+phase that it took before it, the GPU's clocks at their maximum throughout (``docs/fidelity.md``,
+"Why a replay's prefill step costs more than the grid's"). This bench sends the same kind of prompt
 (``--prompt-tokens`` fresh tokens, ``--prompts`` of them one after another) to one ``kvpool serve
 SCENARIO`` (started here, stopped at the end) in five conditions, in this order:
 
