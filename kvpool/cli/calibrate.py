@@ -204,8 +204,8 @@ def _replay_scenario(scenario: str, sets: list[str], traces: str | None, session
     one ``UserError`` per bad option."""
     import math
 
+    from kvpool.sim.run import workload_for
     from kvpool.workload.errors import TraceError
-    from kvpool.workload.load import trace_files
 
     if traces is None:
         return None
@@ -216,13 +216,14 @@ def _replay_scenario(scenario: str, sets: list[str], traces: str | None, session
     if url is not None and run_dir is None:
         raise UserError("--replay-traces with --url needs --run-dir: the server's run directory, whose ready files "
                         "give its engines' URLs (their time accounts)")
+    s = load_or_exit(scenario, [*sets, 'cost.kv_capacity="serve"', 'workload.mode="agentx"',
+                                f"workload.sessions={sessions}", f"workload.duration_s={duration_s!r}",
+                                "workload.grace_s=0"])
     try:
-        trace_files(traces)
+        workload_for(s, traces)  # read now (and kept): a bad trace set stops the command before a server starts
     except TraceError as e:
         raise UserError(f"--replay-traces: {e}") from None
-    return load_or_exit(scenario, [*sets, 'cost.kv_capacity="serve"', 'workload.mode="agentx"',
-                                   f"workload.sessions={sessions}", f"workload.duration_s={duration_s!r}",
-                                   "workload.grace_s=0"])
+    return s
 
 
 def replay_schedule(s, traces: str):
