@@ -27,6 +27,11 @@ Contract (the seed's four-server deployment):
     * Request ids are any hashable values, unique among the admitted and the waiting requests.
     * ``try_admit`` is the budget primitive underneath: reserve on a given instance if the request
       fits there now, without looking at the queue.
+    * ``Ungated(config, capacity_tokens)`` is admission without a gate, as a front end makes it
+      (``kvpool serve``'s router and the simulator's admit step): ``admit`` refuses what
+      ``refusal`` refuses with the smallest decode capacity as the budget, and otherwise admits at
+      once on the instance with the most capacity left over the tokens (``input + output``) it
+      admitted there and not yet released (``policy.routing.choose_decode``); it never waits.
 """
 
 from __future__ import annotations
@@ -201,3 +206,37 @@ class AdmissionGate:
     def _reserve(self, request_id: Hashable, decode: int, need: int) -> None:
         self.reserved[decode] += need
         self._held[request_id] = (decode, need)
+
+
+class Ungated:
+    """Admission without a gate (see the module contract): no queue, no wait."""
+
+    def __init__(self, config: GateConfig, capacity_tokens: list[int]) -> None:
+        if not capacity_tokens:
+            raise ValueError("no decode instance to admit on")
+        self.config = config
+        self.capacity_tokens = list(capacity_tokens)
+        self.budget_tokens = min(self.capacity_tokens)
+        self.admitted_tokens = [0] * len(self.capacity_tokens)  # per decode instance, not yet released
+        self._held: dict[Hashable, tuple[int, int]] = {}  # request id -> (decode, tokens)
+
+    def admit(self, request_id: Hashable, input_tokens: int, output_tokens: int) -> Admission:
+        """``ADMITTED`` on a decode instance, or the ``refusal`` verdict."""
+        bad = refusal(self.config, input_tokens, output_tokens, self.budget_tokens)
+        if bad is not None:
+            return Admission(bad)
+        if request_id in self._held:
+            raise ValueError(f"request {request_id!r} is already admitted")
+        decode = choose_decode([cap - t for cap, t in zip(self.capacity_tokens, self.admitted_tokens)])
+        need = input_tokens + output_tokens
+        self.admitted_tokens[decode] += need
+        self._held[request_id] = (decode, need)
+        return Admission(Verdict.ADMITTED, decode)
+
+    def release(self, request_id: Hashable) -> None:
+        """Give back an admitted request's tokens (unknown ids are an error)."""
+        try:
+            decode, need = self._held.pop(request_id)
+        except KeyError:
+            raise ValueError(f"request {request_id!r} holds no reservation") from None
+        self.admitted_tokens[decode] -= need

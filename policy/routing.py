@@ -5,8 +5,6 @@ Contract:
       worlds build their routing (the simulator's ``sim.world`` and production's
       ``backend.serve.router``), from the scenario's ``routing.prefill``, ``seed`` and instance
       counts. Prefill instance ``i`` serves decode group ``policy.placement.prefill_group(i, D)``.
-    * ``Routing.choose_decode(free_kv_tokens)``: the decode instance when the admission gate is off
-      (the gate makes the same choice over its own budgets, ``policy.admission``).
     * ``Routing.choose_prefill(decode, session, outstanding_tokens)``: a prefill instance of
       ``decode``'s group (every instance when the group has none), picked by that group's router
       over those instances' outstanding prompt tokens; ``outstanding_tokens`` covers every prefill
@@ -121,12 +119,6 @@ class Routing:
                                for d in range(decode_instances)]
         rng = random.Random(seed)
         self.routers = [make_router(router, random.Random(rng.random())) for _ in range(decode_instances)]
-
-    def choose_decode(self, free_kv_tokens: Sequence[int]) -> int:
-        """The decode instance with the most free KV tokens (``choose_decode``)."""
-        if len(free_kv_tokens) != len(self.routers):
-            raise ValueError(f"free_kv_tokens: one per decode instance ({len(self.routers)}), got {len(free_kv_tokens)}")
-        return choose_decode(free_kv_tokens)
 
     def choose_prefill(self, decode: int, session: str, outstanding_tokens: Sequence[int]) -> int:
         """The prefill instance (an index into ``outstanding_tokens``, one entry per instance) for a

@@ -21,11 +21,11 @@ A completion (``protocol`` holds the engine messages):
     2. gate: ``AdmissionGate.arrive``: rejected at once (400 naming the verdict:
        ``policy.admission.refusal``, the caps and the gate's budget), admitted on a decode instance,
        or wait on an asyncio future until a ``release`` admits it or ``expire`` at its deadline
-       rejects it (429 ``reject_admission_timeout``). Without a gate (``gate.enabled = false``) the
-       same ``refusal`` with one decode instance's KV (``serve.decode_kv_tokens`` in whole pages per
-       DCP rank, ``kvpool.scenario.derive.serve_decode_kv_tokens``) as the budget, then the
-       decode instance is ``Routing.choose_decode`` over the decode KV the router has not handed
-       out (the simulator's ``sim.steps.admit.Ungated`` decides so too);
+       rejects it (429 ``reject_admission_timeout``). Without a gate (``gate.enabled = false``)
+       ``policy.admission.Ungated`` over each decode instance's KV (``serve.decode_kv_tokens`` in
+       whole pages per DCP rank, ``kvpool.scenario.derive.serve_decode_kv_tokens``): the same
+       ``refusal`` with that KV as the budget, then the decode instance with the most KV the router
+       has not handed out (the simulator's admit step asks the same object);
     3. route: ``Routing.choose_prefill`` (``policy.routing.routing_for``, built as the simulator
        builds it): a prefill instance of the decode instance's group, picked by the group's router
        over the prompt tokens each of them has outstanding;
@@ -72,7 +72,7 @@ from kvpool.backend.serve.protocol import (
     ProtocolError,
     TokenEvent,
 )
-from kvpool.policy.admission import AdmissionGate, GateConfig, Verdict, refusal
+from kvpool.policy.admission import AdmissionGate, GateConfig, Ungated, Verdict
 from kvpool.policy.routing import routing_for
 from kvpool.scenario.derive import serve_decode_kv_tokens
 from kvpool.scenario.model import Scenario
@@ -292,8 +292,10 @@ class Router:
         self.routing = routing_for(scenario.routing.prefill, scenario.seed, scenario.prefill.instances,
                                    scenario.decode.instances)
         self.prefill_outstanding = [0] * scenario.prefill.instances
-        #: without a gate: tokens handed to each decode instance and not yet given back
-        self.decode_outstanding = [0] * scenario.decode.instances
+        #: without a gate: admission over each decode instance's KV (serve.decode_kv_tokens in whole
+        #: pages per DCP rank), as the simulator's admit step asks it
+        self.ungated = (None if g.enabled else
+                        Ungated(self.gate_config, [serve_decode_kv_tokens(scenario)] * scenario.decode.instances))
         self.metrics = RouterMetrics()
         self.healthy_children = healthy_children
         self.in_flight = 0
@@ -455,14 +457,12 @@ class Router:
         n_in, n_out = len(c.prompt_ids), c.max_tokens
         need = n_in + n_out
         if self.gate is None:
-            cap = serve_decode_kv_tokens(self.scenario)
-            bad = refusal(self.gate_config, n_in, n_out, cap)
-            if bad is not None:
-                raise _verdict_error(bad, c, self.gate_config, cap, "serve.decode_kv_tokens")
-            decode = self.routing.choose_decode([cap - t for t in self.decode_outstanding])
-            self.decode_outstanding[decode] += need
-            self._held[rid] = (decode, need)
-            return decode
+            adm = self.ungated.admit(rid, n_in, n_out)
+            if adm.verdict is not Verdict.ADMITTED:
+                raise _verdict_error(adm.verdict, c, self.gate_config, self.ungated.budget_tokens,
+                                     "serve.decode_kv_tokens")
+            self._held[rid] = (adm.decode, need)
+            return adm.decode
         adm = self.gate.arrive(rid, n_in, n_out, self.now_s())
         if adm.verdict is Verdict.ADMITTED:
             self._held[rid] = (adm.decode, need)
@@ -500,9 +500,9 @@ class Router:
 
     def _release(self, rid: str) -> None:
         """Give ``rid``'s reservation back and hand the freed budget to the waiters the gate admits."""
-        decode, need = self._held.pop(rid)
+        self._held.pop(rid)
         if self.gate is None:
-            self.decode_outstanding[decode] -= need
+            self.ungated.release(rid)
             return
         queue = [rid]
         while queue:

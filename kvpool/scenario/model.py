@@ -203,8 +203,8 @@ class GateConfigModel(_Section):
 
 class RoutingConfig(_Section):
     """How requests are routed, alike in the simulator and in kvpool serve (``policy.routing``): decode is
-    the instance with the most free KV (``policy.routing.choose_decode``; the gate's budget when
-    enabled), prefill an instance of that decode instance's group (prefill instance i serves decode
+    the instance with the most free KV (``policy.routing.choose_decode``: over the gate's budget when
+    enabled, else over the decode KV less what ``policy.admission.Ungated`` admitted), prefill an instance of that decode instance's group (prefill instance i serves decode
     group i mod decode.instances), picked by the group's router, seeded from ``seed``."""
 
     prefill: Literal["power_of_two", "session_affinity"] = Field(default="power_of_two", description="prefill router")

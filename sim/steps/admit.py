@@ -8,11 +8,10 @@ deadline comes (``max_wait_s`` from its arrival), where ``AdmissionGate.expire``
 a finished request's reservation; each waiter the gate admits then goes on with its decode
 instance, in the gate's order.
 
-Without the gate, ``Ungated(world)`` has the same interface and decides as ``kvpool serve``'s
-router does without one: ``policy.admission.refusal`` with one decode instance's KV as the budget
-(rejected at once, ``rec.rejected`` naming why), else the decode instance by
-``Routing.choose_decode`` over each instance's KV less the tokens (prompt + output) of the requests
-admitted on it and not yet finished; ``release(key)`` gives those tokens back.
+Without the gate, ``Ungated(world)`` has the same interface and asks ``policy.admission.Ungated``
+over the decode instances' KV capacities, as ``kvpool serve``'s router does without one: admitted
+at once, or rejected at once (``rec.rejected`` naming why); ``release(key)`` gives an admitted
+request's tokens back.
 
 Timing: a waiter admitted by a release goes on two queue entries later at the release's moment,
 and one whose deadline came is handled one entry after it (the slots where a SimPy process
@@ -23,7 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool.policy.admission import AdmissionGate, Verdict, refusal
+from kvpool.policy import admission
+from kvpool.policy.admission import AdmissionGate, Verdict
 from kvpool.sim.events import Call, call_later
 from kvpool.workload.records import RequestRecord
 
@@ -86,25 +86,15 @@ class Ungated:
     """The admit step without a gate (see the module docstring)."""
 
     def __init__(self, world) -> None:
-        self.config = world.gate_config
-        self.routing = world.routing
-        self.capacity_tokens = [d.capacity_tokens for d in world.decodes]
-        self.admitted_tokens = [0] * len(world.decodes)  # per decode instance: its requests' tokens
-        self._held: dict[object, tuple[int, int]] = {}  # request key -> (decode, tokens)
+        self.admission = admission.Ungated(world.gate_config, [d.capacity_tokens for d in world.decodes])
 
     def arrive(self, rec: RequestRecord, admitted: Callable[[int], None], rejected: Callable[[], None]) -> None:
-        bad = refusal(self.config, rec.in_tokens, rec.out_tokens, min(self.capacity_tokens))
-        if bad is not None:
-            rec.rejected = bad.value
+        answer = self.admission.admit(rec.key, rec.in_tokens, rec.out_tokens)
+        if answer.verdict is Verdict.ADMITTED:
+            admitted(answer.decode)
+        else:
+            rec.rejected = answer.verdict.value
             rejected()
-            return
-        decode = self.routing.choose_decode([cap - t for cap, t in zip(self.capacity_tokens, self.admitted_tokens)])
-        need = rec.in_tokens + rec.out_tokens
-        self.admitted_tokens[decode] += need
-        self._held[rec.key] = (decode, need)
-        admitted(decode)
 
     def release(self, key) -> None:
-        held = self._held.pop(key, None)
-        if held is not None:
-            self.admitted_tokens[held[0]] -= held[1]
+        self.admission.release(key)

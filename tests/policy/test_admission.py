@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.policy.admission import DEADLINE_SLACK_S, Admission, AdmissionGate, GateConfig, Verdict, refusal
+from kvpool.policy.admission import DEADLINE_SLACK_S, Admission, AdmissionGate, GateConfig, Ungated, Verdict, refusal
 
 
 def gate(decodes=2, **kw):
@@ -42,6 +42,27 @@ def test_the_gates_check_is_refusal_over_its_own_budget():
     cases = [(801, 1), (10, 101), (450, 100), (400, 100)]
     assert [g.check(i, o) for i, o in cases] == [refusal(c, i, o, 500) for i, o in cases]
     assert [g.check(i, o) for i, o in cases] == [Verdict.REJECT_INPUT, Verdict.REJECT_OUTPUT, Verdict.REJECT_BUDGET, None]
+
+
+def test_ungated_admission_refuses_as_refusal_does_and_picks_the_decode_with_most_left():
+    c = GateConfig(tokens_per_decode=1000, budget_fraction=1.0, max_input_tokens=500, max_output_tokens=100)
+    u = Ungated(c, [550, 800])
+    assert u.admit("in", 501, 1) == Admission(Verdict.REJECT_INPUT)
+    assert u.admit("out", 10, 101) == Admission(Verdict.REJECT_OUTPUT)
+    assert u.admit("budget", 500, 100) == Admission(Verdict.REJECT_BUDGET)  # over the smaller capacity
+    assert u.admit("a", 300, 100) == Admission(Verdict.ADMITTED, 1)  # 800 left against 550
+    assert u.admit("b", 100, 50) == Admission(Verdict.ADMITTED, 0)  # 550 against 400
+    assert u.admit("c", 100, 50) == Admission(Verdict.ADMITTED, 0)  # 400 and 400: the lower index
+    assert u.admitted_tokens == [300, 400]
+    u.release("a")
+    assert u.admitted_tokens == [300, 0]
+    with pytest.raises(ValueError, match="holds no reservation"):
+        u.release("a")
+    with pytest.raises(ValueError, match="already admitted"):
+        u.admit("b", 1, 1)
+    assert u.admit("d", 500, 50) == Admission(Verdict.ADMITTED, 1)
+    assert u.admit("e", 500, 50) == Admission(Verdict.ADMITTED, 0)  # it never waits, fitting or not
+    assert u.admitted_tokens == [850, 550]
 
 
 def test_wait_then_admit_after_release():

@@ -86,7 +86,7 @@ def test_without_a_gate_requests_go_to_the_decode_with_most_room():
         async with routed(["gate.enabled=false"]) as s:
             status, r = await s.complete(prompt=[1] * 10, max_tokens=3)
             assert status == 200 and r["kvpool"]["record"]["decode"] == 0
-            assert s.router.gate is None and s.router.decode_outstanding == [0]
+            assert s.router.gate is None and s.router.ungated.admitted_tokens == [0]
             status, r = await s.complete(prompt=[1], max_tokens=2000)  # the caps still hold
             assert status == 400 and r["error"]["type"] == "reject_output_too_long"
 

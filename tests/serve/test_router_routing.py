@@ -48,7 +48,7 @@ def simulator_choices(s, stream) -> list[tuple[int, int]]:
     for k, (session, outstanding, free, n_in) in enumerate(stream):
         for p, tokens in zip(world.prefills, outstanding, strict=True):
             p.outstanding_tokens = tokens
-        life.admit_step.admitted_tokens = [d.capacity_tokens - tokens for d, tokens in zip(world.decodes, free,
+        life.admit_step.admission.admitted_tokens = [d.capacity_tokens - tokens for d, tokens in zip(world.decodes, free,
                                                                                              strict=True)]
         rec = RequestRecord(key=k, session=session, in_tokens=n_in, out_tokens=1)
         dispatch = SimpleNamespace(scope="", session=SimpleNamespace(id=session))
@@ -68,7 +68,7 @@ def router_choices(s, stream) -> list[tuple[int, int]]:
         out = []
         for k, (session, outstanding, free, n_in) in enumerate(stream):
             router.prefill_outstanding[:] = outstanding
-            router.decode_outstanding[:] = [cap - f for f in free]
+            router.ungated.admitted_tokens[:] = [cap - f for f in free]
             c = Completion(prompt_ids=(1,) * n_in, max_tokens=1, ignore_eos=True, stream=False, session=session)
             decode = await router._admit(f"cmpl-{k}", c)
             out.append((decode, router._route(decode, c)))
