@@ -166,17 +166,16 @@ class Prompts:
         play = self.play(d)
         mem = play.thread(req.thread)
         blocks, source, copied = play.ids(session.blocks, req.index, req.thread, lists)
-        if self._shared_tokens:
+        key_ids, chain_scope = blocks, None  # the chains of the play's own scope
+        if self._shared_tokens:  # ids unique across scopes, under one chain
             key_ids = blocks.astype(np.int64)
             key_ids += self.keys.block_offset(d.scope, max_block)
             if req.thread == 0:  # the main thread's prompts open with the shared prefix
                 k = min(self._shared_tokens // bt, key_ids.size)
                 key_ids[:k] = self._shared_key_ids[:k]
-            gids = self.keys.chunk_gids(d.scope, mem.chain, key_ids, bt, req.in_tokens, chain_scope="")
-            pages = self.page_keys.chunk_gids(d.scope, mem.page_chain, key_ids, bt, req.in_tokens, chain_scope="")
-        else:
-            gids = self.keys.chunk_gids(d.scope, mem.chain, blocks, bt, req.in_tokens)
-            pages = self.page_keys.chunk_gids(d.scope, mem.page_chain, blocks, bt, req.in_tokens)
+            chain_scope = ""
+        gids = self.keys.chunk_gids(d.scope, mem.chain, key_ids, bt, req.in_tokens, chain_scope=chain_scope)
+        pages = self.page_keys.chunk_gids(d.scope, mem.page_chain, key_ids, bt, req.in_tokens, chain_scope=chain_scope)
         return Prompt(req.thread, req.index, blocks, pages, GroupIds(gids, self.keys.groups - 1), source, copied,
                       mem)
 

@@ -6,9 +6,9 @@ Contract: a ``Request`` is made when the request arrives and filled in as it goe
 ``prefill_request``: its ``policy.prefill_request.PrefillRequest``, which the restore, compute,
 save and hand-off report to) once looked up; ``pages`` (``sim.steps.pages``: its pages on its
 prefill, held from its admission there until its hand-off and save end) once admitted there;
-``stage`` (``QUEUED``: its compute is queued on the prefill, as ``compute_ev``; ``COMPUTED``: its hand-off is under way; ``DECODING``: it waits for or runs on its
-decode instance, whose first-token event is ``first_ev``), which is what a failure has to give back
-(``sim.lifecycle``). ``finished(d)`` is the driver's, called once when the request is done,
+``stage`` (``QUEUED``: its compute is queued on the prefill, as ``compute_ev``; ``COMPUTED``: its
+hand-off is under way; ``DECODING``: it waits for or runs on its decode instance, whose first-token
+event is ``first_ev``), which is what a failure has to give back (``sim.lifecycle``). ``finished(d)`` is the driver's, called once when the request is done,
 rejected or failed.
 """
 

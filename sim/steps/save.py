@@ -1,13 +1,13 @@
 """The save step: a prompt's new chunks go to the pool, in the background.
 
-Contract: ``Save(world, nics)(r, groups)`` for the chunk groups of ``r``'s prompt that the pool
+Contract: ``Save(world, nics)(r, groups, lost, done)`` for the chunk groups of ``r``'s prompt that the pool
 did not hold (a part of ``r.prompt.groups``): every rank packs its objects (in parallel: the largest rank's pack time,
 ``CostModel.pack_s``), sends them over its NICs (``PoolNics``) and, once every byte has landed,
 puts them with their group ids (``SimPool.save``: ``policy.grouptable`` eviction); the record's
 ``save_bytes`` grows then, ``save_s`` is the time since the call, and the pool's time series is
-sampled, ``r.prefill_request`` is told whether it was stored, then ``done()`` when given (serve
-mode's pages and first token wait for it; nothing else does). A save that fails (``lost``,
-``[faults]``) moves its bytes and puts nothing.
+sampled, ``r.prefill_request`` is told whether it was stored, then ``done()`` (the prefill's
+pages and its first token wait for it). A save that fails (``lost``, ``[faults]``) moves its
+bytes and puts nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class Save:
         self.rank_bytes = world.rank_bytes
         self.pack_s = world.cost.pack_s
 
-    def __call__(self, r: Request, groups: GroupIds, lost: bool = False, done: Callable[[], None] | None = None) -> None:
+    def __call__(self, r: Request, groups: GroupIds, lost: bool, done: Callable[[], None]) -> None:
         env, p, rec = self.env, r.prefill, r.rec
         start = env.now
         chunks = int(groups.ids.size)
@@ -44,8 +44,7 @@ class Save:
                 self.pool.save(p.server, p.ranks, groups, env.now)
                 self.world.sample_pool()
             r.prefill_request.saved(not lost)
-            if done is not None:
-                done()
+            done()
 
         def send(_e) -> None:
             j = Join(env, put)

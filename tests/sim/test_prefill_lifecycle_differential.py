@@ -174,7 +174,7 @@ def simulated(case: Case) -> Lived:
 
     save_step = Save(world, _Nics(env))
 
-    def save(r, groups: GroupIds, lost: bool = False, done=None) -> None:
+    def save(r, groups: GroupIds, lost: bool, done) -> None:
         ids = groups.ids.tolist()
         assert ids == list(range(ids[0], ids[-1] + 1))  # consecutive chunks
         lived.save = (ids[0], ids[-1] + 1)
