@@ -54,6 +54,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from kvpool.backend.serve.engine_accounts import engine_urls, stack_cost, stage_time, time_accounts
+from kvpool.sim.replay_fit import stage_us_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 KVPOOL = [sys.executable, "-m", "kvpool.cli"]
@@ -147,7 +148,7 @@ def simulated(a, cal: Path, loads: list[int]) -> list[tuple[dict, list[dict], li
         row = run_point(s, load, a.traces)
         sim = Simulation(s, make_replay(s, workload_for(s, a.traces), load))
         recs = [r.as_dict() for r in sim.run()]
-        out.append((row, recs, row.get("cost_notes", []), simulated_stage_us_per_token(sim),
+        out.append((row, recs, row.get("cost_notes", []), stage_us_per_token(sim),
                     simulated_steps_in_flight(sim)))
     return out
 
@@ -166,14 +167,6 @@ def real_steps_in_flight(stack: dict | None) -> float | None:
         return None
     in_flight_s = sum((e["mean_steps_in_flight"] or 0.0) * e["pending_s"] for e in engines)
     return in_flight_s / stack["window_s"]
-
-
-def simulated_stage_us_per_token(sim) -> float | None:
-    """The simulated prefill stage's time per computed token: the prefill instances' busy seconds
-    at their first stage over the tokens they computed. A stage's step is a calibrated cell, a
-    lone request's prefill window over the stages, so the hops between stages are inside it."""
-    tokens = sum(p.computed_tokens for p in sim.prefills)
-    return 1e6 * sum(p.busy_s for p in sim.prefills) / tokens if tokens else None
 
 
 def real_stage_us_per_token(stack: dict | None, records: list[dict]) -> float | None:

@@ -20,6 +20,8 @@ Contract:
       "sim_us_per_token_unscaled", "runs": [[scale, sim_us_per_token], ...], "converged",
       "prefill_steps", "prefill_steps_outside_grid"}`` (the unscaled run's steps, and those the
       analytic model priced: outside the grid, not scaled).
+    * ``stage_us_per_token(sim)``: that simulated figure of a finished simulation (``None`` when
+      it computed nothing); ``bench/fidelity.py`` prints it beside the real one.
     * ``with_replay_scale(doc, s, traces) -> dict``: ``doc`` with ``prefill.replay_scale`` set to the
       fitted scale and ``replay.fit`` to ``fit_replay_scale``'s answer.
     A ``ValueError`` says what is missing: no replay section, no computed tokens in it, a scenario
@@ -74,6 +76,15 @@ def with_replay_scale(doc: dict, s, traces: str) -> dict:
             "replay": {**doc["replay"], "fit": fit}}
 
 
+def stage_us_per_token(sim) -> float | None:
+    """A finished simulation's prefill stage time per computed token, microseconds: the prefill
+    instances' busy seconds at their first stage over the tokens they computed (a stage's step is
+    a calibrated cell, a lone request's prefill window over the stages, so the hops between stages
+    are inside it); ``None`` when nothing was computed."""
+    tokens = sum(p.computed_tokens for p in sim.prefills)
+    return 1e6 * sum(p.busy_s for p in sim.prefills) / tokens if tokens else None
+
+
 def _stage_us_per_token(doc: dict, s, workload, scale: float) -> tuple[float, CalibratedCost]:
     """The simulated replay's prefill stage time per computed token, microseconds, with the cells
     times ``scale``; and the cost model that priced it (its calls and fallbacks counted)."""
@@ -85,7 +96,7 @@ def _stage_us_per_token(doc: dict, s, workload, scale: float) -> tuple[float, Ca
     cost = CalibratedCost(cal, AnalyticalCost.from_scenario(s), s.gpu.nic_gb_s * 1e9)
     sim = Simulation(s, make_replay(s, workload, s.workload.sessions), cost=cost)
     sim.run()
-    tokens = sum(p.computed_tokens for p in sim.prefills)
-    if not tokens:
+    us = stage_us_per_token(sim)
+    if us is None:
         raise ValueError("the simulated replay computed no prompt tokens")
-    return 1e6 * sum(p.busy_s for p in sim.prefills) / tokens, cost
+    return us, cost
